@@ -1,0 +1,82 @@
+"""Linear layers: ``KTransformersLinear`` and its ops (``KLinearTorch`` here; CPU-kernel and
+FP8 ops register themselves into ``LINEAR_OPS`` from their own files)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .base import BaseInjectedModule, KwargSpec, Op
+
+LINEAR_OPS: dict[str, type[Op]] = {}
+
+
+def register_linear_op(cls: type[Op]) -> type[Op]:
+    LINEAR_OPS[cls.name] = cls
+    return cls
+
+
+class LinearOp(Op):
+    """A linear op: ``forward(x[..., in]) -> y[..., out]`` with x already on ``self.device``."""
+
+    def __init__(self, key, config, orig_module, device, **kwargs):
+        super().__init__(key, config, orig_module, device, **kwargs)
+        self.in_features = int(orig_module.in_features)
+        self.out_features = int(orig_module.out_features)
+        self.has_bias = getattr(orig_module, "bias", None) is not None
+
+    def check_shape(self, weights, name: str) -> None:
+        shape = tuple(weights.shape(name))
+        if shape != (self.out_features, self.in_features):
+            from ..errors import WeightError
+
+            raise WeightError(
+                f"{weights.path}: tensor '{name}' has shape {list(shape)}, the model expects "
+                f"{[self.out_features, self.in_features]}"
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+@register_linear_op
+class KLinearTorch(LinearOp):
+    """Dequantized weight in the model dtype, ``torch.nn.functional.linear`` (CPU or CUDA)."""
+
+    name = "KLinearTorch"
+
+    def load(self, weights, dtype):
+        self.check_shape(weights, f"{self.key}.weight")
+        self.weight = weights.tensor(f"{self.key}.weight", dtype=dtype, device=self.device)
+        self.bias = (
+            weights.tensor(f"{self.key}.bias", dtype=dtype, device=self.device) if self.has_bias else None
+        )
+
+    def forward(self, x):
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
+
+
+class KTransformersLinear(BaseInjectedModule):
+    """Drop-in for ``nn.Linear`` whose weights live in per-phase ops.
+
+    kwargs: ``generate_op``/``prefill_op`` (``KLinearTorch``, ``KLinearCPU`` …), devices, ``out_device``.
+    """
+
+    OPS = LINEAR_OPS
+    DEFAULT_OP = "KLinearTorch"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.numel() // x.shape[-1] if x.dim() > 0 else 1
+        op = self.select_op(tokens)
+        out_device = self.out_device or x.device
+        in_dtype = x.dtype
+        y = op.forward(x.to(op.device))
+        if y.dtype != in_dtype and in_dtype.is_floating_point:
+            y = y.to(in_dtype)
+        return y.to(out_device)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The generate op's weight, for code that inspects ``linear.weight`` (dtype, device)."""
+        w = getattr(self.generate_op, "weight", None)
+        return w if w is not None else self.orig_module.weight

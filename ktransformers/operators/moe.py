@@ -1,0 +1,48 @@
+"""The MoE block: route, run routed experts, add shared experts — overlapping where it can.
+
+One operator serves every sparse block of transformers 5 (Qwen2/3-MoE, Mixtral, DeepSeek
+V2/V3, GLM-4-MoE): it reads the block's children (``gate``/``router``, ``experts``,
+``shared_expert(s)``, ``shared_expert_gate``).  When the experts run asynchronously
+(``KExpertsCPU``), the routed experts are submitted first and the shared experts computed
+while they run.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .base import BaseInjectedModule
+
+
+class KMoEBlock(BaseInjectedModule):
+    """Sparse MoE block with routed/shared overlap.  kwargs: devices only."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        router = self._modules.get("gate") or self._modules.get("router")
+        _, top_k_weights, top_k_index = router(x)
+        experts = self.experts
+        if hasattr(experts, "submit"):
+            token = experts.submit(x, top_k_index, top_k_weights)
+            shared = self._shared(x)
+            routed = experts.collect(token)
+        else:
+            shared = self._shared(x)
+            routed = experts(x, top_k_index, top_k_weights)
+        if shared is not None:
+            routed = routed + shared.to(routed.device)
+        return routed.reshape(shape)
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor | None:
+        mods = self._modules
+        if "shared_experts" in mods:
+            return mods["shared_experts"](x)
+        if "shared_expert" in mods:
+            out = mods["shared_expert"](x)
+            gate = mods.get("shared_expert_gate")
+            if gate is not None:
+                out = F.sigmoid(gate(x)) * out
+            return out
+        return None

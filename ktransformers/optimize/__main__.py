@@ -1,0 +1,62 @@
+"""``python -m ktransformers.optimize check RULES.yaml`` / ``explain RULES.yaml --model_path DIR``.
+
+Exit codes: 0 ok, 2 invalid input (one line on stderr naming file, line, rule and key).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import KTError
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ktransformers.optimize", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("check", help="validate a rule file without a model")
+    c.add_argument("rules")
+    e = sub.add_parser("explain", help="show what each rule matches and where every weight goes")
+    e.add_argument("rules")
+    e.add_argument("--model_path", help="folder with config.json (optional when --gguf_path has metadata)")
+    e.add_argument("--gguf_path", help="weights (GGUF or safetensors); counts stored bytes, config from metadata")
+    e.add_argument("--device", default="cpu", help="device of modules no rule places (default cpu)")
+    e.add_argument("--allow-unmatched", action="store_true", help="do not fail on rules that match nothing")
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "check":
+            from .rules import load_rules
+
+            rules = load_rules(args.rules)
+            print(f"{args.rules}: {len(rules)} rule(s), all valid")
+            return 0
+        return _explain(args)
+    except KTError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def _explain(args) -> int:
+    from ..util.loading import load_config
+    from ..weights import open_weights
+    from .explain import explain_plan, format_explanation
+    from .inject import build_model
+    from .plan import plan_model
+
+    source = open_weights(args.gguf_path) if args.gguf_path else None
+    config = load_config(args.model_path, source)
+    model = build_model(config)
+    plan = plan_model(model, args.rules, args.device)
+    ex = explain_plan(model, plan, source)
+    print(format_explanation(ex))
+    if ex.unmatched and not args.allow_unmatched:
+        bad = [plan.rules[i] for i in ex.unmatched]
+        for r in bad:
+            print(f"error: {r.where()}: matches no module of {type(model).__name__} ({r.describe_match()})",
+                  file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

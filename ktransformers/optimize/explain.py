@@ -1,0 +1,132 @@
+"""The explain view: what each rule matched and where every weight goes, without loading any.
+
+``explain_plan`` returns the data (for tests and tools); ``format_explanation`` renders it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .plan import Plan
+
+
+@dataclass
+class Row:
+    module: str
+    module_class: str
+    operator: str
+    rule: int | None
+    prefill: str  # "device/op"
+    generate: str
+    bytes_per_device: dict[str, int]
+
+
+@dataclass
+class Explanation:
+    rule_counts: list[tuple[int, str, int, str]]  # (index, where, count, description)
+    rows: list[Row]
+    bytes_per_device: dict[str, int]
+    unmatched: list[int] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def explain_plan(model: nn.Module, plan: Plan, weights=None) -> Explanation:
+    """Per rule: modules matched; per matched module: operator, devices/ops and bytes placed.
+
+    Bytes are those of the module's parameters and persistent buffers not claimed by a
+    deeper matched module; an operator whose prefill op lives elsewhere holds a copy on both
+    devices.  With ``weights`` (a WeightSource), quantized tensors that an op keeps as stored
+    are counted at their stored size.
+    """
+    owner: dict[str, str] = {}  # module name -> name of the placement row that owns its bytes
+    rows: dict[str, Row] = {}
+    for name, p in plan.placements.items():
+        if p.rule is not None or not name:
+            pre_op, gen_op = p.phase_ops()
+            rows[name] = Row(
+                module=name or "<model>", module_class=p.module_class, operator=p.operator_name,
+                rule=p.rule.index if p.rule else None,
+                prefill=f"{p.prefill_device}/{pre_op}", generate=f"{p.generate_device}/{gen_op}",
+                bytes_per_device={},
+            )
+            owner[name] = name
+        else:
+            parent = name.rpartition(".")[0]
+            owner[name] = owner.get(parent, "")
+    totals: dict[str, int] = {}
+    modules = dict(model.named_modules())
+    for name, module in modules.items():
+        p = plan.placements.get(name)
+        if p is None:
+            continue
+        row = rows[owner[name]]
+        tensors = [(f"{name}.{n}" if name else n, t) for n, t in module.named_parameters(recurse=False)]
+        tensors += [(f"{name}.{n}" if name else n, t) for n, t in module.named_buffers(recurse=False)
+                    if n not in module._non_persistent_buffers_set]
+        op_devices = [p.generate_device]
+        if p.operator is not None and getattr(p.operator, "OPS", None) is not None and p.prefill_op is not None \
+                and (p.prefill_device != p.generate_device or p.prefill_op != p.generate_op):
+            op_devices.append(p.prefill_device)
+        for full, t in tensors:
+            nbytes = _stored_bytes(weights, full, t, p)
+            for dev in op_devices:
+                row.bytes_per_device[str(dev)] = row.bytes_per_device.get(str(dev), 0) + nbytes
+                totals[str(dev)] = totals.get(str(dev), 0) + nbytes
+    counts = [(r.index, r.where(), len(plan.matches.get(r.index, [])), r.describe_match()) for r in plan.rules]
+    unmatched = [r.index for r in plan.unmatched_rules()]
+    return Explanation(counts, list(rows.values()), totals, unmatched)
+
+
+def _stored_bytes(weights, full: str, t: torch.Tensor, p) -> int:
+    if weights is not None and p.operator is not None:
+        op_cls = None
+        ops = getattr(p.operator, "OPS", None) or {}
+        op_cls = ops.get(p.generate_op or "")
+        if op_cls is not None and getattr(op_cls, "keeps_raw_weights", False):
+            raw = None
+            try:
+                raw = weights.raw(full)
+            except Exception:  # noqa: BLE001 - a tensor the op derives (fused) has no raw form
+                raw = None
+            if raw is not None:
+                return raw.nbytes
+    return _tensor_bytes(t)
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n} B"
+
+
+def format_explanation(ex: Explanation, show_all_rows: bool = True) -> str:
+    out = ["Rules:"]
+    for index, where, count, desc in ex.rule_counts:
+        flag = "  <-- matches nothing" if count == 0 else ""
+        out.append(f"  #{index:<3} {count:>5} module(s)  {desc}  [{where}]{flag}")
+    out.append("")
+    headers = ("module", "class", "operator", "rule", "prefill device/op", "generate device/op", "bytes")
+    table = [
+        (r.module, r.module_class, r.operator, "-" if r.rule is None else f"#{r.rule}", r.prefill, r.generate,
+         ", ".join(f"{d} {_fmt_bytes(b)}" for d, b in sorted(r.bytes_per_device.items())) or "-")
+        for r in ex.rows
+    ]
+    widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(headers)]
+    out.append("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
+    out.append("  ".join("-" * w for w in widths))
+    for row in table:
+        out.append("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+    out.append("")
+    out.append("Parameter bytes per device: " + (", ".join(
+        f"{d}: {_fmt_bytes(b)}" for d, b in sorted(ex.bytes_per_device.items())) or "none"))
+    for note in ex.notes:
+        out.append(note)
+    return "\n".join(out)

@@ -1,0 +1,276 @@
+"""Apply a plan to a model built on the meta device, then stream its weights in.
+
+Memory: the model's parameters are never materialised as a whole.  Each tensor is read from
+the weight source straight onto the device its rule chose (quantized ops keep raw views).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..errors import KTError, RuleError, WeightError
+from ..operators.base import BaseInjectedModule, move_to
+from ..weights import WeightSource, open_weights
+from .plan import Plan, check_devices_available, plan_model
+
+log = logging.getLogger("ktransformers")
+
+
+def build_model(config, dtype: torch.dtype | None = None) -> nn.Module:
+    """The unmodified transformers causal-LM for ``config``, parameters on the meta device.
+
+    Buffers computed at construction (rotary frequencies, embedding scales) stay real: they
+    are small and cannot be read from a checkpoint.
+    """
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    if dtype is None:
+        dtype = _config_dtype(config)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.eval()
+    return model
+
+
+def _config_dtype(config) -> torch.dtype:
+    d = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(d, str):
+        d = getattr(torch, d, None)
+    return d if isinstance(d, torch.dtype) else torch.float32
+
+
+class ModelWeights:
+    """A weight source seen through one model: resolves tied weights (lm_head ↔ embeddings)."""
+
+    def __init__(self, source: WeightSource, model: nn.Module):
+        self.source = source
+        self.path = source.path
+        self.aliases: dict[str, str] = {}
+        text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        if getattr(text_cfg, "tie_word_embeddings", False):
+            tied = getattr(model, "_tied_weights_keys", None) or {}
+            if isinstance(tied, dict):
+                self.aliases.update(tied)
+            else:  # older list form
+                for k in tied:
+                    self.aliases[k] = "model.embed_tokens.weight"
+
+    def _name(self, name: str) -> str:
+        if not self.source.has(name) and name in self.aliases:
+            return self.aliases[name]
+        return name
+
+    def has(self, name):
+        return self.source.has(self._name(name))
+
+    def shape(self, name):
+        return self.source.shape(self._name(name))
+
+    def tensor(self, name, dtype=None, device=None):
+        return self.source.tensor(self._name(name), dtype=dtype, device=device)
+
+    def raw(self, name):
+        return self.source.raw(self._name(name))
+
+    def expert_slice(self, name, expert, dtype=None, device=None):
+        return self.source.expert_slice(self._name(name), expert, dtype=dtype, device=device)
+
+
+@dataclass
+class LoadReport:
+    seconds: float
+    bytes_per_device: dict[str, int]
+
+    def summary(self) -> str:
+        per = ", ".join(f"{d}: {b / 2**30:.2f} GiB" for d, b in sorted(self.bytes_per_device.items()))
+        return f"loaded weights in {self.seconds:.1f} s ({per})"
+
+
+def inject(
+    model: nn.Module,
+    rules,
+    weights,
+    *,
+    default_device: str | torch.device = "cpu",
+    allow_unmatched: bool = True,
+    progress: bool = False,
+) -> nn.Module:
+    """Replace modules of ``model`` as ``rules`` say, then load ``weights`` onto their devices.
+
+    ``model`` is an unmodified transformers model built on the meta device (see
+    ``build_model``); ``rules`` a rule-file path, YAML string or list of rule dicts;
+    ``weights`` a path (GGUF or safetensors) or a ``WeightSource``.  Returns the same model,
+    with ``model.kt_plan`` (the placement) and ``model.kt_load_report`` attached.
+    """
+    source = weights if isinstance(weights, WeightSource) else open_weights(weights)
+    plan = plan_model(model, rules, default_device)
+    if not allow_unmatched:
+        unmatched = plan.unmatched_rules()
+        if unmatched:
+            r = unmatched[0]
+            raise RuleError(f"{r.where()}: matches no module of {type(model).__name__} ({r.describe_match()})")
+    check_devices_available(plan)
+    apply_plan(model, plan, source)
+    report = load_weights(model, plan, source, progress=progress)
+    install_device_hooks(model, plan)
+    model.kt_plan = plan
+    model.kt_load_report = report
+    model.kt_weights = source
+    return model
+
+
+def optimize_and_load_gguf(model, rule_file, gguf_path, config=None, default_device="cpu"):
+    """The reference system's entry point, kept for existing scripts: same as ``inject``."""
+    return inject(model, rule_file, gguf_path, default_device=default_device)
+
+
+def apply_plan(model: nn.Module, plan: Plan, source=None) -> None:
+    """Swap in the operators of the plan, top-down (children of replaced modules keep their names)."""
+    for p in plan.injected():
+        orig = model.get_submodule(p.name) if p.name else model
+        try:
+            new = p.operator(
+                key=p.name, gguf_loader=source, config=model.config, orig_module=orig,
+                prefill_device=p.prefill_device, generate_device=p.generate_device, **p.kwargs,
+            )
+        except KTError as e:
+            raise RuleError(f"{p.rule.where()}: {e}") from None
+        except TypeError as e:
+            raise RuleError(f"{p.rule.where()}: cannot build {p.operator.__name__} for '{p.name}': {e}") from None
+        if not p.name:
+            raise RuleError(f"{p.rule.where()}: the root model itself cannot be replaced; match 'model' instead")
+        parent_name, _, leaf = p.name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, leaf, new)
+
+
+def _orig_dtype(module: nn.Module) -> torch.dtype:
+    orig = getattr(module, "orig_module", None) or module
+    for t in list(orig.parameters(recurse=False)) + list(orig.parameters()):
+        if t.is_floating_point():
+            return t.dtype
+    return torch.float32
+
+
+def load_weights(model: nn.Module, plan: Plan, source: WeightSource, progress: bool = False) -> LoadReport:
+    weights = ModelWeights(source, model)
+    t0 = time.perf_counter()
+    per_device: dict[str, int] = {}
+    modules = list(model.named_modules())
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(modules), desc="loading weights", unit="module", leave=False)
+    for name, module in modules:
+        place = plan.placements.get(name)
+        if place is None:
+            raise WeightError(f"module '{name}' has no placement (it was added after planning)")
+        device = place.generate_device
+        if isinstance(module, BaseInjectedModule) and module.OPS is not None:
+            try:
+                module.load(weights, _orig_dtype(module))
+            except KTError:
+                raise
+            for d, b in module.op_nbytes().items():
+                per_device[d] = per_device.get(d, 0) + b
+        for pname, param in list(module.named_parameters(recurse=False)):
+            full = f"{name}.{pname}" if name else pname
+            dtype = param.dtype if param.is_floating_point() else None
+            t = weights.tensor(full, dtype=dtype, device=device)
+            if tuple(t.shape) != tuple(param.shape):
+                raise WeightError(
+                    f"{source.path}: tensor '{full}' has shape {list(t.shape)}, the model expects {list(param.shape)}"
+                )
+            module._parameters[pname] = nn.Parameter(t, requires_grad=False)
+            per_device[str(device)] = per_device.get(str(device), 0) + t.numel() * t.element_size()
+        for bname, buf in list(module.named_buffers(recurse=False)):
+            full = f"{name}.{bname}" if name else bname
+            persistent = bname not in module._non_persistent_buffers_set
+            if persistent and weights.has(full):
+                t = weights.tensor(full, dtype=buf.dtype if buf.is_floating_point() else None, device=device)
+            elif buf.device.type != "meta":
+                t = buf.to(device)
+            else:
+                t = None  # recomputed below
+            if t is not None:
+                module._buffers[bname] = t
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    _rebuild_meta_buffers(model, plan)
+    _share_tied_weights(model, weights)
+    _check_nothing_on_meta(model)
+    return LoadReport(time.perf_counter() - t0, per_device)
+
+
+def _rebuild_meta_buffers(model: nn.Module, plan: Plan) -> None:
+    """Non-persistent buffers of a model built under ``torch.device('meta')`` (rotary tables)
+    cannot come from a checkpoint: compute them from a parameter-free copy of the model."""
+    missing = [(n, m, b) for n, m in model.named_modules() for b, t in m.named_buffers(recurse=False)
+               if t.device.type == "meta"]
+    if not missing:
+        return
+    shadow = build_model(model.config)
+    shadow_bufs = dict(shadow.named_buffers())
+    for name, module, bname in missing:
+        full = f"{name}.{bname}" if name else bname
+        if full not in shadow_bufs or shadow_bufs[full].device.type == "meta":
+            raise WeightError(f"buffer '{full}' is not in the weights and cannot be recomputed")
+        module._buffers[bname] = shadow_bufs[full].to(plan.placements[name].generate_device)
+
+
+def _share_tied_weights(model: nn.Module, weights: ModelWeights) -> None:
+    for dst, src in weights.aliases.items():
+        if weights.source.has(dst):
+            continue
+        try:
+            dst_mod, _, dst_p = dst.rpartition(".")
+            src_mod, _, src_p = src.rpartition(".")
+            a = model.get_submodule(dst_mod)
+            b = model.get_submodule(src_mod)
+        except AttributeError:
+            continue
+        pa, pb = a._parameters.get(dst_p), b._parameters.get(src_p)
+        if pa is not None and pb is not None and pa.device == pb.device and pa.dtype == pb.dtype \
+                and pa.shape == pb.shape:
+            a._parameters[dst_p] = pb  # one copy in memory
+
+
+def _check_nothing_on_meta(model: nn.Module) -> None:
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"]
+    if left:
+        more = f" and {len(left) - 5} more" if len(left) > 5 else ""
+        raise WeightError(f"not loaded (still on the meta device): {', '.join(left[:5])}{more}")
+
+
+def install_device_hooks(model: nn.Module, plan: Plan) -> None:
+    """Move a module's inputs to its device where its placement differs from its parent's.
+
+    Operators with ops move their own inputs; plain modules get a forward pre-hook, only at
+    the boundaries, so modules on the same device as their parent pay nothing.
+    """
+    def hook_for(device: torch.device):
+        def pre_hook(module, args, kwargs):
+            return move_to(args, device), move_to(kwargs, device)
+
+        return pre_hook
+
+    handles = []
+    mods = dict(model.named_modules())
+    for name, module in mods.items():
+        if isinstance(module, BaseInjectedModule) and module.OPS is not None:
+            continue
+        place = plan.placements[name]
+        parent_name = name.rpartition(".")[0] if name else None
+        parent_dev = plan.placements[parent_name].generate_device if parent_name is not None else torch.device("cpu")
+        if place.generate_device != parent_dev:
+            handles.append(module.register_forward_pre_hook(hook_for(place.generate_device), with_kwargs=True))
+    model.kt_hook_handles = handles

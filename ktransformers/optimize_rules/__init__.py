@@ -1,0 +1,56 @@
+"""Shipped rule files, one per model family: ``<Family>.yaml`` for CPU+GPU (experts on the
+CPU, the rest on ``cuda:0``) and ``<Family>-cpu.yaml`` for CPU-only machines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import ConfigError
+
+RULES_DIR = Path(__file__).resolve().parent
+
+# architecture (config.architectures[0]) -> family file stem
+DEFAULT_RULES = {
+    "Qwen3MoeForCausalLM": "Qwen3Moe",
+    "Qwen2MoeForCausalLM": "Qwen2Moe",
+    "MixtralForCausalLM": "Mixtral",
+    "DeepseekV3ForCausalLM": "DeepSeek-V3-Chat",
+    "DeepseekV2ForCausalLM": "DeepSeek-V2-Chat",
+    "LlamaForCausalLM": "Dense",
+    "MistralForCausalLM": "Dense",
+    "Qwen2ForCausalLM": "Dense",
+    "Qwen3ForCausalLM": "Dense",
+    "Gemma3ForCausalLM": "Dense",
+    "Gemma3ForConditionalGeneration": "Dense",
+}
+
+
+def architecture(config) -> str:
+    archs = getattr(config, "architectures", None) or []
+    if archs:
+        return archs[0]
+    from transformers import AutoModelForCausalLM
+
+    mapping = AutoModelForCausalLM._model_mapping
+    try:
+        return mapping[type(config)].__name__
+    except KeyError:
+        raise ConfigError(f"model type '{config.model_type}' is not a causal LM transformers knows") from None
+
+
+def default_rule_file(config, cuda: bool | None = None) -> Path:
+    """The shipped rule file for this config's architecture (CPU variant without CUDA)."""
+    arch = architecture(config)
+    stem = DEFAULT_RULES.get(arch)
+    if stem is None:
+        known = ", ".join(sorted(DEFAULT_RULES))
+        raise ConfigError(f"no shipped rule file for {arch}; pass --optimize_config_path (known: {known})")
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    return RULES_DIR / (f"{stem}.yaml" if cuda else f"{stem}-cpu.yaml")
+
+
+def shipped_rule_files() -> list[Path]:
+    return sorted(RULES_DIR.glob("*.yaml"))

@@ -1,0 +1,46 @@
+"""Weight sources: safetensors directories and GGUF files behind one protocol (see source.py)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..errors import WeightError
+from .source import EXPERT_PROJS, RawTensor, WeightSource
+
+__all__ = ["EXPERT_PROJS", "RawTensor", "WeightSource", "open_weights"]
+
+
+def open_weights(path: str | os.PathLike) -> WeightSource:
+    """Open a weight file or directory: ``*.gguf`` (split shards merged) or ``*.safetensors``.
+
+    A directory holding both kinds is ambiguous and is refused with a message that says so.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise WeightError(f"{p}: no such file or directory")
+    if p.is_file():
+        if p.suffix == ".gguf":
+            from .gguf_source import GGUFSource
+
+            return GGUFSource(p)
+        if p.suffix == ".safetensors":
+            from .safetensors_source import SafetensorsSource
+
+            return SafetensorsSource(p)
+        raise WeightError(f"{p}: not a .gguf or .safetensors file")
+    ggufs = sorted(p.glob("*.gguf"))
+    sts = sorted(p.glob("*.safetensors"))
+    if ggufs and sts:
+        raise WeightError(
+            f"{p}: holds both .gguf and .safetensors files; pass the file (or a folder of one kind) you mean"
+        )
+    if ggufs:
+        from .gguf_source import GGUFSource
+
+        return GGUFSource(p)
+    if sts:
+        from .safetensors_source import SafetensorsSource
+
+        return SafetensorsSource(p)
+    raise WeightError(f"{p}: no .gguf or .safetensors files in this directory")

@@ -1,0 +1,171 @@
+"""The weight-source protocol every loader implements.
+
+Operators and the injection engine only ever ask a source for tensors by their Hugging Face
+parameter name (``model.layers.3.self_attn.q_proj.weight``).  How a name is found on disk
+(safetensors keys, GGUF names, per-expert checkpoint keys, fused layouts) is the source's
+business, so one operator serves every file format.
+
+Routed experts are addressed with three stacked *virtual* names below the experts module,
+whatever the checkpoint layout::
+
+    <experts>.gate_proj   [E, I, H]
+    <experts>.up_proj     [E, I, H]
+    <experts>.down_proj   [E, H, I]
+    <experts>.gate_up_proj [E, 2I, H]   (transformers 5's fused layout = cat(gate, up, dim=1))
+
+A source serves whichever of them it stores natively and this base class derives the others.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from ..errors import WeightError
+
+EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class RawTensor:
+    """A tensor exactly as stored: bytes plus a ggml type (zero-copy where the source allows).
+
+    ``shape`` is the logical torch shape (rows first, e.g. ``[E, I, H]``); ``data`` is a flat
+    uint8 view of ``rows * bytes_per_row`` bytes.  Kernels that compute on quantized data take
+    this instead of a dequantized tensor.
+    """
+
+    name: str
+    data: np.ndarray
+    ggml_type: int
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+
+class WeightSource(abc.ABC):
+    """Read-only access to a model's weights by Hugging Face parameter name."""
+
+    #: file or directory the weights come from (for error messages)
+    path: str = ""
+
+    # -- what a source implements -------------------------------------------------------
+    @abc.abstractmethod
+    def _has_native(self, name: str) -> bool:
+        """True when ``name`` can be served without deriving it from other tensors."""
+
+    @abc.abstractmethod
+    def _load_native(self, name: str) -> torch.Tensor:
+        """The tensor for ``name`` in its stored precision (or float32 when it is quantized)."""
+
+    @abc.abstractmethod
+    def _native_shape(self, name: str) -> tuple[int, ...]:
+        """Shape of a native tensor without loading it."""
+
+    @abc.abstractmethod
+    def names(self) -> list[str]:
+        """The HF names this source can serve natively."""
+
+    def raw(self, name: str) -> RawTensor | None:
+        """Stored bytes of a quantized tensor, or None when the source holds plain floats."""
+        return None
+
+    def config(self):
+        """A transformers config built from the file's own metadata, when it has one."""
+        return None
+
+    def close(self) -> None:
+        pass
+
+    def describe(self) -> str:
+        return f"{type(self).__name__}({self.path})"
+
+    # -- derived access used by the engine and operators ---------------------------------
+    def has(self, name: str) -> bool:
+        if self._has_native(name):
+            return True
+        base, leaf = _split_expert(name)
+        if base is None:
+            return False
+        if leaf == "gate_up_proj":
+            return self._has_native(f"{base}.gate_proj") and self._has_native(f"{base}.up_proj")
+        if leaf in ("gate_proj", "up_proj"):
+            return self._has_native(f"{base}.gate_up_proj")
+        return False
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if self._has_native(name):
+            return tuple(self._native_shape(name))
+        base, leaf = _split_expert(name)
+        if base is not None and leaf == "gate_up_proj" and self.has(name):
+            g = self._native_shape(f"{base}.gate_proj")
+            return (g[0], 2 * g[1], g[2])
+        if base is not None and leaf in ("gate_proj", "up_proj") and self.has(name):
+            f = self._native_shape(f"{base}.gate_up_proj")
+            return (f[0], f[1] // 2, f[2])
+        raise self.missing(name)
+
+    def tensor(
+        self,
+        name: str,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> torch.Tensor:
+        """The tensor for an HF name, dequantized, converted to ``dtype`` and moved to ``device``."""
+        if self._has_native(name):
+            t = self._load_native(name)
+        else:
+            base, leaf = _split_expert(name)
+            if base is not None and leaf == "gate_up_proj" and self.has(name):
+                gate = self._load_native(f"{base}.gate_proj")
+                up = self._load_native(f"{base}.up_proj")
+                t = torch.cat([gate.to(dtype or gate.dtype), up.to(dtype or up.dtype)], dim=1)
+            elif base is not None and leaf in ("gate_proj", "up_proj") and self.has(name):
+                fused = self._load_native(f"{base}.gate_up_proj")
+                half = fused.shape[1] // 2
+                t = fused[:, :half] if leaf == "gate_proj" else fused[:, half:]
+            else:
+                raise self.missing(name)
+        if dtype is not None and t.dtype != dtype:
+            t = t.to(dtype)
+        if device is not None:
+            t = t.to(device)
+        return t.contiguous()
+
+    def expert_slice(
+        self,
+        name: str,
+        expert: int,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> torch.Tensor:
+        """One expert's matrix of a stacked experts tensor (sources may avoid the full load)."""
+        return self.tensor(name, dtype=dtype)[expert].to(device or "cpu").contiguous()
+
+    def missing(self, name: str, hint: str = "") -> WeightError:
+        near = _nearest(name, self.names())
+        msg = f"{self.path}: tensor '{name}' not found"
+        if near:
+            msg += f" (closest stored names: {', '.join(near)})"
+        if hint:
+            msg += f"; {hint}"
+        return WeightError(msg)
+
+
+def _split_expert(name: str) -> tuple[str | None, str | None]:
+    base, _, leaf = name.rpartition(".")
+    if leaf in ("gate_proj", "up_proj", "down_proj", "gate_up_proj") and base.endswith("experts"):
+        return base, leaf
+    return None, None
+
+
+def _nearest(name: str, candidates: Iterable[str], n: int = 3) -> list[str]:
+    import difflib
+
+    return difflib.get_close_matches(name, list(candidates), n=n, cutoff=0.6)
