@@ -1,0 +1,118 @@
+"""Tiny random models of every supported architecture, written to disk like real checkpoints.
+
+Used by the tests, the examples and anyone writing rules for a family without downloading
+a real model: ``write_tiny_model("qwen3_moe", "/tmp/tiny")`` leaves ``config.json``,
+``model.safetensors`` (per-expert keys, as ``save_pretrained`` writes them), a byte-level
+tokenizer with a ChatML chat template, and ``generation_config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+# small but structurally complete configs (every branch of each architecture is present)
+_COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               vocab_size=320, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+TINY_CONFIGS: dict[str, dict] = {
+    "qwen3_moe": dict(_COMMON, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      intermediate_size=96, norm_topk_prob=True),
+    "qwen2_moe": dict(_COMMON, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, intermediate_size=96),
+    "mixtral": dict(_COMMON, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48),
+    "deepseek_v3": dict(_COMMON, num_hidden_layers=3, num_key_value_heads=4, n_routed_experts=8,
+                        num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96,
+                        n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+                        routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=32, kv_lora_rank=32,
+                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True),
+    "deepseek_v2": dict(_COMMON, num_hidden_layers=3, num_key_value_heads=4, n_routed_experts=8,
+                        num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96,
+                        n_shared_experts=2, first_k_dense_replace=1, n_group=1, topk_group=1,
+                        topk_method="greedy", routed_scaling_factor=1.0, q_lora_rank=None, kv_lora_rank=32,
+                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+    "llama": dict(_COMMON, intermediate_size=96),
+    "qwen2": dict(_COMMON, intermediate_size=96),
+    "qwen3": dict(_COMMON, head_dim=16, intermediate_size=96),
+    "gemma3_text": dict(_COMMON, num_key_value_heads=1, head_dim=16, intermediate_size=96, sliding_window=8,
+                        tie_word_embeddings=True),
+}
+
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+
+
+def tiny_config(arch: str, **overrides):
+    from transformers import AutoConfig
+
+    if arch not in TINY_CONFIGS:
+        raise KeyError(f"no tiny config for '{arch}' (have: {', '.join(TINY_CONFIGS)})")
+    kw = dict(TINY_CONFIGS[arch])
+    kw.update(overrides)
+    cfg = AutoConfig.for_model(arch, **kw)
+    cfg.dtype = torch.float32
+    return cfg
+
+
+def make_tiny_tokenizer():
+    """Byte-level BPE tokenizer without merges (every byte a token) + ChatML specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token=None, unk_token=None)
+    fast.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def random_model(arch: str, seed: int = 0, **overrides):
+    """An fp32 transformers model of ``arch`` with random weights (norms and biases randomised too)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(arch, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:  # norms, biases, router biases: away from their trivial init
+                p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.05)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn_like(b))
+        # routers with clearer margins so tiny numerical differences rarely flip experts
+        for name, mod in model.named_modules():
+            if name.endswith("mlp.gate") and hasattr(mod, "weight") and mod.weight.dim() == 2:
+                mod.weight.mul_(6.0)
+    model.eval()
+    return model
+
+
+def write_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, with_tokenizer: bool = True, **overrides):
+    """Write a tiny random ``arch`` model folder (config, safetensors, tokenizer) and return the model."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model = random_model(arch, seed, **overrides)
+    if with_tokenizer:
+        tok = make_tiny_tokenizer()
+        assert len(tok) <= model.config.vocab_size, "tiny vocab must hold the tokenizer"
+        model.config.eos_token_id = tok.eos_token_id
+        model.config.pad_token_id = tok.pad_token_id
+        model.generation_config.eos_token_id = tok.eos_token_id
+        model.generation_config.pad_token_id = tok.pad_token_id
+        tok.save_pretrained(out)
+    model.save_pretrained(out)
+    (out / "tiny_model.json").write_text(json.dumps({"arch": arch, "seed": seed}))
+    return model
