@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny models written once per session, and the shared reference data."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT.parent / "shared" / "fixtures"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir() -> Path:
+    if not FIXTURES.is_dir():
+        pytest.skip(f"reference fixtures not found at {FIXTURES} (they sit beside the project root as shared/fixtures)")
+    return FIXTURES
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """``tiny_model_dir(arch)`` → folder with a tiny random model of ``arch`` (written once)."""
+    from ktransformers.util.tiny_models import write_tiny_model
+
+    made: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in made:
+            d = tmp_path_factory.mktemp(f"tiny-{arch}")
+            write_tiny_model(arch, d, seed=0)
+            made[arch] = d
+        return made[arch]
+
+    return get
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)
+    yield

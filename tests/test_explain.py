@@ -1,0 +1,102 @@
+"""The explain view for every shipped rule file against a tiny model of its family."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ktransformers.optimize import build_model, explain_plan, format_explanation, plan_model
+from ktransformers.optimize_rules import DEFAULT_RULES, default_rule_file, shipped_rule_files
+from ktransformers.util.tiny_models import tiny_config
+
+# shipped file stem prefix -> tiny architecture of that family
+FAMILY_ARCH = {
+    "Qwen3Moe": "qwen3_moe", "Qwen2Moe": "qwen2_moe", "Mixtral": "mixtral", "DeepSeek-V3": "deepseek_v3",
+    "Kimi-K2": "deepseek_v3", "Moonlight": "deepseek_v3", "DeepSeek-V2": "deepseek_v2", "Dense": "llama",
+}
+
+
+# multi-GPU files split layers by number: build a model with the real layer count
+REAL_LAYERS = {"DeepSeek-V3": 61, "Kimi-K2": 61, "Moonlight": 27, "DeepSeek-V2-Lite": 27, "DeepSeek-V2": 60}
+
+
+def config_for(stem: str):
+    overrides = {}
+    if "multi-gpu" in stem:
+        n = next(v for k, v in REAL_LAYERS.items() if stem.startswith(k))
+        overrides["num_hidden_layers"] = n
+    return tiny_config(arch_for(stem), **overrides)
+
+
+def arch_for(stem: str) -> str:
+    for prefix, arch in FAMILY_ARCH.items():
+        if stem.startswith(prefix):
+            return arch
+    raise AssertionError(f"shipped rule file {stem}.yaml has no tiny model family in FAMILY_ARCH")
+
+
+@pytest.mark.parametrize("path", shipped_rule_files(), ids=lambda p: p.stem)
+def test_every_shipped_rule_file_matches_its_model(path):
+    model = build_model(config_for(path.stem))
+    plan = plan_model(model, path)
+    assert not plan.unmatched_rules(), [r.where() for r in plan.unmatched_rules()]
+    ex = explain_plan(model, plan)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total += sum(b.numel() * b.element_size() for n, b in model.named_buffers()
+                 if n.rpartition(".")[2] not in model.get_submodule(n.rpartition(".")[0])._non_persistent_buffers_set)
+    # every byte is placed somewhere (operators with a separate prefill copy count twice)
+    assert sum(ex.bytes_per_device.values()) >= total
+    text = format_explanation(ex)
+    assert "prefill device/op" in text and "Parameter bytes per device" in text
+
+
+def test_cpu_and_gpu_variants_place_experts_on_cpu():
+    for stem in ("Qwen3Moe", "DeepSeek-V3-Chat"):
+        for suffix in ("", "-cpu"):
+            from ktransformers.optimize_rules import RULES_DIR
+
+            arch = arch_for(stem)
+            model = build_model(tiny_config(arch))
+            plan = plan_model(model, RULES_DIR / f"{stem}{suffix}.yaml")
+            experts = [p for n, p in plan.placements.items() if n.endswith("mlp.experts")]
+            assert experts and all(p.generate_device == torch.device("cpu") for p in experts)
+            attn = plan.placements["model.layers.0.self_attn"]
+            assert attn.generate_device.type == ("cpu" if suffix else "cuda")
+
+
+def test_default_rule_file_by_architecture():
+    for arch_name, stem in DEFAULT_RULES.items():
+        cfg = type("C", (), {"architectures": [arch_name]})()
+        assert default_rule_file(cfg, cuda=False).name == f"{stem}-cpu.yaml"
+        assert default_rule_file(cfg, cuda=True).name == f"{stem}.yaml"
+        assert default_rule_file(cfg, cuda=False).is_file()
+
+
+def test_explain_cli_table(tiny_model_dir):
+    d = tiny_model_dir("qwen3_moe")
+    r = subprocess.run([sys.executable, "-m", "ktransformers.optimize", "explain",
+                        "ktransformers/optimize_rules/Qwen3Moe-cpu.yaml", "--model_path", str(d)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert any("model.layers.1.mlp.experts" in ln and "KTransformersExperts" in ln and "cpu/KExpertsTorch" in ln
+               for ln in lines)
+    assert any(ln.strip().startswith("#1") and "2 module(s)" in ln for ln in lines)
+    assert "Parameter bytes per device: cpu:" in r.stdout
+
+
+def test_explain_bytes_follow_devices():
+    model = build_model(tiny_config("qwen3_moe"))
+    rules = """
+- match: {name: "experts$"}
+  replace: {class: KTransformersExperts, kwargs: {generate_device: cpu, prefill_device: meta}}
+  recursive: false
+"""
+    ex = explain_plan(model, plan_model(model, rules))
+    experts_bytes = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." in n)
+    assert ex.bytes_per_device["meta"] == experts_bytes  # the prefill copy
+    row = next(r for r in ex.rows if r.module == "model.layers.0.mlp.experts")
+    assert row.bytes_per_device["cpu"] == row.bytes_per_device["meta"] == experts_bytes // 2

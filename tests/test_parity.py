@@ -1,0 +1,119 @@
+"""Injected models equal the unmodified transformers model (the independent reference).
+
+fp32: max |Δlogits| ≤ 1e-4 × max|logits| and 16 greedy tokens identical.
+bf16: both models in bf16; max |Δlogits| ≤ 2e-2 × max|logits| (bf16 has 8 mantissa bits and
+the reference operators group expert tokens in another order), greedy tokens identical for
+at least the first 8 steps.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ktransformers import load_model
+from ktransformers.util.tiny_models import TINY_CONFIGS
+
+ARCHS = list(TINY_CONFIGS)
+
+
+def _ids(n=12, seed=0):
+    return torch.randint(0, 300, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp32_logits_and_greedy_match_hf(arch, tiny_model_dir):
+    d = tiny_model_dir(arch)
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    model = load_model(d, model_path=d, allow_unmatched=False)
+    assert model.kt_plan.injected(), "the shipped rules inject operators"
+    ids = _ids()
+    with torch.no_grad():
+        ref = hf(ids).logits
+        got = model(ids).logits
+    scale = ref.abs().max().item()
+    assert (got - ref).abs().max().item() <= 1e-4 * scale
+    a = model.generate(ids[:, :4], max_new_tokens=16, do_sample=False)
+    b = hf.generate(ids[:, :4], max_new_tokens=16, do_sample=False)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "mixtral", "gemma3_text"])
+def test_bf16_close_to_hf_bf16(arch, tiny_model_dir):
+    d = tiny_model_dir(arch)
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).eval()
+    model = load_model(d, model_path=d, dtype=torch.bfloat16)
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    ids = _ids()
+    with torch.no_grad():
+        ref = hf(ids).logits.float()
+        got = model(ids).logits.float()
+    assert (got - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
+    a = model.generate(ids[:, :4], max_new_tokens=8, do_sample=False)
+    b = hf.generate(ids[:, :4], max_new_tokens=8, do_sample=False)
+    assert torch.equal(a, b)
+
+
+def test_fixture_qwen3moe_matches_recorded_hf_logits(fixtures_dir):
+    """The shared fixture (bf16 on disk, fp32 model) through the shipped CPU rules."""
+    import json
+
+    d = fixtures_dir / "qwen3moe-tiny"
+    ids = torch.tensor([json.loads((d / "tokens.json").read_text())["token_ids"]])
+    model = load_model(d / "hf", model_path=d / "hf", allow_unmatched=False)
+    with torch.no_grad():
+        got = model(ids).logits[0].numpy()
+    ref = np.load(d / "hf_logits.npy")
+    assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+def test_tied_embeddings_share_one_copy(tiny_model_dir):
+    d = tiny_model_dir("gemma3_text")
+    model = load_model(d, model_path=d)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_inject_into_own_script(tiny_model_dir):
+    """Usage 3: the user's own transformers script, build on meta, inject, generate."""
+    from transformers import AutoConfig
+
+    from ktransformers import build_model, inject
+
+    d = tiny_model_dir("qwen3_moe")
+    config = AutoConfig.from_pretrained(d)
+    model = build_model(config)
+    assert model.lm_head.weight.device.type == "meta"
+    model = inject(model, "ktransformers/optimize_rules/Qwen3Moe-cpu.yaml", d)
+    out = model.generate(_ids()[:, :3], max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 7)
+
+
+def test_model_built_under_meta_device_gets_its_buffers(tiny_model_dir):
+    """Built with ``torch.device('meta')`` (rotary tables on meta too): recomputed at load."""
+    from transformers import AutoConfig
+
+    from ktransformers import inject
+
+    d = tiny_model_dir("llama")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d))
+    assert model.model.rotary_emb.inv_freq.device.type == "meta"
+    model = inject(model, "ktransformers/optimize_rules/Dense-cpu.yaml", d)
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.allclose(model(_ids()).logits, hf(_ids()).logits, atol=1e-5)
+
+
+def test_leftover_meta_tensors_are_named(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from ktransformers.errors import WeightError
+
+    d = tiny_model_dir("llama")
+    sd = load_file(d / "model.safetensors")
+    del sd["model.layers.1.post_attention_layernorm.weight"]
+    save_file(sd, tmp_path / "model.safetensors")
+    with pytest.raises(WeightError, match="model.layers.1.post_attention_layernorm.weight' not found"):
+        load_model(tmp_path, model_path=d)
