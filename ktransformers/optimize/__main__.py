@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--gguf_path", help="weights (GGUF or safetensors); counts stored bytes, config from metadata")
     e.add_argument("--device", default="cpu", help="device of modules no rule places (default cpu)")
     e.add_argument("--allow-unmatched", action="store_true", help="do not fail on rules that match nothing")
+    e.add_argument("--compact", action="store_true", help="fold rows that differ only in layer numbers")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "check":
@@ -48,7 +49,7 @@ def _explain(args) -> int:
     model = build_model(config)
     plan = plan_model(model, args.rules, args.device)
     ex = explain_plan(model, plan, source)
-    print(format_explanation(ex))
+    print(format_explanation(ex, compact=args.compact))
     if ex.unmatched and not args.allow_unmatched:
         bad = [plan.rules[i] for i in ex.unmatched]
         for r in bad:

@@ -107,7 +107,30 @@ def _fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def format_explanation(ex: Explanation, show_all_rows: bool = True) -> str:
+def compact_rows(rows: list[Row]) -> list[Row]:
+    """Rows that differ only in layer numbers folded into one (``model.layers.*.mlp  x61``)."""
+    import re
+
+    groups: dict[tuple, Row] = {}
+    counts: dict[tuple, int] = {}
+    for r in rows:
+        pattern = re.sub(r"\.\d+(?=\.|$)", ".*", r.module)
+        key = (pattern, r.module_class, r.operator, r.rule, r.prefill, r.generate)
+        if key not in groups:
+            groups[key] = Row(pattern, r.module_class, r.operator, r.rule, r.prefill, r.generate, {})
+            counts[key] = 0
+        counts[key] += 1
+        for d, b in r.bytes_per_device.items():
+            groups[key].bytes_per_device[d] = groups[key].bytes_per_device.get(d, 0) + b
+    out = []
+    for key, row in groups.items():
+        if counts[key] > 1:
+            row.module = f"{row.module}  (x{counts[key]})"
+        out.append(row)
+    return out
+
+
+def format_explanation(ex: Explanation, compact: bool = False) -> str:
     out = ["Rules:"]
     for index, where, count, desc in ex.rule_counts:
         flag = "  <-- matches nothing" if count == 0 else ""
@@ -117,13 +140,13 @@ def format_explanation(ex: Explanation, show_all_rows: bool = True) -> str:
     table = [
         (r.module, r.module_class, r.operator, "-" if r.rule is None else f"#{r.rule}", r.prefill, r.generate,
          ", ".join(f"{d} {_fmt_bytes(b)}" for d, b in sorted(r.bytes_per_device.items())) or "-")
-        for r in ex.rows
+        for r in (compact_rows(ex.rows) if compact else ex.rows)
     ]
     widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(headers)]
-    out.append("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
+    out.append("  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip())
     out.append("  ".join("-" * w for w in widths))
     for row in table:
-        out.append("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+        out.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
     out.append("")
     out.append("Parameter bytes per device: " + (", ".join(
         f"{d}: {_fmt_bytes(b)}" for d, b in sorted(ex.bytes_per_device.items())) or "none"))
