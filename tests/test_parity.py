@@ -117,3 +117,20 @@ def test_leftover_meta_tensors_are_named(tiny_model_dir, tmp_path):
     save_file(sd, tmp_path / "model.safetensors")
     with pytest.raises(WeightError, match="model.layers.1.post_attention_layernorm.weight' not found"):
         load_model(tmp_path, model_path=d)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CPU+GPU rule files)")
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "deepseek_v2"])
+def test_gpu_rules_cross_device_parity(arch, tiny_model_dir):
+    """Experts on the CPU, everything else on cuda:0: activations hop devices at the boundaries."""
+    d = tiny_model_dir(arch)
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    model = load_model(d, model_path=d, allow_unmatched=False)  # picks the CUDA variant
+    assert any(p.generate_device.type == "cuda" for p in model.kt_plan.placements.values())
+    ids = _ids()
+    with torch.no_grad():
+        ref = hf(ids).logits
+        got = model(ids).logits.cpu()
+    assert (got - ref).abs().max().item() <= 1e-3 * ref.abs().max().item()  # TF32-free fp32 on GPU
+    a = model.generate(ids[:, :4], max_new_tokens=16, do_sample=False).cpu()
+    assert torch.equal(a, hf.generate(ids[:, :4], max_new_tokens=16, do_sample=False))

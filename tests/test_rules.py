@@ -234,3 +234,19 @@ def test_cli_explain_fails_on_rule_matching_nothing(tmp_path, tiny_model_dir):
     assert "<-- matches nothing" in r.stdout
     r = _cli("explain", str(rules), "--model_path", str(d), "--allow-unmatched")
     assert r.returncode == 0, r.stderr
+
+
+def test_transfer_map_is_checked_against_placement(tiny_model_dir):
+    from ktransformers import load_model
+
+    d = tiny_model_dir("llama")
+    rules = """
+- match: {name: "^model$"}
+  replace:
+    class: KTransformersModel
+    kwargs: {generate_device: cpu, transfer_map: {1: meta}}
+"""
+    with pytest.raises(RuleError, match=r"transfer_map puts layer 1 on meta, but the rules place 'model.layers.1' on cpu"):
+        load_model(d, model_path=d, rules=rules)
+    agreeing = rules.replace("{1: meta}", "{1: cpu}")
+    assert load_model(d, model_path=d, rules=agreeing).kt_plan

@@ -116,6 +116,7 @@ def inject(
             r = unmatched[0]
             raise RuleError(f"{r.where()}: matches no module of {type(model).__name__} ({r.describe_match()})")
     check_devices_available(plan)
+    check_transfer_maps(plan)
     apply_plan(model, plan, source)
     report = load_weights(model, plan, source, progress=progress)
     install_device_hooks(model, plan)
@@ -128,6 +129,28 @@ def inject(
 def optimize_and_load_gguf(model, rule_file, gguf_path, config=None, default_device="cpu"):
     """The reference system's entry point, kept for existing scripts: same as ``inject``."""
     return inject(model, rule_file, gguf_path, default_device=default_device)
+
+
+def check_transfer_maps(plan: Plan) -> None:
+    """A ``transfer_map`` (reference-system kwarg of the model operator) must agree with where
+    the rules put each layer; a disagreement is an error instead of a silent surprise."""
+    for p in plan.injected():
+        tmap = p.kwargs.get("transfer_map")
+        if not tmap:
+            continue
+        layers = sorted(
+            (int(n.rsplit(".", 1)[1]), q) for n, q in plan.placements.items()
+            if n.startswith(f"{p.name}.layers.") and n.count(".") == p.name.count(".") + 2
+        )
+        current = p.generate_device
+        for idx, place in layers:
+            if idx in tmap:
+                current = torch.device(tmap[idx])
+            if place.generate_device != current:
+                raise RuleError(
+                    f"{p.rule.where('replace.kwargs')}: transfer_map puts layer {idx} on {current}, but the rules "
+                    f"place '{place.name}' on {place.generate_device}"
+                )
 
 
 def apply_plan(model: nn.Module, plan: Plan, source=None) -> None:
