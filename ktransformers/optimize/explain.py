@@ -81,7 +81,20 @@ def explain_plan(model: nn.Module, plan: Plan, weights=None) -> Explanation:
                 totals[str(dev)] = totals.get(str(dev), 0) + nbytes
     counts = [(r.index, r.where(), len(plan.matches.get(r.index, [])), r.describe_match()) for r in plan.rules]
     unmatched = [r.index for r in plan.unmatched_rules()]
-    return Explanation(counts, list(rows.values()), totals, unmatched)
+    return Explanation(counts, list(rows.values()), totals, unmatched, notes=_kv_cache_notes(model))
+
+
+def _kv_cache_notes(model: nn.Module) -> list[str]:
+    """MLA models: the latent cache per token next to what expanded per-head K/V would take."""
+    from ..operators.mla import latent_cache_bytes_per_token
+
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if not getattr(cfg, "kv_lora_rank", None):
+        return []
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.bfloat16)
+    lat, exp = latent_cache_bytes_per_token(cfg, dtype)
+    return [f"KV cache per token ({str(dtype).removeprefix('torch.')}, all layers): MLA latent "
+            f"{_fmt_bytes(lat)} (per-head K/V would be {_fmt_bytes(exp)}, {exp / lat:.0f}x)"]
 
 
 def _stored_bytes(weights, full: str, t: torch.Tensor, p) -> int:

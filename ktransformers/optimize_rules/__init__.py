@@ -47,6 +47,11 @@ def default_rule_file(config, cuda: bool | None = None) -> Path:
     if stem is None:
         known = ", ".join(sorted(DEFAULT_RULES))
         raise ConfigError(f"no shipped rule file for {arch}; pass --optimize_config_path (known: {known})")
+    qc = getattr(config, "quantization_config", None) or {}
+    if not isinstance(qc, dict):
+        qc = getattr(qc, "to_dict", lambda: {})()
+    if stem == "DeepSeek-V3-Chat" and qc.get("quant_method") == "fp8":
+        stem = "DeepSeek-V3-Chat-fp8-linear"  # keep the published FP8 linears as FP8
     if cuda is None:
         cuda = torch.cuda.is_available()
     return RULES_DIR / (f"{stem}.yaml" if cuda else f"{stem}-cpu.yaml")

@@ -25,9 +25,7 @@ def open_weights(path: str | os.PathLike) -> WeightSource:
 
             return GGUFSource(p)
         if p.suffix == ".safetensors":
-            from .safetensors_source import SafetensorsSource
-
-            return SafetensorsSource(p)
+            return _safetensors(p)
         raise WeightError(f"{p}: not a .gguf or .safetensors file")
     ggufs = sorted(p.glob("*.gguf"))
     sts = sorted(p.glob("*.safetensors"))
@@ -40,7 +38,17 @@ def open_weights(path: str | os.PathLike) -> WeightSource:
 
         return GGUFSource(p)
     if sts:
-        from .safetensors_source import SafetensorsSource
-
-        return SafetensorsSource(p)
+        return _safetensors(p)
     raise WeightError(f"{p}: no .gguf or .safetensors files in this directory")
+
+
+def _safetensors(p: Path) -> WeightSource:
+    """A safetensors source; FP8 block-quantized checkpoints (``*_scale_inv`` tensors, as
+    DeepSeek-V3 publishes them) are served dequantized, with ``fp8_raw`` for ops keeping FP8."""
+    from .fp8 import SCALE_SUFFIX, FP8DequantSource
+    from .safetensors_source import SafetensorsSource
+
+    src = SafetensorsSource(p)
+    if any(n.endswith(SCALE_SUFFIX) for n in src.names()):
+        return FP8DequantSource(src)
+    return src

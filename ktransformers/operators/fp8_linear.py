@@ -1,0 +1,80 @@
+"""``KLinearFP8``: a linear op that keeps DeepSeek-style FP8 block-quantized weights.
+
+The weight stays ``float8_e4m3fn [out, in]`` with fp32 ``scale_inv [ceil(out/128), ceil(in/128)]``
+on the op's device (one byte per parameter, the point of the FP8 release), and each call
+dequantizes it block-wise into the activation dtype and runs ``F.linear`` — pure torch, so it
+runs on the CPU as well as on CUDA (no FP8 GEMM kernel is needed or assumed).  Per-call
+dequantization costs bandwidth on the CPU; it is meant for the attention and shared-expert
+linears, which are a small part of a DeepSeek-V3 token, while routed experts go through the
+weight source's load-time dequantization (``weights/fp8.py``) to the CPU expert kernels.
+Rules that prefer speed over memory use ``KLinearTorch`` (dequantized once at load).
+
+Weights: from the source's ``fp8_raw(name)`` (``FP8DequantSource``), or an FP8 ``<name>``
+next to ``<name>_scale_inv``; a weight stored in any other precision is block-quantized at
+load with ``block_size`` (so the op always holds FP8).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..weights.fp8 import BLOCK, SCALE_SUFFIX, block_dequant, block_quant, is_fp8
+from .base import KwargSpec
+from .linear import LinearOp, register_linear_op
+
+
+def _fp8_pair(weights, name: str):
+    src = getattr(weights, "source", weights)
+    getter = getattr(src, "fp8_raw", None)
+    if callable(getter):
+        pair = getter(name)
+        if pair is not None:
+            return pair
+    if weights.has(name + SCALE_SUFFIX):
+        t = weights.tensor(name)
+        if is_fp8(t):
+            return t, weights.tensor(name + SCALE_SUFFIX, dtype=torch.float32)
+    return None
+
+
+@register_linear_op
+class KLinearFP8(LinearOp):
+    """FP8 weight + 128x128 block scales, dequantized per call (CPU or CUDA)."""
+
+    name = "KLinearFP8"
+    extra_kwargs = {
+        "block_size": KwargSpec((int,), BLOCK, "FP8 block edge (weights quantized at load use it too)"),
+    }
+
+    def __init__(self, key, config, orig_module, device, block_size=BLOCK, **kwargs):
+        super().__init__(key, config, orig_module, device, **kwargs)
+        self.block_size = int(block_size)
+
+    def load(self, weights, dtype):
+        name = f"{self.key}.weight"
+        self.check_shape(weights, name)
+        pair = _fp8_pair(weights, name)
+        if pair is None:  # not stored as FP8: quantize once here
+            pair = block_quant(weights.tensor(name, dtype=torch.float32), self.block_size)
+        w, s = pair
+        self.weight_fp8 = w.to(self.device)
+        self.scale_inv = s.to(device=self.device, dtype=torch.float32)
+        self.compute_dtype = dtype
+        self.bias = (
+            weights.tensor(f"{self.key}.bias", dtype=dtype, device=self.device) if self.has_bias else None
+        )
+
+    def dense_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The dequantized ``[out, in]`` weight (a new tensor each call)."""
+        return block_dequant(self.weight_fp8, self.scale_inv, self.block_size, dtype or self.compute_dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """Dense view for code that inspects ``linear.weight`` (dtype/device); costs a dequant."""
+        return self.dense_weight()
+
+    def forward(self, x):
+        w = self.dense_weight(x.dtype if x.dtype.is_floating_point else self.compute_dtype)
+        b = self.bias.to(w.dtype) if self.bias is not None else None
+        return F.linear(x.to(w.dtype), w, b)

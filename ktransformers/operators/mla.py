@@ -1,0 +1,161 @@
+"""Multi-head latent attention (MLA) helpers: RoPE forms, the kv_b split, masked attention
+over the latent (absorbed) or expanded keys, and KV-cache size arithmetic.
+
+Shapes (DeepSeek-V2/V3 naming): ``H`` heads, ``nope = qk_nope_head_dim``, ``rope =
+qk_rope_head_dim``, ``v = v_head_dim``, ``C = kv_lora_rank``.  The cache holds per layer
+``c_kv [B, 1, S, C]`` (normed latent) and ``k_pe [B, 1, S, rope]`` (roped shared key).
+
+``kv_b_proj.weight`` is ``[H * (nope + v), C]``; viewed as ``[H, nope + v, C]`` its first
+``nope`` rows per head are the key up-projection ``W_UK [H, nope, C]`` and the rest the value
+up-projection ``W_UV [H, v, C]``.  Then for one head::
+
+    q_nope · k_nope = q_nope · (W_UK c) = (W_UKᵀ q_nope) · c      (absorb into the query)
+    o = Σ p · (W_UV c) = W_UV (Σ p · c)                         (absorb into the output)
+
+so decode attends directly over the cached latent: one shared "key" ``[c, k_pe]`` of width
+``C + rope`` and one shared "value" ``c`` of width ``C`` for all heads (MQA-like).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# ------------------------------------------------------------------------------- RoPE
+
+
+def rope_interleaved_cos_sin(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3 ``rope_interleave``: pairs (x0,x1),(x2,x3)… rotated, output de-interleaved
+    (evens-rotated then odds-rotated) exactly like transformers' ``apply_rotary_pos_emb_interleave``.
+    ``x [B, h, S, d]``, ``cos/sin [B, S, d]`` (``cat(freqs, freqs)``)."""
+    half = cos.shape[-1] // 2
+    c = cos[..., :half].unsqueeze(1)
+    s = sin[..., :half].unsqueeze(1)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style RoPE (``rotate_half``) with ``cos/sin [B, S, d]``."""
+    c = cos.unsqueeze(1)
+    s = sin.unsqueeze(1)
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * c + rot * s
+
+
+def rope_complex(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V2 complex form: ``freqs_cis [B, S, d/2]`` complex (already YaRN-scaled)."""
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    out = torch.view_as_real(xc * freqs_cis.unsqueeze(1).to(xc.device)).flatten(3)
+    return out.type_as(x)
+
+
+def apply_mla_rope(q_pe, k_pe, position_embeddings, interleave: bool):
+    """RoPE on ``q_pe [B,H,S,rope]`` and ``k_pe [B,1,S,rope]`` for either form of
+    ``position_embeddings`` (complex tensor: V2; ``(cos, sin)``: V3)."""
+    if isinstance(position_embeddings, torch.Tensor) and position_embeddings.is_complex():
+        return rope_complex(q_pe, position_embeddings), rope_complex(k_pe, position_embeddings)
+    cos, sin = position_embeddings
+    cos = cos.to(q_pe.dtype)
+    sin = sin.to(q_pe.dtype)
+    fn = rope_interleaved_cos_sin if interleave else rope_half
+    return fn(q_pe, cos, sin), fn(k_pe, cos, sin)
+
+
+# --------------------------------------------------------------------------- kv_b split
+
+
+def split_kv_b(kv_b_weight: torch.Tensor, num_heads: int, nope: int, v: int):
+    """(W_UK [H, nope, C], W_UV [H, v, C]) as views of ``kv_b_proj.weight`` (no copy)."""
+    C = kv_b_weight.shape[-1]
+    w = kv_b_weight.view(num_heads, nope + v, C)
+    return w[:, :nope, :], w[:, nope:, :]
+
+
+# ------------------------------------------------------------------------------ masking
+
+
+def build_chunk_mask(attention_mask, q_start: int, q_end: int, kv_len: int, q_len: int, valid_len: int):
+    """Boolean keep-mask ``[B|1, 1, q_end-q_start, kv_len]`` or an additive float mask for one
+    query chunk, or None for "no restriction beyond ``kv_len``".
+
+    * ``attention_mask`` None: causal, aligned bottom-right: query ``i`` of this call sits at
+      absolute position ``valid_len - q_len + i`` and sees keys ``<=`` that position.
+    * 4-D mask (bool keep-mask, or additive float): sliced to the chunk and ``kv_len``.
+    * 2-D padding mask ``[B, >=kv_len]`` (1 = real token): combined with the causal rule.
+    """
+    if attention_mask is None or attention_mask.dim() == 2:
+        offset = valid_len - q_len
+        qpos = torch.arange(q_start, q_end, device=_dev(attention_mask)) + offset
+        kpos = torch.arange(kv_len, device=qpos.device)
+        keep = (kpos[None, :] <= qpos[:, None])[None, None]
+        if attention_mask is not None:
+            pad = attention_mask[:, :kv_len].to(torch.bool)[:, None, None, :]
+            keep = keep & pad
+        elif q_end - q_start == 1 and kv_len <= offset + q_start + 1:
+            return None  # a single query seeing every key
+        return keep
+    m = attention_mask[..., q_start:q_end, :kv_len] if attention_mask.shape[-2] > 1 else attention_mask[..., :kv_len]
+    return m
+
+
+def _dev(t):
+    return t.device if t is not None else None
+
+
+def apply_mask(scores: torch.Tensor, mask) -> torch.Tensor:
+    """``scores`` fp32 ``[B,H,q,k]``; masked entries get the most negative finite value so a
+    fully masked row (a left-pad query) stays finite (uniform) instead of NaN."""
+    if mask is None:
+        return scores
+    if mask.dtype == torch.bool:
+        return scores.masked_fill(~mask.to(scores.device), torch.finfo(scores.dtype).min)
+    return (scores + mask.to(device=scores.device, dtype=scores.dtype)).clamp_min(torch.finfo(scores.dtype).min)
+
+
+# ---------------------------------------------------------------------------- attention
+
+
+def absorbed_attention(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale: float, mask) -> torch.Tensor:
+    """Latent-space attention.  ``q_nope [B,H,q,nope]``, ``q_pe [B,H,q,rope]``,
+    ``c_kv [B,1,S,C]``, ``k_pe [B,1,S,rope]``; returns ``[B,H,q,v]``."""
+    q_abs = torch.matmul(q_nope, w_uk)  # [B,H,q,C]
+    scores = torch.matmul(q_abs, c_kv.transpose(-1, -2))
+    scores = scores + torch.matmul(q_pe, k_pe.transpose(-1, -2))
+    scores = apply_mask(scores.float() * scale, mask)
+    probs = torch.softmax(scores, dim=-1).to(c_kv.dtype)
+    o_lat = torch.matmul(probs, c_kv)  # [B,H,q,C]
+    return torch.matmul(o_lat, w_uv.transpose(-1, -2))  # [B,H,q,v]
+
+
+def expand_latent(c_kv, w_uk, w_uv):
+    """``c_kv [B,1,S,C]`` -> (k_nope [B,H,S,nope], value [B,H,S,v])."""
+    return torch.matmul(c_kv, w_uk.transpose(-1, -2)), torch.matmul(c_kv, w_uv.transpose(-1, -2))
+
+
+def expanded_attention(q_nope, q_pe, k_nope, k_pe, value, scale: float, mask) -> torch.Tensor:
+    """Ordinary per-head attention over expanded keys; returns ``[B,H,q,v]``."""
+    scores = torch.matmul(q_nope, k_nope.transpose(-1, -2))
+    scores = scores + torch.matmul(q_pe, k_pe.transpose(-1, -2))
+    scores = apply_mask(scores.float() * scale, mask)
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    return torch.matmul(probs, value)
+
+
+# --------------------------------------------------------------------------- cache size
+
+
+def latent_cache_bytes_per_token(config, dtype: torch.dtype = torch.bfloat16) -> tuple[int, int]:
+    """(latent bytes, expanded-equivalent bytes) of KV cache per token over all layers.
+
+    Latent: ``kv_lora_rank + qk_rope_head_dim`` values per layer (what this attention and
+    transformers 5.24's MLA cache store).  Expanded equivalent: full per-head keys
+    (``nope + rope``) and values (``v``) for every head, as a conventional MHA cache would.
+    """
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    elt = torch.empty((), dtype=dtype).element_size()
+    layers = int(cfg.num_hidden_layers)
+    latent = layers * (int(cfg.kv_lora_rank) + int(cfg.qk_rope_head_dim)) * elt
+    heads = int(cfg.num_attention_heads)
+    expanded = layers * heads * (int(cfg.qk_nope_head_dim) + int(cfg.qk_rope_head_dim) + int(cfg.v_head_dim)) * elt
+    return latent, expanded

@@ -1,0 +1,157 @@
+"""FP8 block-quantized checkpoints (DeepSeek-V3 format): helpers, KLinearFP8, load-time expert
+dequantization, and a tiny model saved in FP8 that must match its own dequantized reference."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import ktransformers
+from ktransformers.operators.fp8_linear import KLinearFP8
+from ktransformers.weights import open_weights
+from ktransformers.weights.fp8 import (
+    FP8DequantSource,
+    block_dequant,
+    block_quant,
+    dequant_if_fp8,
+    open_fp8_aware,
+)
+from ktransformers.util.tiny_models import write_tiny_model
+
+RULES = Path(ktransformers.__file__).parent / "optimize_rules"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def naive_dequant(w, s, b=128):
+    out = torch.empty(w.shape, dtype=torch.float32)
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            out[i * b:(i + 1) * b, j * b:(j + 1) * b] = w[i * b:(i + 1) * b, j * b:(j + 1) * b].float() * s[i, j]
+    return out
+
+
+def test_block_dequant_matches_definition():
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(300, 260, generator=g) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
+    s = torch.rand(3, 3, generator=g) + 0.01  # partial edge blocks on both axes
+    assert torch.equal(block_dequant(w, s), naive_dequant(w, s))
+    stacked = block_dequant(torch.stack([w, w]), torch.stack([s, 2 * s]))  # experts [E, out, in]
+    assert torch.equal(stacked[1], 2 * naive_dequant(w, s))
+    with pytest.raises(Exception, match="does not fit"):
+        block_dequant(w, s[:2])
+
+
+def test_block_quant_roundtrip():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(200, 330, generator=g)
+    q, s = block_quant(w)
+    assert q.dtype == torch.float8_e4m3fn and tuple(s.shape) == (2, 3) and s.dtype == torch.float32
+    back = block_dequant(q, s)
+    assert (back - w).abs().max() <= 0.07 * w.abs().max()  # e4m3: 3 mantissa bits
+
+
+def test_dequant_hook():
+    q, s = block_quant(torch.randn(10, 12))
+    store = {"a.weight_scale_inv": s}
+    assert torch.equal(dequant_if_fp8(q, "a.weight", store.get), block_dequant(q, s))
+    plain = torch.randn(3, 3)
+    assert dequant_if_fp8(plain, "b.weight", store.get) is plain
+    with pytest.raises(Exception, match="_scale_inv"):
+        dequant_if_fp8(q, "c.weight", store.get)
+
+
+FP8_OVERRIDES = dict(hidden_size=160, intermediate_size=288, moe_intermediate_size=144, q_lora_rank=136)
+
+
+def _is_fp8_target(key: str, t: torch.Tensor) -> bool:
+    # DeepSeek's release: every linear under the layers is FP8 except the router (and norms,
+    # embeddings, lm_head)
+    return (t.dim() == 2 and key.startswith("model.layers.") and key.endswith(".weight")
+            and "norm" not in key and not key.endswith("mlp.gate.weight"))
+
+
+@pytest.fixture(scope="module")
+def fp8_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp8")
+    src, fp8, deq = root / "bf", root / "fp8", root / "deq"
+    write_tiny_model("deepseek_v3", src, seed=7, with_tokenizer=False, **FP8_OVERRIDES)
+    sd = load_file(str(src / "model.safetensors"))
+    qsd, dsd = {}, {}
+    for k, t in sd.items():
+        if _is_fp8_target(k, t):
+            q, s = block_quant(t)
+            qsd[k], qsd[k + "_scale_inv"] = q, s
+            dsd[k] = block_dequant(q, s)
+        else:
+            qsd[k] = dsd[k] = t
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                  "weight_block_size": [128, 128]}
+    for d, tensors in ((fp8, qsd), (deq, dsd)):
+        d.mkdir()
+        save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+        (d / "config.json").write_text(json.dumps(cfg))
+    n_fp8 = sum(1 for k in qsd if k.endswith("_scale_inv"))
+    assert any(".experts.0.gate_proj.weight_scale_inv" in k for k in qsd) and n_fp8 > 20
+    return fp8, deq
+
+
+def test_fp8_model_matches_dequantized_reference(fp8_dirs):
+    from transformers import AutoModelForCausalLM
+
+    fp8, deq = fp8_dirs
+    ref = AutoModelForCausalLM.from_pretrained(str(deq), dtype=torch.float32).eval()
+    src = open_fp8_aware(fp8)
+    assert isinstance(src, FP8DequantSource)
+    model = ktransformers.load_model(src, model_path=fp8, rules=RULES / "DeepSeek-V3-Chat-fp8-linear-cpu.yaml")
+    o_proj = model.model.layers[1].self_attn.o_proj
+    assert isinstance(o_proj.generate_op, KLinearFP8)
+    assert o_proj.generate_op.weight_fp8.dtype == torch.float8_e4m3fn  # kept in FP8
+    kv_b = model.model.layers[1].self_attn.kv_b_proj
+    assert kv_b.generate_op.name == "KLinearTorch" and kv_b.weight.dtype == torch.float32
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = ref(ids).logits, model(ids).logits
+    assert (want - got).abs().max() <= 1e-4 * want.abs().max()
+    kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    with torch.no_grad():
+        assert torch.equal(ref.generate(ids[:1], **kw), model.generate(ids[:1], **kw))
+
+
+def test_fp8_source_serves_experts_dequantized(fp8_dirs):
+    fp8, deq = fp8_dirs
+    src, plain = FP8DequantSource(open_weights(fp8)), open_weights(deq)
+    base = "model.layers.1.mlp.experts"
+    for name in (f"{base}.gate_up_proj", f"{base}.down_proj", f"{base}.gate_proj",
+                 "model.layers.1.self_attn.kv_b_proj.weight"):
+        assert src.has(name)
+        assert torch.equal(src.tensor(name), plain.tensor(name)), name
+    assert torch.equal(src.expert_slice(f"{base}.down_proj", 3), plain.expert_slice(f"{base}.down_proj", 3))
+    assert not any(n.endswith("_scale_inv") for n in src.names())
+    w, s = src.fp8_raw("model.layers.1.self_attn.o_proj.weight")
+    assert w.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
+    assert src.fp8_raw("model.norm.weight") is None
+
+
+def test_klinear_fp8_quantizes_plain_weights(tmp_path):
+    """A non-FP8 checkpoint under the FP8 rule: weights are block-quantized at load."""
+    d = tmp_path / "m"
+    ref = write_tiny_model("deepseek_v3", d, seed=8, with_tokenizer=False)
+    model = ktransformers.load_model(d, model_path=d, rules=RULES / "DeepSeek-V3-Chat-fp8-linear-cpu.yaml")
+    op = model.model.layers[0].mlp.gate_proj.generate_op
+    assert isinstance(op, KLinearFP8) and op.weight_fp8.dtype == torch.float8_e4m3fn
+    ids = torch.randint(0, 320, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = ref(ids).logits, model(ids).logits
+    assert (want - got).abs().max() <= 0.1 * want.abs().max()  # FP8 quantization error only
