@@ -1,16 +1,81 @@
 // pybind11 surface of the CPU kernel library.  The core takes raw pointers, shapes and
-// ggml types; torch is not linked.
+// ggml types; torch is not linked.  Pointers are plain Python ints (data_ptr() / numpy
+// __array_interface__ addresses); ktransformers/kernels/ wraps this with validation.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <memory>
+#include <vector>
 
 #include "cpu_features.h"
+#include "kernels.h"
+#include "linear.h"
+#include "moe.h"
+#include "thread_pool.h"
+#include "weights.h"
 
 namespace py = pybind11;
+using namespace kt;
+
+namespace {
+
+template <class T>
+const T* cptr(uintptr_t p) { return reinterpret_cast<const T*>(p); }
+
+Backend to_backend(int b) {
+  if (b < 0 || b > 2) throw std::invalid_argument("backend must be 0 (llamafile), 1 (AMXInt8) or 2 (AMXBF16)");
+  return static_cast<Backend>(b);
+}
+DType to_dtype(int d) {
+  if (d != 0 && d != 1) throw std::invalid_argument("dtype must be 0 (float32) or 1 (bfloat16)");
+  return static_cast<DType>(d);
+}
+
+// Read bandwidth: each pool thread sums its slice of an nbytes buffer; best of reps, GB/s.
+double probe_read_bw(CPUInfer& ci, size_t nbytes, int reps) {
+  const KernelTable& kt = kernels();
+  const size_t n = nbytes / sizeof(float);
+  AlignedBuf buf;
+  float* p = static_cast<float*>(buf.ensure(n * sizeof(float)));
+  ThreadPool& pool = ci.pool();
+  const int nth = pool.size();
+  pool.parallel_for(nth, [&](int i, int) {
+    for (size_t j = n * i / nth; j < n * (i + 1) / nth; ++j) p[j] = 1.0f;
+  });
+  double best = 0;
+  std::vector<float> sink(nth);
+  for (int r = 0; r < reps; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    pool.parallel_for(nth, [&](int i, int) { sink[i] = kt.probe_read(p + n * i / nth, n * (i + 1) / nth - n * i / nth); });
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, nbytes / s / 1e9);
+  }
+  return best;
+}
+
+// Register-only peak (GFLOP/s or GOP/s) with all pool threads: kind 0 fp32 fma, 1 bf16 dot, 2 int8 dot.
+double probe_peak(CPUInfer& ci, int kind, int64_t iters) {
+  const KernelTable& kt = kernels();
+  ThreadPool& pool = ci.pool();
+  const int nth = pool.size();
+  std::vector<double> ops(nth);
+  const auto t0 = std::chrono::steady_clock::now();
+  pool.parallel_for(nth, [&](int i, int) { ops[i] = kt.probe_peak(kind, iters); });
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  double tot = 0;
+  for (double o : ops) tot += o;
+  return tot / s / 1e9;
+}
+
+}  // namespace
 
 PYBIND11_MODULE(KT_EXT_NAME, m) {
-  m.doc() = "ktransformers CPU kernels";
+  m.doc() = "ktransformers CPU kernels (see ktransformers.kernels for the documented Python API)";
   m.def("isa_tier", [] { return std::string(kt::tier_name(kt::active_tier())); },
         "ISA tier in force (best supported, or lowered by KT_ISA)");
   m.def("best_isa_tier", [] { return std::string(kt::tier_name(kt::best_supported_tier())); });
+  m.def("kernel_table", [] { return std::string(kernels().name); }, "name of the dispatched kernel table");
   m.def("cpu_features", [] {
     const auto& f = kt::cpu_features();
     py::dict d;
@@ -21,4 +86,83 @@ PYBIND11_MODULE(KT_EXT_NAME, m) {
     d["amx_os_enabled"] = f.amx_os_enabled;
     return d;
   });
+  m.def("type_info", [](int type) {
+    const TypeInfo& t = kt::type_info(type);
+    return py::make_tuple(std::string(t.name), t.block_elems, t.block_bytes, t.supported);
+  }, "(name, block_elems, block_bytes, supported) for a ggml type id");
+  m.def("row_bytes", [](int type, int64_t cols) { return kt::row_bytes(type, cols); });
+  m.def("check_row_len", [](int type, int64_t cols, const std::string& what) { kt::check_row_len(type, cols, what); });
+  m.def("dequantize", [](int type, uintptr_t src, int64_t n, uintptr_t dst) {
+    check_row_len(type, n, "dequantize");
+    py::gil_scoped_release nogil;
+    kernels().dequant_row(type, cptr<void>(src), reinterpret_cast<float*>(dst), n);
+  }, "dequantize n elements of `type` at src into float32 at dst (dispatched ISA)");
+
+  py::class_<CPUInfer, std::shared_ptr<CPUInfer>>(m, "CPUInfer")
+      .def(py::init<int>(), py::arg("threads"))
+      .def_property_readonly("threads", &CPUInfer::threads)
+      .def("sync", &CPUInfer::sync, py::call_guard<py::gil_scoped_release>(),
+           "wait for all submitted tasks; re-raises the first task error")
+      .def("probe_read_bw", &probe_read_bw, py::arg("nbytes"), py::arg("reps") = 5, py::call_guard<py::gil_scoped_release>())
+      .def("probe_peak", &probe_peak, py::arg("kind"), py::arg("iters") = 20000000, py::call_guard<py::gil_scoped_release>());
+
+  py::class_<MoE, std::shared_ptr<MoE>>(m, "MoE")
+      .def(py::init([](std::shared_ptr<CPUInfer> ci, int E, int H, int I, int backend, uintptr_t gate, uintptr_t up,
+                       uintptr_t down, int gt, int ut, int dt, int act, float alpha, float limit) {
+             MoEConfig c;
+             c.num_experts = E; c.hidden = H; c.intermediate = I; c.backend = to_backend(backend);
+             c.gate = cptr<void>(gate); c.up = cptr<void>(up); c.down = cptr<void>(down);
+             c.gate_type = gt; c.up_type = ut; c.down_type = dt;
+             c.act = static_cast<Activation>(act); c.alpha = alpha; c.limit = limit;
+             std::shared_ptr<MoE> moe;
+             py::gil_scoped_release nogil;
+             ci->run_now([&] { moe = std::make_shared<MoE>(c, ci->pool()); });
+             return moe;
+           }),
+           py::arg("pool"), py::arg("num_experts"), py::arg("hidden"), py::arg("intermediate"), py::arg("backend"),
+           py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("gate_type"), py::arg("up_type"), py::arg("down_type"),
+           py::arg("activation") = 0, py::arg("alpha") = 1.702f, py::arg("limit") = 7.0f)
+      .def_property_readonly("packed_bytes", &MoE::packed_bytes)
+      .def("submit", [](std::shared_ptr<MoE> self, std::shared_ptr<CPUInfer> ci, int T, int k, uintptr_t x, int xdt,
+                        uintptr_t ids, uintptr_t w, uintptr_t out, int odt) {
+             const DType xd = to_dtype(xdt), od = to_dtype(odt);
+             CPUInfer* cp = ci.get();
+             ci->submit([self, cp, T, k, x, xd, ids, w, out, od] {
+               self->forward(cp->pool(), T, k, cptr<void>(x), xd, cptr<int64_t>(ids), cptr<float>(w),
+                             reinterpret_cast<void*>(out), od);
+             });
+           })
+      .def("forward", [](MoE& self, CPUInfer& ci, int T, int k, uintptr_t x, int xdt, uintptr_t ids, uintptr_t w,
+                         uintptr_t out, int odt) {
+             const DType xd = to_dtype(xdt), od = to_dtype(odt);
+             py::gil_scoped_release nogil;
+             ci.run_now([&] {
+               self.forward(ci.pool(), T, k, cptr<void>(x), xd, cptr<int64_t>(ids), cptr<float>(w),
+                            reinterpret_cast<void*>(out), od);
+             });
+           });
+
+  py::class_<Linear, std::shared_ptr<Linear>>(m, "Linear")
+      .def(py::init([](std::shared_ptr<CPUInfer> ci, int in_f, int out_f, int backend, uintptr_t weight, int wt) {
+             std::shared_ptr<Linear> lin;
+             const Backend b = to_backend(backend);
+             py::gil_scoped_release nogil;
+             ci->run_now([&] { lin = std::make_shared<Linear>(in_f, out_f, b, cptr<void>(weight), wt, ci->pool()); });
+             return lin;
+           }),
+           py::arg("pool"), py::arg("in_features"), py::arg("out_features"), py::arg("backend"), py::arg("weight"),
+           py::arg("weight_type"))
+      .def("submit", [](std::shared_ptr<Linear> self, std::shared_ptr<CPUInfer> ci, int T, uintptr_t x, int xdt,
+                        uintptr_t out, int odt) {
+             const DType xd = to_dtype(xdt), od = to_dtype(odt);
+             CPUInfer* cp = ci.get();
+             ci->submit([self, cp, T, x, xd, out, od] {
+               self->forward(cp->pool(), T, cptr<void>(x), xd, reinterpret_cast<void*>(out), od);
+             });
+           })
+      .def("forward", [](Linear& self, CPUInfer& ci, int T, uintptr_t x, int xdt, uintptr_t out, int odt) {
+             const DType xd = to_dtype(xdt), od = to_dtype(odt);
+             py::gil_scoped_release nogil;
+             ci.run_now([&] { self.forward(ci.pool(), T, cptr<void>(x), xd, reinterpret_cast<void*>(out), od); });
+           });
 }

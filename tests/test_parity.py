@@ -40,7 +40,7 @@ def test_fp32_logits_and_greedy_match_hf(arch, tiny_model_dir):
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "mixtral", "gemma3_text"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_bf16_close_to_hf_bf16(arch, tiny_model_dir):
     d = tiny_model_dir(arch)
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).eval()

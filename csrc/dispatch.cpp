@@ -1,0 +1,45 @@
+// The single ISA dispatch point: picks one kernel table from active_tier() on first use.
+#include <stdexcept>
+
+#include "cpu_features.h"
+#include "kernels.h"
+
+namespace kt {
+
+size_t act_row_bytes(ActFmt f, int Kpad) {
+  size_t b = 0;
+  switch (f) {
+    case ActFmt::F32: b = 4ull * Kpad; break;
+    case ActFmt::BF16: b = 2ull * Kpad; break;
+    case ActFmt::Q8_32: b = Kpad + 8ull * (Kpad / 32); break;
+    case ActFmt::Q8_256: b = Kpad + 4ull * (Kpad / 256) + 2ull * (Kpad / 16); break;
+    case ActFmt::I8_G128: b = Kpad + 8ull * (Kpad / kI8Group); break;
+  }
+  return (b + 63) & ~size_t(63);
+}
+
+namespace {
+KernelTable make_table() {
+  switch (active_tier()) {
+    case IsaTier::Scalar: return *kernel_table_scalar();
+    case IsaTier::AVX2: return *kernel_table_avx2();
+    case IsaTier::AVX512: return *kernel_table_avx512();
+    case IsaTier::AVX512BF16: return *kernel_table_avx512bf16();
+    case IsaTier::AMX: {
+      KernelTable t = *kernel_table_avx512bf16();  // same activation formats and packed layouts
+      t.name = "amx";
+      t.packed_i8 = amx_gemm_i8();
+      t.packed_bf16 = amx_gemm_bf16();
+      return t;
+    }
+  }
+  throw std::logic_error("unknown ISA tier");
+}
+}  // namespace
+
+const KernelTable& kernels() {
+  static const KernelTable t = make_table();  // active_tier() throws on a bad KT_ISA
+  return t;
+}
+
+}  // namespace kt

@@ -1,0 +1,36 @@
+// Byte-exact ggml block layouts (see ggml-common.h upstream).  Plain data only: no functions,
+// so this header is safe to include from translation units compiled for different ISAs.
+#pragma once
+#include <cstdint>
+
+namespace kt {
+
+constexpr int QK_K = 256;
+
+struct block_q4_0 { uint16_t d; uint8_t qs[16]; };
+struct block_q4_1 { uint16_t d, m; uint8_t qs[16]; };
+struct block_q5_0 { uint16_t d; uint8_t qh[4]; uint8_t qs[16]; };
+struct block_q5_1 { uint16_t d, m; uint8_t qh[4]; uint8_t qs[16]; };
+struct block_q8_0 { uint16_t d; int8_t qs[32]; };
+struct block_q2_K { uint8_t scales[16]; uint8_t qs[64]; uint16_t d, dmin; };
+struct block_q3_K { uint8_t hmask[32]; uint8_t qs[64]; uint8_t scales[12]; uint16_t d; };
+struct block_q4_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; };
+struct block_q5_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; };
+struct block_q6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; };
+struct block_iq4_nl { uint16_t d; uint8_t qs[16]; };
+struct block_iq4_xs { uint16_t d; uint16_t scales_h; uint8_t scales_l[4]; uint8_t qs[128]; };
+
+static_assert(sizeof(block_q4_0) == 18, "q4_0");
+static_assert(sizeof(block_q4_1) == 20, "q4_1");
+static_assert(sizeof(block_q5_0) == 22, "q5_0");
+static_assert(sizeof(block_q5_1) == 24, "q5_1");
+static_assert(sizeof(block_q8_0) == 34, "q8_0");
+static_assert(sizeof(block_q2_K) == 84, "q2_K");
+static_assert(sizeof(block_q3_K) == 110, "q3_K");
+static_assert(sizeof(block_q4_K) == 144, "q4_K");
+static_assert(sizeof(block_q5_K) == 176, "q5_K");
+static_assert(sizeof(block_q6_K) == 210, "q6_K");
+static_assert(sizeof(block_iq4_nl) == 18, "iq4_nl");
+static_assert(sizeof(block_iq4_xs) == 136, "iq4_xs");
+
+}  // namespace kt

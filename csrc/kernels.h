@@ -1,0 +1,86 @@
+// Per-ISA compute kernels behind one function table.  `kernels()` (dispatch.cpp) is the single
+// dispatch point: it picks the table for cpu_features.h's active_tier() once.
+//
+// Each table is built by compiling kernels_impl.inc under its own target flags
+// (kern_scalar.cpp, kern_avx2.cpp, kern_avx512.cpp, kern_avx512bf16.cpp); AMX tile kernels live
+// in kern_amx.cpp and are only installed when active_tier() == AMX.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "ggml_types.h"
+
+namespace kt {
+
+// Layout of one quantised/converted activation row (internal, not a ggml format).
+enum class ActFmt : int {
+  F32 = 0,     // Kpad floats
+  BF16 = 1,    // Kpad bf16 (zero padded beyond K)
+  Q8_32 = 2,   // int8 qs[Kpad] | float d[Kpad/32] | int32 sum[Kpad/32]    (per-32 symmetric)
+  Q8_256 = 3,  // int8 qs[Kpad] | float d[Kpad/256] | int16 bsum[Kpad/16]  (per-256 symmetric, Q8_K-like)
+  I8_G128 = 4, // int8 qs[Kpad] | float d[Kpad/128] | int32 sum[Kpad/128]  (packed-int8 backend)
+};
+constexpr int kNumActFmt = 5;
+
+// Bytes of one activation row with Kpad elements (rounded up to 64).
+size_t act_row_bytes(ActFmt f, int Kpad);
+
+// Packed (AMX-style, VNNI-friendly) weight layouts for the AMXInt8 / AMXBF16 backends.
+// A matrix [N, K] is stored as ceil(N/16) panels of 16 rows; inside a panel, for each group of
+// 4 (int8) / 2 (bf16) consecutive k, 16 rows x 4 bytes = 64 bytes.  One panel slice of 64 k
+// (int8) or 32 k (bf16) is exactly one 16x64-byte AMX B tile.
+constexpr int kPanelRows = 16;
+constexpr int kI8Group = 128;        // K padding / activation-scale group for int8
+constexpr int kBf16KAlign = 32;      // K padding for bf16
+
+// C[t*ldc + r] = dot(weight row r, activation row t) for r < nr, t < nt.
+struct GemmArgs {
+  int K = 0;                         // logical row length
+  int Kpad = 0;                      // padded row length (packed layouts; == K for llamafile)
+  const uint8_t* W = nullptr;        // llamafile: first row; packed: first panel (row 0 of it)
+  size_t w_row_bytes = 0;            // llamafile only
+  const float* w_scale = nullptr;    // packed int8: per-row scales, indexed from row 0
+  int nr = 0;                        // rows (packed: any; whole panels are computed, nr stored)
+  const uint8_t* const* A = nullptr; // nt activation rows in the format of this weight
+  int nt = 0;
+  float* C = nullptr;
+  size_t ldc = 0;
+  float* tmp = nullptr;              // scratch, >= Kpad floats (+64) per call
+};
+using GemmFn = void (*)(const GemmArgs&);
+
+struct KernelTable {
+  const char* name = nullptr;
+  // llamafile backend: activation format and GEMM per ggml weight type (nullptr = unsupported)
+  ActFmt lf_act[kMaxGgmlType] = {};
+  GemmFn lf_gemm[kMaxGgmlType] = {};
+  // packed backends
+  GemmFn packed_i8 = nullptr;
+  GemmFn packed_bf16 = nullptr;
+  ActFmt packed_bf16_act = ActFmt::F32;  // BF16 with AVX512-BF16/AMX, else F32
+  // x[K] fp32 -> one activation row (Kpad >= K, padding is zero)
+  void (*quantize_act)(ActFmt f, const float* x, int K, int Kpad, uint8_t* dst) = nullptr;
+  void (*dequant_row)(int type, const void* src, float* dst, int64_t n) = nullptr;
+  // h[i] = act(g[i]) * u[i] for the gated activations (Activation enum in moe.h)
+  void (*glu)(int act, const float* g, const float* u, float* h, int n, float alpha, float limit) = nullptr;
+  void (*axpy)(float a, const float* x, float* y, int n) = nullptr;  // y += a*x
+  void (*bf16_to_f32_row)(const uint16_t* x, float* y, int n) = nullptr;
+  void (*f32_to_bf16_row)(const float* x, uint16_t* y, int n) = nullptr;
+  // Probes for the benchmark: sum of n floats (read bandwidth) and a register-only peak loop
+  // (kind 0 fp32 fma, 1 bf16 dot, 2 int8 dot) returning the number of flops/ops executed.
+  float (*probe_read)(const float* p, size_t n) = nullptr;
+  double (*probe_peak)(int kind, int64_t iters) = nullptr;
+};
+
+const KernelTable& kernels();
+
+// Table factories (one per translation unit).
+const KernelTable* kernel_table_scalar();
+const KernelTable* kernel_table_avx2();
+const KernelTable* kernel_table_avx512();
+const KernelTable* kernel_table_avx512bf16();
+// AMX overrides (kern_amx.cpp); never called unless active_tier() == AMX.
+GemmFn amx_gemm_i8();
+GemmFn amx_gemm_bf16();
+
+}  // namespace kt

@@ -1,0 +1,187 @@
+#include "moe.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+namespace kt {
+namespace {
+
+constexpr int kTokBlock = 64;  // tokens of one expert handled by one task
+
+std::string shape_str(int a, int b, int c) {
+  return "[" + std::to_string(a) + ", " + std::to_string(b) + ", " + std::to_string(c) + "]";
+}
+
+// Row block: large for prefill (fewer tasks, more reuse), smaller when there are few experts
+// hit so that every thread still gets several tasks.
+int pick_row_block(int rows, int active_units, int threads) {
+  int rb = 64;
+  while (rb > 16 && static_cast<long>(active_units) * ((rows + rb - 1) / rb) < 8L * threads) rb /= 2;
+  return rb;
+}
+
+}  // namespace
+
+MoE::MoE(const MoEConfig& cfg, ThreadPool& pool) : cfg_(cfg) {
+  const int E = cfg.num_experts, H = cfg.hidden, I = cfg.intermediate;
+  if (E <= 0 || H <= 0 || I <= 0)
+    throw std::invalid_argument("MoE: num_experts, hidden, intermediate must be positive, got " + shape_str(E, H, I));
+  if (static_cast<int>(cfg.act) < 0 || static_cast<int>(cfg.act) > 2) throw std::invalid_argument("MoE: unknown activation");
+  gate_ = describe_weights(cfg.backend, cfg.gate, cfg.gate_type, E, I, H, "gate_proj " + shape_str(E, I, H));
+  up_ = describe_weights(cfg.backend, cfg.up, cfg.up_type, E, I, H, "up_proj " + shape_str(E, I, H));
+  down_ = describe_weights(cfg.backend, cfg.down, cfg.down_type, E, H, I, "down_proj " + shape_str(E, H, I));
+  if (cfg.backend != Backend::Llamafile) {
+    const size_t bg = kt::packed_bytes(gate_), bu = kt::packed_bytes(up_), bd = kt::packed_bytes(down_);
+    uint8_t* base = static_cast<uint8_t*>(packed_.ensure(bg + bu + bd));  // one allocation per layer
+    pack_weights(gate_, cfg.gate, base, pool);
+    pack_weights(up_, cfg.up, base + bg, pool);
+    pack_weights(down_, cfg.down, base + bg + bu, pool);
+  }
+}
+
+void MoE::forward(ThreadPool& pool, int T, int k, const void* x, DType xdt, const int64_t* ids, const float* w,
+                  void* out, DType odt) {
+  if (T < 0 || k <= 0) throw std::invalid_argument("MoE.forward: need T >= 0 and k > 0");
+  if (T == 0) return;
+  const KernelTable& kt = kernels();
+  const int E = cfg_.num_experts, H = cfg_.hidden, I = cfg_.intermediate;
+  const int nth = pool.size();
+
+  // 1. Route: group (token, slot) pairs by expert (counting sort, stable in token order).
+  counts_.assign(E, 0);
+  pair_of_.assign(static_cast<size_t>(T) * k, -1);
+  for (int64_t i = 0; i < static_cast<int64_t>(T) * k; ++i) {
+    const int64_t id = ids[i];
+    if (id < 0) continue;
+    if (id >= E)
+      throw std::out_of_range("MoE.forward: expert id " + std::to_string(id) + " at [" + std::to_string(i / k) + ", " +
+                              std::to_string(i % k) + "] is >= num_experts " + std::to_string(E));
+    counts_[id]++;
+  }
+  offsets_.assign(E + 1, 0);
+  for (int e = 0; e < E; ++e) offsets_[e + 1] = offsets_[e] + counts_[e];
+  const int P = offsets_[E];
+  pair_tok_.resize(std::max(P, 1));
+  {
+    std::vector<int>& cur = tasks_;
+    cur.assign(offsets_.begin(), offsets_.end() - 1);
+    for (int64_t i = 0; i < static_cast<int64_t>(T) * k; ++i) {
+      const int64_t id = ids[i];
+      if (id < 0) continue;
+      const int p = cur[id]++;
+      pair_tok_[p] = static_cast<int>(i / k);
+      pair_of_[i] = p;
+    }
+  }
+  int active = 0;
+  for (int e = 0; e < E; ++e) active += counts_[e] > 0;
+
+  // Per-thread scratch: gate + up tiles (64 x kTokBlock each) and a dequant row.
+  const int Kmax = std::max({gate_.Kpad, up_.Kpad, down_.Kpad, H, I});
+  const size_t tile = 64 * kTokBlock;
+  const size_t thr_floats = 2 * tile + Kmax + 64 + Kmax;  // + x row conversion
+  if (static_cast<int>(thr_.size()) < nth) thr_ = std::vector<AlignedBuf>(nth);
+  for (int i = 0; i < nth; ++i) thr_[i].ensure(thr_floats * sizeof(float));
+  auto thr = [&](int tid) { return static_cast<float*>(thr_[tid].data()); };
+
+  // 2. Quantise the input rows for gate (and up, if its format differs).
+  const bool same_gu = gate_.act == up_.act && gate_.Kpad == up_.Kpad;
+  const size_t sg = act_row_bytes(gate_.act, gate_.Kpad), su = act_row_bytes(up_.act, up_.Kpad);
+  uint8_t* xg = static_cast<uint8_t*>(xa_g_.ensure(sg * T));
+  uint8_t* xu = same_gu ? xg : static_cast<uint8_t*>(xa_u_.ensure(su * T));
+  const int tok_chunk = 8;
+  const int n_tok_tasks = (T + tok_chunk - 1) / tok_chunk;
+  pool.parallel_for(n_tok_tasks, [&](int task, int tid) {
+    float* xf = thr(tid) + 2 * tile + Kmax + 64;
+    for (int t = task * tok_chunk; t < std::min(T, (task + 1) * tok_chunk); ++t) {
+      const float* xr;
+      if (xdt == DType::F32) {
+        xr = static_cast<const float*>(x) + static_cast<size_t>(t) * H;
+      } else {
+        kt.bf16_to_f32_row(static_cast<const uint16_t*>(x) + static_cast<size_t>(t) * H, xf, H);
+        xr = xf;
+      }
+      kt.quantize_act(gate_.act, xr, H, gate_.Kpad, xg + sg * t);
+      if (!same_gu) kt.quantize_act(up_.act, xr, H, up_.Kpad, xu + su * t);
+    }
+  });
+
+  // 3. gate & up + activation -> hbuf [P, I] fp32, tasks (expert, row block, token block).
+  float* hbuf = static_cast<float*>(hbuf_.ensure(sizeof(float) * std::max(P, 1) * static_cast<size_t>(I)));
+  struct Task { int e, r0, t0; };
+  std::vector<Task> tasks;
+  const int rb1 = pick_row_block(I, active, nth);
+  for (int e = 0; e < E; ++e)
+    for (int t0 = 0; t0 < counts_[e]; t0 += kTokBlock)
+      for (int r0 = 0; r0 < I; r0 += rb1) tasks.push_back({e, r0, t0});
+  const int act = static_cast<int>(cfg_.act);
+  pool.parallel_for(static_cast<int>(tasks.size()), [&](int ti, int tid) {
+    const Task tk = tasks[ti];
+    const int nt = std::min(kTokBlock, counts_[tk.e] - tk.t0);
+    const int nr = std::min(rb1, I - tk.r0);
+    const int p0 = offsets_[tk.e] + tk.t0;
+    const uint8_t* Ag[kTokBlock];
+    const uint8_t* Au[kTokBlock];
+    for (int t = 0; t < nt; ++t) {
+      Ag[t] = xg + sg * pair_tok_[p0 + t];
+      Au[t] = xu + su * pair_tok_[p0 + t];
+    }
+    float* G = thr(tid);
+    float* U = G + tile;
+    GemmArgs g;
+    g.A = Ag; g.nt = nt; g.C = G; g.ldc = nr; g.tmp = U + tile;
+    gate_.setup(g, tk.e, tk.r0, nr);
+    gate_.gemm(g);
+    GemmArgs u;
+    u.A = Au; u.nt = nt; u.C = U; u.ldc = nr; u.tmp = U + tile;
+    up_.setup(u, tk.e, tk.r0, nr);
+    up_.gemm(u);
+    for (int t = 0; t < nt; ++t)
+      kt.glu(act, G + t * nr, U + t * nr, hbuf + static_cast<size_t>(p0 + t) * I + tk.r0, nr, cfg_.alpha, cfg_.limit);
+  });
+
+  // 4. Quantise the intermediate rows for down.
+  const size_t sd = act_row_bytes(down_.act, down_.Kpad);
+  uint8_t* hq = static_cast<uint8_t*>(ha_.ensure(sd * std::max(P, 1)));
+  pool.parallel_for((P + tok_chunk - 1) / tok_chunk, [&](int task, int) {
+    for (int p = task * tok_chunk; p < std::min(P, (task + 1) * tok_chunk); ++p)
+      kt.quantize_act(down_.act, hbuf + static_cast<size_t>(p) * I, I, down_.Kpad, hq + sd * p);
+  });
+
+  // 5. down -> ybuf [P, H] fp32
+  float* ybuf = static_cast<float*>(ybuf_.ensure(sizeof(float) * std::max(P, 1) * static_cast<size_t>(H)));
+  tasks.clear();
+  const int rb2 = pick_row_block(H, active, nth);
+  for (int e = 0; e < E; ++e)
+    for (int t0 = 0; t0 < counts_[e]; t0 += kTokBlock)
+      for (int r0 = 0; r0 < H; r0 += rb2) tasks.push_back({e, r0, t0});
+  pool.parallel_for(static_cast<int>(tasks.size()), [&](int ti, int tid) {
+    const Task tk = tasks[ti];
+    const int nt = std::min(kTokBlock, counts_[tk.e] - tk.t0);
+    const int nr = std::min(rb2, H - tk.r0);
+    const int p0 = offsets_[tk.e] + tk.t0;
+    const uint8_t* A[kTokBlock];
+    for (int t = 0; t < nt; ++t) A[t] = hq + sd * (p0 + t);
+    GemmArgs g;
+    g.A = A; g.nt = nt; g.C = ybuf + static_cast<size_t>(p0) * H + tk.r0; g.ldc = H; g.tmp = thr(tid) + 2 * tile;
+    down_.setup(g, tk.e, tk.r0, nr);
+    down_.gemm(g);
+  });
+
+  // 6. Weighted sum over the k slots of each token.
+  pool.parallel_for(n_tok_tasks, [&](int task, int tid) {
+    float* acc = thr(tid) + 2 * tile + Kmax + 64;
+    for (int t = task * tok_chunk; t < std::min(T, (task + 1) * tok_chunk); ++t) {
+      float* o = odt == DType::F32 ? static_cast<float*>(out) + static_cast<size_t>(t) * H : acc;
+      std::fill(o, o + H, 0.f);
+      for (int j = 0; j < k; ++j) {
+        const int p = pair_of_[static_cast<size_t>(t) * k + j];
+        if (p >= 0) kt.axpy(w[static_cast<size_t>(t) * k + j], ybuf + static_cast<size_t>(p) * H, o, H);
+      }
+      if (odt == DType::BF16) kt.f32_to_bf16_row(o, static_cast<uint16_t*>(out) + static_cast<size_t>(t) * H, H);
+    }
+  });
+}
+
+}  // namespace kt

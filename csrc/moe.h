@@ -1,0 +1,48 @@
+// One routed-experts MoE layer on the CPU:  out[t] = sum_j w[t,j] * down_e(act(gate_e x) * up_e x),
+// e = ids[t,j].  Weights use the stacked GGUF layout gate/up [E, I, H], down [E, H, I].
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "thread_pool.h"
+#include "weights.h"
+
+namespace kt {
+
+enum class Activation : int { SiLU = 0, GeluTanh = 1, ClampSwiGLU = 2 };  // 2 = gpt-oss (alpha, limit)
+enum class DType : int { F32 = 0, BF16 = 1 };
+
+struct MoEConfig {
+  int num_experts = 0, hidden = 0, intermediate = 0;
+  Backend backend = Backend::Llamafile;
+  const void* gate = nullptr;
+  const void* up = nullptr;
+  const void* down = nullptr;
+  int gate_type = 0, up_type = 0, down_type = 0;
+  Activation act = Activation::SiLU;
+  float alpha = 1.702f, limit = 7.0f;
+};
+
+class MoE {
+ public:
+  // Validates shapes/types; for the AMX* backends requantises all experts in parallel on `pool`
+  // into one allocation.  Llamafile weights are used in place and must outlive the object.
+  MoE(const MoEConfig& cfg, ThreadPool& pool);
+  // T tokens, k experts per token.  ids[T*k] int64 (negative = skip this slot), w[T*k] fp32,
+  // x[T*hidden] in xdt, out[T*hidden] in odt.  Throws std::out_of_range for ids >= num_experts.
+  void forward(ThreadPool& pool, int T, int k, const void* x, DType xdt, const int64_t* ids, const float* w,
+               void* out, DType odt);
+  const MoEConfig& config() const { return cfg_; }
+  size_t packed_bytes() const { return packed_.size(); }
+
+ private:
+  MoEConfig cfg_;
+  ProjWeights gate_, up_, down_;
+  AlignedBuf packed_;
+  // forward scratch (grow-only)
+  std::vector<int> counts_, offsets_, pair_tok_, pair_of_, tasks_;
+  AlignedBuf xa_g_, xa_u_, hbuf_, ha_, ybuf_;
+  std::vector<AlignedBuf> thr_;  // per pool thread: gate/up tiles + dequant scratch
+};
+
+}  // namespace kt

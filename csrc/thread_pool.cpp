@@ -1,0 +1,200 @@
+#include "thread_pool.h"
+
+#include <immintrin.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+
+namespace kt {
+namespace {
+
+thread_local bool tl_in_pool_task = false;
+
+constexpr uint64_t pack(uint32_t gen, uint32_t n, uint32_t next) {
+  return (static_cast<uint64_t>(gen & 0xffff) << 48) | (static_cast<uint64_t>(n & 0xffffff) << 24) | (next & 0xffffff);
+}
+inline uint32_t t_gen(uint64_t v) { return static_cast<uint32_t>(v >> 48); }
+inline uint32_t t_n(uint64_t v) { return static_cast<uint32_t>((v >> 24) & 0xffffff); }
+inline uint32_t t_next(uint64_t v) { return static_cast<uint32_t>(v & 0xffffff); }
+
+long now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace
+
+ThreadPool::ThreadPool(int threads) : nthreads_(threads) {
+  if (threads < 1 || threads > 1024) throw std::invalid_argument("threads must be in [1, 1024], got " + std::to_string(threads));
+  const char* s = std::getenv("KT_SPIN_US");
+  spin_ns_ = (s && *s) ? std::atol(s) * 1000L : 50000L;
+  for (int i = 1; i < threads; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
+}
+
+ThreadPool::~ThreadPool() {
+  stop_.store(true);
+  {
+    std::lock_guard<std::mutex> lk(sleep_mu_);
+    epoch_.fetch_add(1);
+  }
+  sleep_cv_.notify_all();
+  for (auto& t : workers_) t.join();
+}
+
+bool ThreadPool::run_tickets(uint32_t gen, int tid) {
+  bool any = false;
+  uint64_t v = ticket_.load(std::memory_order_acquire);
+  for (;;) {
+    if (t_gen(v) != (gen & 0xffff) || t_next(v) >= t_n(v)) return any;
+    if (!ticket_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
+    any = true;
+    const int task = static_cast<int>(t_next(v));
+    try {
+      (*fn_)(task, tid);
+    } catch (...) {
+      std::lock_guard<std::mutex> lk(err_mu_);
+      if (!err_) err_ = std::current_exception();
+    }
+    done_.fetch_add(1, std::memory_order_acq_rel);
+    v = ticket_.load(std::memory_order_acquire);
+  }
+}
+
+void ThreadPool::worker_loop(int tid) {
+  uint32_t seen = epoch_.load();
+  tl_in_pool_task = true;
+  for (;;) {
+    uint32_t e = epoch_.load(std::memory_order_acquire);
+    if (e == seen) {
+      const long t0 = now_ns();
+      int spins = 0;
+      while ((e = epoch_.load(std::memory_order_acquire)) == seen) {
+        _mm_pause();
+        if ((++spins & 63) == 0 && now_ns() - t0 > spin_ns_) {
+          std::unique_lock<std::mutex> lk(sleep_mu_);
+          sleepers_.fetch_add(1);
+          sleep_cv_.wait(lk, [&] { return epoch_.load() != seen; });
+          sleepers_.fetch_sub(1);
+          e = epoch_.load();
+          break;
+        }
+      }
+    }
+    if (stop_.load()) return;
+    seen = e;
+    run_tickets(e, tid);
+  }
+}
+
+void ThreadPool::parallel_for(int ntasks, const std::function<void(int, int)>& fn) {
+  if (ntasks <= 0) return;
+  if (tl_in_pool_task || nthreads_ == 1 || ntasks == 1) {  // inline: nested call or nothing to share
+    for (int i = 0; i < ntasks; ++i) fn(i, 0);
+    return;
+  }
+  if (ntasks > 0xffffff) throw std::invalid_argument("parallel_for: too many tasks");
+  std::lock_guard<std::mutex> run_lk(run_mu_);
+  fn_ = &fn;
+  done_.store(0, std::memory_order_relaxed);
+  err_ = nullptr;
+  const uint32_t gen = epoch_.load() + 1;
+  ticket_.store(pack(gen, static_cast<uint32_t>(ntasks), 0), std::memory_order_release);
+  epoch_.store(gen, std::memory_order_seq_cst);
+  if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+    std::lock_guard<std::mutex> lk(sleep_mu_);
+    sleep_cv_.notify_all();
+  }
+  tl_in_pool_task = true;
+  run_tickets(gen, 0);
+  tl_in_pool_task = false;
+  while (done_.load(std::memory_order_acquire) < ntasks) _mm_pause();
+  fn_ = nullptr;
+  if (err_) {
+    std::exception_ptr e = err_;
+    err_ = nullptr;
+    std::rethrow_exception(e);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+CPUInfer::CPUInfer(int threads) : pool_(threads) { qthread_ = std::thread([this] { queue_loop(); }); }
+
+CPUInfer::~CPUInfer() {
+  try {
+    sync();
+  } catch (...) {
+  }
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  qthread_.join();
+}
+
+void CPUInfer::submit(std::function<void()> task) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    q_.push_back(std::move(task));
+  }
+  cv_.notify_one();
+}
+
+bool CPUInfer::run_one() {
+  std::lock_guard<std::mutex> ex(exec_mu_);
+  std::function<void()> task;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (q_.empty()) return false;
+    task = std::move(q_.front());
+    q_.pop_front();
+    ++running_;
+  }
+  std::exception_ptr e;
+  try {
+    task();
+  } catch (...) {
+    e = std::current_exception();
+  }
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    --running_;
+    if (e && !err_) err_ = e;
+    if (q_.empty() && running_ == 0) idle_cv_.notify_all();
+  }
+  return true;
+}
+
+void CPUInfer::queue_loop() {
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_.wait(lk, [&] { return stop_ || !q_.empty(); });
+      if (stop_ && q_.empty()) return;
+    }
+    while (run_one()) {
+    }
+  }
+}
+
+void CPUInfer::sync() {
+  while (run_one()) {  // steal pending work instead of waiting for the queue thread
+  }
+  std::unique_lock<std::mutex> lk(mu_);
+  idle_cv_.wait(lk, [&] { return q_.empty() && running_ == 0; });
+  if (err_) {
+    std::exception_ptr e = err_;
+    err_ = nullptr;
+    std::rethrow_exception(e);
+  }
+}
+
+void CPUInfer::run_now(const std::function<void()>& fn) {
+  sync();
+  std::lock_guard<std::mutex> ex(exec_mu_);
+  fn();
+}
+
+}  // namespace kt

@@ -1,0 +1,86 @@
+// Persistent worker pool + asynchronous task queue (CPUInfer).
+//
+// ThreadPool(n): the thread that calls parallel_for() is worker 0, so n threads means n-1
+// extra OS threads.  Idle workers spin briefly (KT_SPIN_US, default 50 us) and then block on a
+// condition variable, so an idle pool costs no CPU and a busy decode loop does not pay a
+// futex wake-up between the kernel phases of one layer.  Tasks are handed out dynamically from
+// one atomic ticket counter (generation | count | next index packed in 64 bits), which balances
+// skewed work (e.g. one expert receiving most tokens).
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace kt {
+
+class ThreadPool {
+ public:
+  explicit ThreadPool(int threads);
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  int size() const { return nthreads_; }
+  // Runs fn(task, thread_id) for every task in [0, ntasks); thread_id in [0, size()).
+  // Blocks until all tasks are done; rethrows the first exception a task threw.
+  // Calls from different threads are serialised; a call from inside a task runs inline.
+  void parallel_for(int ntasks, const std::function<void(int, int)>& fn);
+
+ private:
+  void worker_loop(int tid);
+  bool run_tickets(uint32_t gen, int tid);
+
+  int nthreads_;
+  std::vector<std::thread> workers_;
+  std::mutex run_mu_;                 // one parallel_for at a time
+  std::atomic<uint64_t> ticket_{0};   // gen:16 | n:24 | next:24
+  std::atomic<int> done_{0};
+  const std::function<void(int, int)>* fn_ = nullptr;
+  std::atomic<uint32_t> epoch_{0};
+  std::atomic<int> sleepers_{0};
+  std::atomic<bool> stop_{false};
+  std::mutex sleep_mu_;
+  std::condition_variable sleep_cv_;
+  std::mutex err_mu_;
+  std::exception_ptr err_;
+  long spin_ns_;
+};
+
+// CPUInfer: a pool plus a FIFO of tasks.  submit() returns at once; a queue thread runs the
+// tasks in order (it is worker 0 of the pool while it runs one).  sync() runs still-pending
+// tasks on the calling thread (no wake-up latency), waits for the running one, and rethrows
+// the first error a task raised since the last sync().
+class CPUInfer {
+ public:
+  explicit CPUInfer(int threads);
+  ~CPUInfer();
+  ThreadPool& pool() { return pool_; }
+  int threads() const { return pool_.size(); }
+  void submit(std::function<void()> task);
+  void sync();
+  // sync(), then run fn on the calling thread (used by blocking forward calls).
+  void run_now(const std::function<void()>& fn);
+
+ private:
+  void queue_loop();
+  bool run_one();  // pops and runs one task if any; returns false when the queue was empty
+
+  ThreadPool pool_;
+  std::mutex mu_;
+  std::condition_variable cv_;       // queue thread waits for work
+  std::condition_variable idle_cv_;  // sync() waits for an empty, idle queue
+  std::deque<std::function<void()>> q_;
+  int running_ = 0;
+  bool stop_ = false;
+  std::exception_ptr err_;
+  std::mutex exec_mu_;               // tasks run one at a time, in order
+  std::thread qthread_;
+};
+
+}  // namespace kt

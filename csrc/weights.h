@@ -1,0 +1,60 @@
+// A stack of equally shaped weight matrices [count, rows, cols] in one backend format, plus the
+// load-time repacking for the AMXInt8 / AMXBF16 backends.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "kernels.h"
+#include "thread_pool.h"
+
+namespace kt {
+
+enum class Backend : int { Llamafile = 0, AMXInt8 = 1, AMXBF16 = 2 };
+const char* backend_name(Backend b);
+
+// 64-byte aligned, grow-only buffer.
+class AlignedBuf {
+ public:
+  AlignedBuf() = default;
+  AlignedBuf(const AlignedBuf&) = delete;
+  AlignedBuf& operator=(const AlignedBuf&) = delete;
+  ~AlignedBuf();
+  void* ensure(size_t bytes);  // contents are not preserved when it grows
+  void* data() const { return p_; }
+  size_t size() const { return n_; }
+
+ private:
+  void* p_ = nullptr;
+  size_t n_ = 0;
+};
+
+struct ProjWeights {
+  Backend backend = Backend::Llamafile;
+  int src_type = 0;        // ggml type of the source weights
+  int count = 0, rows = 0, cols = 0;
+  int Kpad = 0;            // padded row length of the packed layout (== cols for llamafile)
+  int rows_pad = 0;        // rows rounded up to 16 (packed)
+  const uint8_t* base = nullptr;
+  size_t mat_bytes = 0;    // bytes per matrix
+  size_t row_bytes = 0;    // llamafile: bytes per source row
+  const float* scales = nullptr;  // packed int8: [count][rows_pad]
+  ActFmt act = ActFmt::F32;
+  GemmFn gemm = nullptr;
+
+  // Fill the weight side of GemmArgs for matrix e, rows [r0, r0+nr); r0 % 16 == 0 for packed.
+  void setup(GemmArgs& g, int e, int r0, int nr) const;
+};
+
+// Validates the shape for the type (throws std::invalid_argument naming `what`) and describes
+// the source stack.  For Llamafile the result points straight at `src` (zero copy).
+ProjWeights describe_weights(Backend b, const void* src, int src_type, int count, int rows, int cols,
+                             const std::string& what);
+// Bytes a packed copy needs (0 for Llamafile).
+size_t packed_bytes(const ProjWeights& p);
+// Requantise/repack p's source into dst (packed_bytes(p) bytes, 64-aligned) in parallel on the
+// pool and repoint p at it.
+void pack_weights(ProjWeights& p, const void* src, uint8_t* dst, ThreadPool& pool);
+
+}  // namespace kt

@@ -1,0 +1,127 @@
+"""``KExpertsCPU``: routed experts on the C++ CPU kernels (``ktransformers.kernels``).
+
+Backends (the ``backend`` rule kwarg): ``llamafile`` computes on the weights in their stored
+GGUF type, read in place from the memory-mapped file (no copy); ``AMXInt8`` requantizes at load
+to int8 with per-row scales, ``AMXBF16`` repacks to bf16 — both in a tile layout that the AMX
+kernel uses where the CPU has AMX and the AVX-512 (VNNI / BF16) kernels use elsewhere.
+
+Weights that are not stored quantized (safetensors, F32/BF16 GGUF) are handed over as float
+tensors (F32 for an fp32 model, BF16 otherwise).  The op runs asynchronously: ``submit``
+returns at once so the MoE block computes shared experts meanwhile; ``collect`` waits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import KwargSpec
+from .cpu_threads import cpu_infer_threads
+from .experts import ExpertsOp, register_experts_op
+
+BACKEND_NAMES = ("llamafile", "AMXInt8", "AMXBF16")
+
+
+def _kernels():
+    from .. import kernels
+
+    return kernels
+
+
+def _weights_for_kernel(weights, key: str, proj: str, dtype: torch.dtype):
+    """(array, ggml type name) for one stacked projection: raw bytes when the source stores a
+    type the kernels read, else a float tensor."""
+    K = _kernels()
+    raw = weights.raw(f"{key}.{proj}") if hasattr(weights, "raw") else None
+    if raw is not None:
+        from gguf import GGMLQuantizationType
+
+        name = GGMLQuantizationType(raw.ggml_type).name
+        if name in K.TYPES:
+            return raw.data, name
+    float_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
+    t = weights.tensor(f"{key}.{proj}", dtype=float_dtype)
+    return t.contiguous(), ("F32" if float_dtype == torch.float32 else "BF16")
+
+
+@register_experts_op
+class KExpertsCPU(ExpertsOp):
+    name = "KExpertsCPU"
+    device_kinds = ("cpu",)
+    keeps_raw_weights = True
+    extra_kwargs = {
+        "backend": KwargSpec((str,), "llamafile", "llamafile | AMXInt8 | AMXBF16"),
+    }
+
+    @staticmethod
+    def validate_kwargs(kwargs: dict):
+        b = kwargs.get("backend", "llamafile")
+        if b not in BACKEND_NAMES:
+            import difflib
+
+            near = difflib.get_close_matches(str(b), BACKEND_NAMES, n=1)
+            hint = f"; did you mean '{near[0]}'?" if near else ""
+            return "backend", f"'{b}' is not a KExpertsCPU backend ({', '.join(BACKEND_NAMES)}){hint}"
+        return None
+
+    def __init__(self, key, config, orig_module, device, backend: str = "llamafile", **kwargs):
+        super().__init__(key, config, orig_module, device, **kwargs)
+        self.backend = backend
+        self.kernel = None
+
+    def load(self, weights, dtype):
+        K = _kernels()
+        self.check_shapes(weights)
+        arrays = {}
+        types = {}
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            arrays[proj], types[proj] = _weights_for_kernel(weights, self.key, proj, dtype)
+        self.pool = K.cpu_infer(cpu_infer_threads())
+        try:
+            self.kernel = K.MoEKernel(
+                self.pool, self.backend, self.num_experts, self.hidden, self.intermediate,
+                arrays["gate_proj"], arrays["up_proj"], arrays["down_proj"],
+                types["gate_proj"], types["up_proj"], types["down_proj"], activation=self._kernel_activation(),
+            )
+        except (ValueError, TypeError) as e:
+            from ..errors import WeightError
+
+            raise WeightError(f"{weights.path}: {self.key}: the {self.backend} CPU kernel cannot take these "
+                              f"weights: {e}") from None
+        self._arrays = arrays  # the kernel reads them in place
+        self.out_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
+
+    def _kernel_activation(self) -> str:
+        K = _kernels()
+        if self.activation in K.ACTIVATIONS:
+            return self.activation
+        from ..errors import RuleError
+
+        raise RuleError(f"{self.key}: KExpertsCPU has no kernel for activation '{self.activation}' "
+                        f"(has {', '.join(K.ACTIVATIONS)}); use KExpertsTorch")
+
+    def nbytes(self) -> int:
+        return int(self.kernel.packed_bytes) if self.kernel is not None else 0
+
+    def unload(self):
+        self.kernel = None
+        self._arrays = None
+        self.loaded = False
+
+    def _prep(self, x, top_k_index, top_k_weights):
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            x = x.float()
+        return (x.contiguous(), top_k_index.to(torch.int64).contiguous(),
+                top_k_weights.to(torch.float32).contiguous())
+
+    def submit(self, x, top_k_index, top_k_weights):
+        x, ids, w = self._prep(x, top_k_index, top_k_weights)
+        out = torch.empty(x.shape[0], self.hidden, dtype=x.dtype)
+        self.kernel.submit(x, ids, w, out)
+        return out, (x, ids, w)  # inputs kept alive until collected
+
+    def collect(self, handle):
+        self.pool.sync()
+        return handle[0]
+
+    def forward(self, x, top_k_index, top_k_weights):
+        return self.collect(self.submit(x, top_k_index, top_k_weights))

@@ -1,0 +1,73 @@
+"""``KLinearCPU`` (also ``KLinearCPUInfer``): dense linear on the C++ CPU kernels, weights kept
+in their GGUF type (read in place) or as F32/BF16 when stored unquantized."""
+
+from __future__ import annotations
+
+import torch
+
+from .cpu_experts import _kernels
+from .cpu_threads import cpu_infer_threads
+from .linear import LinearOp, register_linear_op
+
+
+class KLinearCPU(LinearOp):
+    name = "KLinearCPU"
+    device_kinds = ("cpu",)
+    keeps_raw_weights = True
+
+    def load(self, weights, dtype):
+        K = _kernels()
+        self.check_shape(weights, f"{self.key}.weight")
+        raw = weights.raw(f"{self.key}.weight") if hasattr(weights, "raw") else None
+        w, t = None, None
+        if raw is not None:
+            from gguf import GGMLQuantizationType
+
+            name = GGMLQuantizationType(raw.ggml_type).name
+            if name in K.TYPES:
+                w, t = raw.data, name
+        if w is None:
+            fd = torch.float32 if dtype == torch.float32 else torch.bfloat16
+            w = weights.tensor(f"{self.key}.weight", dtype=fd).contiguous()
+            t = "F32" if fd == torch.float32 else "BF16"
+        self.pool = K.cpu_infer(cpu_infer_threads())
+        try:
+            self.kernel = K.LinearKernel(self.pool, "llamafile", self.in_features, self.out_features, w, t)
+        except (ValueError, TypeError) as e:
+            from ..errors import WeightError
+
+            raise WeightError(f"{weights.path}: {self.key}: the CPU linear kernel cannot take this weight: {e}") \
+                from None
+        self._weight_array = w
+        self.bias = weights.tensor(f"{self.key}.bias", dtype=torch.float32) if self.has_bias else None
+
+    def nbytes(self) -> int:
+        w = getattr(self, "_weight_array", None)
+        return int(w.nbytes) if w is not None else 0
+
+    def unload(self):
+        self.kernel = None
+        self._weight_array = None
+        self.loaded = False
+
+    def forward(self, x):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.dtype not in (torch.float32, torch.bfloat16):
+            x2 = x2.float()
+        y = self.kernel.forward(x2.contiguous())
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+register_linear_op(KLinearCPU)
+
+
+class KLinearCPUInfer(KLinearCPU):
+    """The reference system's name for the same op."""
+
+    name = "KLinearCPUInfer"
+
+
+register_linear_op(KLinearCPUInfer)

@@ -1,0 +1,87 @@
+"""Dense Linear kernel (y = x @ W^T) vs float64 numpy on the dequantised weights.
+Tolerances (||y - ref|| / ||ref||) as in test_moe.py: 1e-4 exact-fp32 paths, 1e-2 BF16,
+2e-2 int8-activation paths and AMXBF16, 3e-2 AMXInt8 (one projection instead of three)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import QUICK
+from gguf import GGMLQuantizationType as QT
+from quant_ref import ALL_TYPES, block_elems, make_weights
+from ref import rel_err
+
+import ktransformers.kernels as K
+
+SHAPES = [(512, 40), (96, 33)]  # (in, out); 96 is not a multiple of 256, 33 not of 16
+TS = (1, 64) if QUICK else (1, 3, 64, 300)
+
+
+def tol(backend, t):
+    if backend == "AMXInt8":
+        return 3e-2
+    if backend == "AMXBF16":
+        return 2e-2
+    if t in (QT.F32, QT.F16):
+        return 1e-4
+    return 1e-2 if t == QT.BF16 else 2e-2
+
+
+@pytest.fixture(scope="module")
+def pool():
+    return K.cpu_infer(2)
+
+
+def params():
+    out = []
+    for t in ALL_TYPES:
+        for (i, o) in SHAPES:
+            if i % block_elems(t) == 0 and not (QUICK and i != 512):
+                out.append(pytest.param("llamafile", t, i, o, id=f"llamafile-{t.name}-{i}x{o}"))
+    for b in ("AMXInt8", "AMXBF16"):
+        for t in (QT.BF16, QT.Q4_K) if QUICK else (QT.BF16, QT.F32, QT.Q8_0, QT.Q4_K):
+            for (i, o) in SHAPES:
+                if i % block_elems(t) == 0:
+                    out.append(pytest.param(b, t, i, o, id=f"{b}-{t.name}-{i}x{o}"))
+    return out
+
+
+@pytest.mark.parametrize("T", TS)
+@pytest.mark.parametrize("backend,t,n_in,n_out", params())
+def test_linear(pool, backend, t, n_in, n_out, T):
+    rng = np.random.default_rng(int(t) + n_in)
+    raw, deq = make_weights(t, (n_out, n_in), rng)
+    lin = K.LinearKernel(pool, backend, n_in, n_out, raw, t)
+    x = rng.standard_normal((T, n_in)).astype(np.float32)
+    y = lin.forward(x)
+    err = rel_err(y, x.astype(np.float64) @ deq.T.astype(np.float64))
+    assert err < tol(backend, t), f"{backend} {t.name} {n_in}x{n_out} T={T}: rel err {err:.3g}"
+
+
+def test_linear_bf16_io_and_submit(pool):
+    rng = np.random.default_rng(0)
+    w = torch.randn(48, 256) * 0.1
+    lin = K.LinearKernel(pool, "llamafile", 256, 48, w, "F32")
+    x = torch.randn(5, 256).to(torch.bfloat16)
+    y = lin.forward(x)
+    assert y.dtype == torch.bfloat16
+    ref = x.double() @ w.double().T
+    assert rel_err(y.float().numpy(), ref.numpy()) < 1e-2
+    out = torch.empty(5, 48)
+    lin.submit(x, out)
+    pool.sync()
+    assert rel_err(out.numpy(), ref.numpy()) < 1e-4
+    with pytest.raises(ValueError, match=r"x: expected shape \[T, 256\]"):
+        lin.forward(torch.zeros(2, 100))
+    with pytest.raises(ValueError, match="Q4_K stores rows in blocks of 256"):
+        K.LinearKernel(pool, "llamafile", 100, 4, np.zeros(4, np.uint8), "Q4_K")
+    with pytest.raises(TypeError, match="weight: expected uint8 bytes of Q8_0"):
+        K.LinearKernel(pool, "llamafile", 256, 4, np.zeros((4, 256), np.float32), "Q8_0")
+
+
+def test_dequantize_matches_gguf():
+    rng = np.random.default_rng(5)
+    for t in ALL_TYPES:
+        raw, deq = make_weights(t, (2, 512), rng)
+        np.testing.assert_array_equal(K.dequantize(raw, t), deq.ravel())

@@ -1,0 +1,102 @@
+"""KExpertsCPU / KLinearCPU inside whole models: match the all-torch model within tolerance.
+
+Tolerances (relative to the largest logit): llamafile on F32 weights ≤ 1e-4 (same math, other
+summation order); AMXBF16 ≤ 1e-2 (weights rounded to bf16); AMXInt8 ≤ 3e-2 (int8 weights with
+per-row scales, 8-bit activations).  Measured on the tiny Qwen3-MoE: 7e-7, 1.7e-3, 7.4e-3.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ktransformers import load_model
+from ktransformers.optimize_rules import RULES_DIR
+
+TOL = {"llamafile": 1e-4, "AMXBF16": 1e-2, "AMXInt8": 3e-2}
+
+
+def _rules(backend: str, linear_op: str = "KLinearTorch") -> str:
+    text = (RULES_DIR / "Qwen3Moe-cpu.yaml").read_text()
+    text = text.replace("backend: llamafile", f"backend: {backend}")
+    return text.replace("generate_op: KLinearTorch", f"generate_op: {linear_op}")
+
+
+@pytest.mark.parametrize("backend", list(TOL))
+def test_whole_model_with_cpu_experts(backend, tiny_model_dir):
+    d = tiny_model_dir("qwen3_moe")
+    model = load_model(d, model_path=d, rules=_rules(backend), allow_unmatched=False)
+    op = model.model.layers[0].mlp.experts.generate_op
+    assert op.name == "KExpertsCPU" and op.backend == backend
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    ids = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        got = model(ids).logits
+    assert (got - ref).abs().max().item() <= TOL[backend] * ref.abs().max().item()
+    if backend == "llamafile":
+        a = model.generate(ids[:, :4], max_new_tokens=16, do_sample=False)
+        assert torch.equal(a, hf.generate(ids[:, :4], max_new_tokens=16, do_sample=False))
+
+
+def test_cpu_linear_in_whole_model(tiny_model_dir):
+    d = tiny_model_dir("qwen3_moe")
+    model = load_model(d, model_path=d, rules=_rules("llamafile", "KLinearCPU"))
+    assert model.model.layers[1].self_attn.q_proj.generate_op.name == "KLinearCPU"
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    ids = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        assert (model(ids).logits - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+
+
+def test_reference_name_klinearcpuinfer_and_bad_backend():
+    from ktransformers.errors import RuleError
+    from ktransformers.optimize import parse_rules
+
+    rules = parse_rules("- match: {name: x}\n  replace:\n    class: KTransformersLinear\n"
+                        "    kwargs: {generate_op: KLinearCPUInfer}\n")
+    assert rules[0].kwargs["generate_op"] == "KLinearCPUInfer"
+    with pytest.raises(RuleError, match=r"\(replace.kwargs.backend\).*'AMXint8'.*did you mean 'AMXInt8'"):
+        parse_rules("- match: {name: x}\n  replace:\n    class: KTransformersExperts\n"
+                    "    kwargs: {generate_op: KExpertsCPU, backend: AMXint8}\n")
+
+
+def test_experts_overlap_with_shared_experts(tiny_model_dir):
+    """Qwen2-MoE: routed experts submitted, shared expert computed meanwhile, then summed."""
+    d = tiny_model_dir("qwen2_moe")
+    model = load_model(d, model_path=d, allow_unmatched=False)
+    assert model.model.layers[0].mlp.experts.generate_op.name == "KExpertsCPU"
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    ids = torch.randint(0, 300, (1, 7), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        assert (model(ids).logits - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("quant", ["Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0"])
+def test_llamacpp_gguf_through_cpu_kernels(quant, fixtures_dir):
+    """llama.cpp's own GGUF files, experts computed in their stored types by the llamafile
+    backend, config from the GGUF metadata (no model_path).
+
+    Against llama.cpp's recorded logits (it quantizes activations too) the bar is the
+    fixtures' suggestion: mean |Δ| ≤ 0.05, median per-position max ≤ 0.2, max ≤ 0.75.
+    Measured: mean 0.016-0.024, median per-position max 0.06-0.085, max 0.16-0.33.
+    Against HF on the gguf-py-dequantized weights (exact fp32 reference), ≤ 0.15: the int8
+    activation path of Q8_0/Q4_K differs by up to 0.09; Q6_K/Q5_K/Q4_0 agree to 2e-5.
+    """
+    import json
+
+    import numpy as np
+
+    d = fixtures_dir / "qwen3moe-tiny"
+    pytest.importorskip("ktransformers.weights.gguf_source")
+    ids = torch.tensor([json.loads((d / "tokens.json").read_text())["token_ids"]])
+    model = load_model(d / f"{quant}.gguf", rules=RULES_DIR / "Qwen3Moe-cpu.yaml", allow_unmatched=False)
+    assert model.model.layers[0].mlp.experts.generate_op.name == "KExpertsCPU"
+    with torch.no_grad():
+        got = model(ids).logits[0].numpy()
+    ll = np.abs(got - np.load(d / f"{quant}.logits.npy"))
+    assert ll.mean() <= 0.05 and np.median(ll.max(axis=1)) <= 0.2 and ll.max() <= 0.75
+    assert np.abs(got - np.load(d / f"{quant}.hf_dequant_logits.npy")).max() <= 0.15
