@@ -1,0 +1,445 @@
+"""Hugging Face safetensors model -> GGUF file with llama.cpp names and metadata.
+
+    python -m ktransformers.convert --model_path HF_DIR --output OUT.gguf \\
+        --experts Q4_K --attention Q8_0 --default Q6_K [--embeddings Q8_0] [--output-type Q6_K] [--norms F32]
+
+Architectures: llama (and Mixtral, written as llama.cpp does: ``llama`` arch with ``ffn_*_exps``),
+qwen2, qwen3, qwen2_moe, qwen3_moe, deepseek_v2, deepseek_v3 (split MLA ``attn_k_b``/``attn_v_b``
+like current llama.cpp), gemma3 (text).
+
+Type policy, like llama-quantize's: routed experts ``--experts``; attention projections
+``--attention``; ``token_embd`` ``--embeddings``; ``output`` ``--output-type``; everything else 2-D
+``--default``; 1-D tensors (norms, biases), the router ``ffn_gate_inp`` and ``exp_probs_b`` stay
+``--norms`` (F32).  Rows that are not a multiple of a K-quant's 256-value block fall back like
+llama-quantize: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0 (Q2_K / Q3_K -> Q4_0, since we cannot
+write llama.cpp's IQ4_NL); rows not a multiple of 32 -> F16.
+
+Tensors are streamed: each one is read, transformed, quantized and written before the next is
+read (stacked experts one expert at a time), so memory stays near one tensor's size.  No
+tokenizer is written (``tokenizer.ggml.model = "no_vocab"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+
+from .errors import ConfigError, KTError, WeightError
+from .weights import gguf_names as gn
+from .weights.ggml_types import ggml_type_info
+from .weights.quantize import QUANTIZABLE, quantize
+
+_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
+@dataclass
+class TypePolicy:
+    experts: str = "Q4_K"
+    attention: str = "Q8_0"
+    default: str = "Q6_K"
+    embeddings: str | None = None
+    output: str | None = None
+    norms: str = "F32"
+
+    def __post_init__(self):
+        for k in ("experts", "attention", "default", "embeddings", "output", "norms"):
+            v = getattr(self, k)
+            if v is None:
+                continue
+            v = v.upper()
+            if v not in QUANTIZABLE:
+                raise ConfigError(f"--{k}: cannot write ggml type {v!r} (choose from {', '.join(QUANTIZABLE)})")
+            setattr(self, k, v)
+
+    def choose(self, gguf_name: str, shape: tuple[int, ...]) -> str:
+        leaf = gguf_name.split(".")[-2] if gguf_name.startswith("blk.") else gguf_name.split(".")[0]
+        if len(shape) == 1 or leaf in ("ffn_gate_inp", "ffn_gate_inp_shexp", "exp_probs_b"):
+            t = self.norms
+        elif leaf.endswith("_exps"):
+            t = self.experts
+        elif leaf.startswith("attn_"):
+            t = self.attention
+        elif leaf == "token_embd":
+            t = self.embeddings or self.default
+        elif leaf == "output":
+            t = self.output or self.default
+        else:
+            t = self.default
+        return fit_type(t, shape[-1])
+
+
+def fit_type(t: str, row: int) -> str:
+    """The type actually written for rows of ``row`` values (llama-quantize's fallbacks)."""
+    info = ggml_type_info(t)
+    if row % info.block_elems == 0:
+        return info.name
+    if t in _FALLBACK and row % 32 == 0:
+        return _FALLBACK[t]
+    if info.block_elems > 1:
+        return "F16"
+    return info.name
+
+
+# ------------------------------------------------------------------------------ checkpoint
+
+
+class Checkpoint:
+    """Lazy tensors of an HF safetensors folder, by canonical transformers 5 names.
+
+    Accepts per-expert keys (``experts.E.gate_proj.weight``), fused/stacked keys
+    (``experts.gate_up_proj``) and Mixtral's original ``block_sparse_moe.experts.E.w1/w2/w3``.
+    """
+
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise WeightError(f"{path}: no .safetensors files")
+        self.path = path
+        self._handles = {}
+        self._where: dict[str, Path] = {}
+        for f in files:
+            try:
+                h = safe_open(str(f), framework="pt")
+            except Exception as e:
+                raise WeightError(f"{f}: unreadable safetensors file ({e})") from e
+            self._handles[f] = h
+            for k in h.keys():
+                self._where[k] = f
+        self.keys = set(self._where)
+
+    def _alias(self, name: str) -> str | None:
+        if name in self._where:
+            return name
+        alt = name.replace(".mlp.", ".block_sparse_moe.")
+        alt = re.sub(r"\.experts\.(\d+)\.gate_proj\.", r".experts.\1.w1.", alt)
+        alt = re.sub(r"\.experts\.(\d+)\.down_proj\.", r".experts.\1.w2.", alt)
+        alt = re.sub(r"\.experts\.(\d+)\.up_proj\.", r".experts.\1.w3.", alt)
+        return alt if alt in self._where else None
+
+    def has(self, name: str) -> bool:
+        return self._alias(name) is not None
+
+    def get(self, name: str) -> torch.Tensor:
+        key = self._alias(name)
+        if key is None:
+            raise WeightError(f"{self.path}: tensor '{name}' not found in the checkpoint")
+        return self._handles[self._where[key]].get_tensor(key).to(torch.float32)
+
+    def expert(self, base: str, proj: str, e: int, n_inter: int) -> torch.Tensor:
+        """One expert's [out, in] matrix of ``proj`` (gate_proj/up_proj/down_proj) below ``base``."""
+        per = f"{base}.{e}.{proj}.weight"
+        if self.has(per):
+            return self.get(per)
+        if proj in ("gate_proj", "up_proj") and self.has(f"{base}.gate_up_proj"):
+            key = self._alias(f"{base}.gate_up_proj")
+            sl = self._handles[self._where[key]].get_slice(key)
+            fused = sl[e].to(torch.float32)
+            return fused[:n_inter] if proj == "gate_proj" else fused[n_inter:]
+        if self.has(f"{base}.{proj}"):
+            key = self._alias(f"{base}.{proj}")
+            return self._handles[self._where[key]].get_slice(key)[e].to(torch.float32)
+        raise WeightError(f"{self.path}: no weights for expert {e} of {base}.{proj}")
+
+
+# ------------------------------------------------------------------------------ plan
+
+
+@dataclass
+class _Out:
+    name: str
+    shape: tuple[int, ...]  # torch order
+    ggml_type: str
+    produce: Callable[[], np.ndarray]  # -> flat uint8 bytes
+
+    @property
+    def nbytes(self) -> int:
+        return ggml_type_info(self.ggml_type).nbytes(self.shape)
+
+
+def _meta_model(config):
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights():
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _arch_of(config) -> str:
+    mt = config.model_type
+    if mt == "gemma3":
+        config = config.get_text_config()
+        mt = config.model_type
+    arch = gn.MODEL_TYPE_TO_ARCH.get(mt)
+    if arch is None:
+        raise ConfigError(f"cannot convert model_type '{mt}' (supported: {', '.join(sorted(gn.MODEL_TYPE_TO_ARCH))})")
+    return arch
+
+
+def metadata_for(config, arch: str, tensor_names: Iterable[str]) -> dict[str, tuple[str, object]]:
+    """llama.cpp metadata keys for ``config``: {key: (gguf value kind, value)}."""
+    c = config
+    A = arch
+    md: dict[str, tuple[str, object]] = {
+        "general.architecture": ("str", A),
+        "general.name": ("str", getattr(c, "_name_or_path", "") or A),
+        "general.quantization_version": ("u32", 2),
+        f"{A}.block_count": ("u32", c.num_hidden_layers),
+        f"{A}.context_length": ("u32", c.max_position_embeddings),
+        f"{A}.embedding_length": ("u32", c.hidden_size),
+        f"{A}.feed_forward_length": ("u32", c.intermediate_size),
+        f"{A}.attention.head_count": ("u32", c.num_attention_heads),
+        f"{A}.attention.head_count_kv": ("u32", getattr(c, "num_key_value_heads", c.num_attention_heads)),
+        f"{A}.attention.layer_norm_rms_epsilon": ("f32", c.rms_norm_eps),
+        f"{A}.vocab_size": ("u32", c.vocab_size),
+        "tokenizer.ggml.model": ("str", "no_vocab"),
+    }
+    rp = getattr(c, "rope_parameters", None) or {}
+    if A == "gemma3":
+        rp = rp.get("full_attention", rp)
+    md[f"{A}.rope.freq_base"] = ("f32", float(rp.get("rope_theta", 10000.0)))
+    rtype = rp.get("rope_type", "default")
+    if rtype in ("linear", "yarn"):
+        md[f"{A}.rope.scaling.type"] = ("str", rtype)
+        md[f"{A}.rope.scaling.factor"] = ("f32", float(rp["factor"]))
+        if rtype == "yarn":
+            if rp.get("original_max_position_embeddings"):
+                md[f"{A}.rope.scaling.original_context_length"] = ("u32", int(rp["original_max_position_embeddings"]))
+            if rp.get("mscale_all_dim"):
+                md[f"{A}.rope.scaling.yarn_log_multiplier"] = ("f32", 0.1 * float(rp["mscale_all_dim"]))
+    for tok in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        v = getattr(c, tok, None)
+        if isinstance(v, list):
+            v = v[0] if v else None
+        if v is not None:
+            key = "padding_token_id" if tok == "pad_token_id" else tok
+            md[f"tokenizer.ggml.{key}"] = ("u32", int(v))
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    if A in ("llama",):
+        md[f"{A}.rope.dimension_count"] = ("u32", head_dim)
+        if getattr(c, "head_dim", None) and c.head_dim != c.hidden_size // c.num_attention_heads:
+            md[f"{A}.attention.key_length"] = ("u32", head_dim)
+            md[f"{A}.attention.value_length"] = ("u32", head_dim)
+        if getattr(c, "num_local_experts", 0):
+            md[f"{A}.expert_count"] = ("u32", c.num_local_experts)
+            md[f"{A}.expert_used_count"] = ("u32", c.num_experts_per_tok)
+    if A in ("qwen3", "qwen3moe", "gemma3"):
+        md[f"{A}.attention.key_length"] = ("u32", head_dim)
+        md[f"{A}.attention.value_length"] = ("u32", head_dim)
+    if A in ("qwen2moe", "qwen3moe"):
+        md[f"{A}.expert_count"] = ("u32", c.num_experts)
+        md[f"{A}.expert_used_count"] = ("u32", c.num_experts_per_tok)
+        md[f"{A}.expert_feed_forward_length"] = ("u32", c.moe_intermediate_size)
+        if A == "qwen2moe":
+            md[f"{A}.expert_shared_feed_forward_length"] = ("u32", c.shared_expert_intermediate_size)
+    if A == "deepseek2":
+        rope = c.qk_rope_head_dim
+        md.update({
+            f"{A}.attention.head_count_kv": ("u32", 1),
+            f"{A}.attention.key_length": ("u32", c.kv_lora_rank + rope),
+            f"{A}.attention.value_length": ("u32", c.kv_lora_rank),
+            f"{A}.attention.key_length_mla": ("u32", c.qk_nope_head_dim + rope),
+            f"{A}.attention.value_length_mla": ("u32", c.v_head_dim),
+            f"{A}.attention.kv_lora_rank": ("u32", c.kv_lora_rank),
+            f"{A}.rope.dimension_count": ("u32", rope),
+            f"{A}.leading_dense_block_count": ("u32", c.first_k_dense_replace),
+            f"{A}.expert_count": ("u32", c.n_routed_experts),
+            f"{A}.expert_used_count": ("u32", c.num_experts_per_tok),
+            f"{A}.expert_feed_forward_length": ("u32", c.moe_intermediate_size),
+            f"{A}.expert_shared_count": ("u32", c.n_shared_experts or 0),
+            f"{A}.expert_weights_scale": ("f32", float(c.routed_scaling_factor)),
+            f"{A}.expert_weights_norm": ("bool", bool(c.norm_topk_prob)),
+            f"{A}.expert_group_count": ("u32", c.n_group or 1),
+            f"{A}.expert_group_used_count": ("u32", c.topk_group or 1),
+        })
+        if c.q_lora_rank:
+            md[f"{A}.attention.q_lora_rank"] = ("u32", c.q_lora_rank)
+        sigmoid = c.model_type == "deepseek_v3" or getattr(c, "scoring_func", "softmax") == "sigmoid"
+        md[f"{A}.expert_gating_func"] = ("u32", 2 if sigmoid else 1)
+    if A == "gemma3":
+        md[f"{A}.attention.sliding_window"] = ("u32", c.sliding_window)
+    return md
+
+
+def plan(config, ckpt: Checkpoint, policy: TypePolicy) -> tuple[str, list[_Out]]:
+    """The GGUF tensors to write for ``config``, each with a producer that reads the checkpoint."""
+    text_cfg = config.get_text_config() if config.model_type == "gemma3" else config
+    arch = _arch_of(config)
+    nmap = gn.name_map(arch)
+    model = _meta_model(text_cfg)
+    tied = bool(getattr(text_cfg, "tie_word_embeddings", False))
+    outs: list[_Out] = []
+    n_head = text_cfg.num_attention_heads
+    n_kv = getattr(text_cfg, "num_key_value_heads", n_head)
+
+    def ck_name(hf: str) -> str:
+        if ckpt.has(hf):
+            return hf
+        if arch == "gemma3" and ckpt.has(hf.replace("model.", "model.language_model.", 1)):
+            return hf.replace("model.", "model.language_model.", 1)
+        return hf
+
+    def add(gname: str, shape, fn):
+        shape = tuple(int(s) for s in shape)
+        t = policy.choose(gname, shape)
+        outs.append(_Out(gname, shape, t, lambda fn=fn, t=t: quantize(fn(), t)))
+
+    for hf, p in model.state_dict().items():
+        shape = tuple(p.shape)
+        if hf == "lm_head.weight" and tied:
+            continue
+        base, leaf = hf.rsplit(".", 1)
+        if base.endswith("mlp.experts") and leaf in ("gate_up_proj", "down_proj"):
+            E = shape[0]
+            projs = [("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps")] if leaf == "gate_up_proj" else [
+                ("down_proj", "ffn_down_exps")]
+            layer = re.match(r"model\.layers\.(\d+)\.", hf).group(1)
+            n_inter = shape[1] // 2 if leaf == "gate_up_proj" else shape[2]
+            for proj, g in projs:
+                eshape = (shape[1] // 2, shape[2]) if leaf == "gate_up_proj" else (shape[1], shape[2])
+                gname = f"blk.{layer}.{g}.weight"
+                t = policy.choose(gname, (E, *eshape))
+                outs.append(_Out(gname, (E, *eshape), t, _expert_producer(ckpt, ck_name(base), proj, E, n_inter, t)))
+            continue
+        if arch == "deepseek2" and hf.endswith("self_attn.kv_b_proj.weight"):
+            layer = re.match(r"model\.layers\.(\d+)\.", hf).group(1)
+            nope, v = text_cfg.qk_nope_head_dim, text_cfg.v_head_dim
+            r = shape[1]
+            src = ck_name(hf)
+            add(f"blk.{layer}.attn_k_b.weight", (n_head, r, nope),
+                lambda src=src: gn.split_kv_b(ckpt.get(src), n_head, nope, v)[0])
+            add(f"blk.{layer}.attn_v_b.weight", (n_head, v, r),
+                lambda src=src: gn.split_kv_b(ckpt.get(src), n_head, nope, v)[1])
+            continue
+        gname = nmap.hf_to_gguf(hf)
+        if gname is None:
+            raise ConfigError(f"{ckpt.path}: no GGUF name for parameter '{hf}' of a {arch} model")
+        src = ck_name(hf)
+        if arch == "llama" and re.search(r"\.attn_(q|k)\.(weight|bias)$", gname):
+            kv = n_head if ".attn_q." in gname else n_kv
+            add(gname, shape, lambda src=src, kv=kv: gn.permute_qk(ckpt.get(src), n_head, kv))
+        elif arch == "gemma3" and gn.is_gemma_norm(gname):
+            add(gname, shape, lambda src=src: ckpt.get(src) + 1.0)
+        else:
+            add(gname, shape, lambda src=src: ckpt.get(src))
+    return arch, outs
+
+
+def _expert_producer(ckpt: Checkpoint, base: str, proj: str, E: int, n_inter: int, t: str):
+    def produce() -> np.ndarray:
+        parts = []
+        for e in range(E):
+            parts.append(quantize(ckpt.expert(base, proj, e, n_inter), t))
+        return np.concatenate(parts)
+
+    return produce
+
+
+# ------------------------------------------------------------------------------ writing
+
+
+def write_gguf(output: Path, metadata: dict, outs: list[_Out], log: Callable[[str], None] | None = None) -> None:
+    """Stream ``outs`` into a GGUF file with gguf-py's writer (header, metadata, tensor infos, data)."""
+    import gguf
+
+    arch = metadata["general.architecture"][1]
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(output.name + ".partial")
+    w = gguf.GGUFWriter(str(tmp), arch=arch)
+    for k, (kind, v) in metadata.items():
+        if k == "general.architecture":
+            continue
+        {"str": w.add_string, "u32": w.add_uint32, "f32": w.add_float32, "bool": w.add_bool}[kind](k, v)
+    for o in outs:
+        info = ggml_type_info(o.ggml_type)
+        byte_shape = (*o.shape[:-1], info.row_bytes(o.shape[-1]))
+        if info.name in ("F32", "F16"):
+            w.add_tensor_info(o.name, o.shape, np.dtype(np.float32 if info.name == "F32" else np.float16), o.nbytes)
+        else:
+            w.add_tensor_info(o.name, byte_shape, np.dtype(np.uint8), o.nbytes,
+                              raw_dtype=gguf.GGMLQuantizationType(info.id))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    t0 = time.time()
+    for i, o in enumerate(outs):
+        data = o.produce()
+        if data.nbytes != o.nbytes:
+            raise AssertionError(f"{o.name}: produced {data.nbytes} bytes, expected {o.nbytes}")
+        w.write_tensor_data(data)
+        if log:
+            log(f"[{i + 1}/{len(outs)}] {o.name} {o.ggml_type} {list(o.shape)} ({time.time() - t0:.1f}s)")
+    w.close()
+    tmp.replace(output)
+
+
+def convert(
+    model_path: str | Path,
+    output: str | Path,
+    experts: str = "Q4_K",
+    attention: str = "Q8_0",
+    default: str = "Q6_K",
+    embeddings: str | None = None,
+    output_type: str | None = None,
+    norms: str = "F32",
+    log: Callable[[str], None] | None = None,
+) -> Path:
+    """Convert an HF safetensors model folder into one GGUF file; returns the output path."""
+    from transformers import AutoConfig
+
+    mp = Path(model_path)
+    if not (mp / "config.json").is_file():
+        raise ConfigError(f"{mp}: no config.json (expected a Hugging Face model folder)")
+    try:
+        config = AutoConfig.from_pretrained(str(mp))
+    except Exception as e:
+        raise ConfigError(f"{mp / 'config.json'}: cannot be read by transformers ({e})") from e
+    raw_cfg = json.loads((mp / "config.json").read_text())
+    if "scoring_func" in raw_cfg and not hasattr(config, "scoring_func"):
+        config.scoring_func = raw_cfg["scoring_func"]
+    policy = TypePolicy(experts, attention, default, embeddings, output_type, norms)
+    ckpt = Checkpoint(mp)
+    arch, outs = plan(config, ckpt, policy)
+    text_cfg = config.get_text_config() if config.model_type == "gemma3" else config
+    md = metadata_for(text_cfg, arch, [o.name for o in outs])
+    md["general.name"] = ("str", raw_cfg.get("_name_or_path") or mp.name)
+    out = Path(output)
+    write_gguf(out, md, outs, log)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ktransformers.convert", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model_path", "--model-path", required=True, help="Hugging Face model folder (safetensors)")
+    ap.add_argument("--output", required=True, help="GGUF file to write")
+    ap.add_argument("--experts", default="Q4_K", help="type of routed-expert tensors (default Q4_K)")
+    ap.add_argument("--attention", default="Q8_0", help="type of attention projections (default Q8_0)")
+    ap.add_argument("--default", default="Q6_K", help="type of other 2-D tensors (default Q6_K)")
+    ap.add_argument("--embeddings", default=None, help="type of token_embd (default: --default)")
+    ap.add_argument("--output-type", "--output_type", dest="output_type", default=None,
+                    help="type of the output (lm_head) tensor (default: --default)")
+    ap.add_argument("--norms", default="F32", help="type of 1-D tensors and routers (default F32)")
+    ap.add_argument("-q", "--quiet", action="store_true")
+    a = ap.parse_args(argv)
+    try:
+        out = convert(a.model_path, a.output, a.experts, a.attention, a.default, a.embeddings, a.output_type,
+                      a.norms, log=None if a.quiet else (lambda s: print(s, file=sys.stderr)))
+    except KTError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,338 @@
+"""Vectorized torch dequantizers for ggml block formats (CPU and CUDA tensors alike).
+
+Every ``_deq_*`` function takes ``blocks``, a ``uint8`` tensor ``[n_blocks, block_bytes]`` on any
+device, and returns ``float32`` ``[n_blocks, block_elems]``.  Each one mirrors gguf-py's numpy
+reference (``gguf.quants``) operation for operation -- same products, same order -- so the results
+are bit-identical to ``gguf.quants.dequantize`` (checked by ``tests/weights/test_dequant.py``).
+
+The public entry point is :func:`dequantize` (whole tensors, chunked so the extra memory stays
+bounded); block sizes and the type -> function table live in :mod:`.ggml_types`.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+QK_K = 256
+
+#: IQ4_NL / IQ4_XS non-linear code book (llama.cpp ``kvalues_iq4nl``)
+IQ4NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+_CONST_CACHE: dict[tuple, torch.Tensor] = {}
+
+
+def _const(values, dtype: torch.dtype, device: torch.device, shape) -> torch.Tensor:
+    key = (tuple(values), dtype, str(device), tuple(shape))
+    t = _CONST_CACHE.get(key)
+    if t is None:
+        t = torch.tensor(values, dtype=dtype, device=device).reshape(shape)
+        _CONST_CACHE[key] = t
+    return t
+
+
+def _f16(blocks: torch.Tensor, off: int) -> torch.Tensor:
+    """fp16 scalar at byte ``off`` of every block, as float32 ``[n, 1]``."""
+    return blocks[:, off : off + 2].contiguous().view(torch.float16).to(torch.float32)
+
+
+def _shr(x: torch.Tensor, shifts, shape) -> torch.Tensor:
+    return x >> _const(shifts, x.dtype, x.device, shape)
+
+
+# ---------------------------------------------------------------------------------------- plain
+
+
+def _deq_f32(blocks: torch.Tensor) -> torch.Tensor:
+    return blocks.contiguous().view(torch.float32)
+
+
+def _deq_f16(blocks: torch.Tensor) -> torch.Tensor:
+    return blocks.contiguous().view(torch.float16).to(torch.float32)
+
+
+def _deq_bf16(blocks: torch.Tensor) -> torch.Tensor:
+    return (blocks.contiguous().view(torch.int16).to(torch.int32) << 16).view(torch.float32)
+
+
+# ------------------------------------------------------------------------------ 32-element types
+
+
+def _nibbles32(qs: torch.Tensor) -> torch.Tensor:
+    """16 packed bytes -> 32 values: low nibbles are elements 0..15, high nibbles 16..31."""
+    n = qs.shape[0]
+    return (_shr(qs.reshape(n, 1, 16), (0, 4), (1, 2, 1)) & 0x0F).reshape(n, 32)
+
+
+def _bits32(qh4: torch.Tensor) -> torch.Tensor:
+    """4 bytes read as a little-endian uint32 -> its 32 bits (bit j = element j)."""
+    n = qh4.shape[0]
+    return (_shr(qh4.reshape(n, 4, 1), tuple(range(8)), (1, 1, 8)) & 1).reshape(n, 32)
+
+
+def _deq_q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    d = _f16(blocks, 0)
+    q = _nibbles32(blocks[:, 2:]).to(torch.int8) - 8
+    return d * q.to(torch.float32)
+
+
+def _deq_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    d = _f16(blocks, 0)
+    m = _f16(blocks, 2)
+    q = _nibbles32(blocks[:, 4:]).to(torch.float32)
+    return d * q + m
+
+
+def _deq_q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    d = _f16(blocks, 0)
+    qh = _bits32(blocks[:, 2:6])
+    ql = _nibbles32(blocks[:, 6:])
+    q = (ql | (qh << 4)).to(torch.int8) - 16
+    return d * q.to(torch.float32)
+
+
+def _deq_q5_1(blocks: torch.Tensor) -> torch.Tensor:
+    d = _f16(blocks, 0)
+    m = _f16(blocks, 2)
+    qh = _bits32(blocks[:, 4:8])
+    ql = _nibbles32(blocks[:, 8:])
+    q = (ql | (qh << 4)).to(torch.float32)
+    return d * q + m
+
+
+def _deq_q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    d = _f16(blocks, 0)
+    x = blocks[:, 2:].contiguous().view(torch.int8).to(torch.float32)
+    return x * d
+
+
+def _deq_iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
+    d = _f16(blocks, 0)
+    idx = _nibbles32(blocks[:, 2:]).to(torch.int64)
+    kv = _const(IQ4NL_VALUES, torch.float32, blocks.device, (16,))
+    return d * kv[idx]
+
+
+# ------------------------------------------------------------------------------------- K-quants
+
+
+def _deq_q2_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    scales = blocks[:, 0:16]
+    qs = blocks[:, 16:80]
+    d = _f16(blocks, 80)
+    dmin = _f16(blocks, 82)
+    dl = (d * (scales & 0xF).to(torch.float32)).reshape(n, 16, 1)
+    ml = (dmin * (scales >> 4).to(torch.float32)).reshape(n, 16, 1)
+    q = _shr(qs.reshape(n, 2, 1, 32), (0, 2, 4, 6), (1, 1, 4, 1)) & 3
+    q = q.reshape(n, 16, 16).to(torch.float32)
+    return (dl * q - ml).reshape(n, QK_K)
+
+
+def _deq_q3_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    hmask = blocks[:, 0:32]
+    qs = blocks[:, 32:96]
+    scales = blocks[:, 96:108]
+    d = _f16(blocks, 108)
+    ls = _shr(scales[:, :8].reshape(n, 1, 8), (0, 4), (1, 2, 1)).reshape(n, 16)
+    hs = _shr(scales[:, 8:].reshape(n, 1, 4), (0, 2, 4, 6), (1, 4, 1)).reshape(n, 16)
+    sc = ((ls & 0x0F) | ((hs & 0x03) << 4)).to(torch.int8) - 32
+    dl = (d * sc.to(torch.float32)).reshape(n, 16, 1)
+    ql = _shr(qs.reshape(n, 2, 1, 32), (0, 2, 4, 6), (1, 1, 4, 1)).reshape(n, 16, 16) & 3
+    qh = _shr(hmask.reshape(n, 1, 1, 32), tuple(range(8)), (1, 1, 8, 1)).reshape(n, 16, 16) & 1
+    qh = qh ^ 1
+    q = (ql.to(torch.int8) - (qh << 2).to(torch.int8)).to(torch.float32)
+    return (dl * q).reshape(n, QK_K)
+
+
+def _scale_min_k4(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unpack the 12-byte 6-bit scale/min block of Q4_K / Q5_K -> (sc [n, 8], min [n, 8])."""
+    d_ = scales[:, 0:4]
+    m_ = scales[:, 4:8]
+    md = scales[:, 8:12]
+    sc = torch.cat([d_ & 0x3F, (md & 0x0F) | ((d_ >> 2) & 0x30)], dim=1)
+    mn = torch.cat([m_ & 0x3F, (md >> 4) | ((m_ >> 2) & 0x30)], dim=1)
+    return sc, mn
+
+
+def _deq_q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    d = _f16(blocks, 0)
+    dmin = _f16(blocks, 2)
+    sc, mn = _scale_min_k4(blocks[:, 4:16])
+    dd = (d * sc.to(torch.float32)).reshape(n, 8, 1)
+    dm = (dmin * mn.to(torch.float32)).reshape(n, 8, 1)
+    q = _shr(blocks[:, 16:].reshape(n, 4, 1, 32), (0, 4), (1, 1, 2, 1)) & 0x0F
+    q = q.reshape(n, 8, 32).to(torch.float32)
+    return (dd * q - dm).reshape(n, QK_K)
+
+
+def _deq_q5_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    d = _f16(blocks, 0)
+    dmin = _f16(blocks, 2)
+    sc, mn = _scale_min_k4(blocks[:, 4:16])
+    qh = blocks[:, 16:48]
+    qs = blocks[:, 48:176]
+    dd = (d * sc.to(torch.float32)).reshape(n, 8, 1)
+    dm = (dmin * mn.to(torch.float32)).reshape(n, 8, 1)
+    ql = (_shr(qs.reshape(n, 4, 1, 32), (0, 4), (1, 1, 2, 1)) & 0x0F).reshape(n, 8, 32)
+    qhb = (_shr(qh.reshape(n, 1, 1, 32), tuple(range(8)), (1, 1, 8, 1)) & 1).reshape(n, 8, 32)
+    q = (ql | (qhb << 4)).to(torch.float32)
+    return (dd * q - dm).reshape(n, QK_K)
+
+
+def _deq_q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    ql = blocks[:, 0:128]
+    qh = blocks[:, 128:192]
+    scales = blocks[:, 192:208].contiguous().view(torch.int8).to(torch.float32)
+    d = _f16(blocks, 208)
+    dd = (d * scales).reshape(n, 16, 1)
+    lo = (_shr(ql.reshape(n, 2, 1, 64), (0, 4), (1, 1, 2, 1)) & 0x0F).reshape(n, 8, 32)
+    hi = (_shr(qh.reshape(n, 2, 1, 32), (0, 2, 4, 6), (1, 1, 4, 1)) & 0x03).reshape(n, 8, 32)
+    q = ((lo | (hi << 4)).to(torch.int8) - 32).reshape(n, 16, 16).to(torch.float32)
+    return (dd * q).reshape(n, QK_K)
+
+
+def _deq_iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    d = _f16(blocks, 0)
+    sh = blocks[:, 2:4].to(torch.int32)
+    sh = sh[:, 0:1] | (sh[:, 1:2] << 8)  # little-endian uint16
+    sl = blocks[:, 4:8]
+    qs = blocks[:, 8:136]
+    lo = (_shr(sl.reshape(n, 4, 1), (0, 4), (1, 1, 2)) & 0x0F).reshape(n, 8)
+    hi = (_shr(sh.reshape(n, 1), tuple(range(0, 16, 2)), (1, 8)) & 0x03).to(torch.uint8)
+    sc = (lo | (hi << 4)).to(torch.int8) - 32
+    dl = (d * sc.to(torch.float32)).reshape(n, 8, 1)
+    idx = (_shr(qs.reshape(n, 8, 1, 16), (0, 4), (1, 1, 2, 1)) & 0x0F).reshape(n, 8, 32).to(torch.int64)
+    kv = _const(IQ4NL_VALUES, torch.float32, blocks.device, (16,))
+    return (dl * kv[idx]).reshape(n, QK_K)
+
+
+# ------------------------------------------------------------------------------------ dispatch
+
+#: values dequantized per step by :func:`dequantize`: small enough that the temporaries of one
+#: chunk stay in cache (measured fastest on CPU), large enough that per-op overhead is negligible
+DEFAULT_CHUNK_ELEMS = 1 << 17
+
+_warned_fallback: set[str] = set()
+
+
+class UnsupportedTypeError(ValueError):
+    """Neither this module nor gguf-py can dequantize the ggml type."""
+
+
+def _as_uint8_tensor(data) -> torch.Tensor:
+    if isinstance(data, torch.Tensor):
+        return data.reshape(-1).view(torch.uint8) if data.dtype != torch.uint8 else data.reshape(-1)
+    arr = np.asarray(data)
+    arr = arr.reshape(-1).view(np.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read-only buffers: we never write through this view
+        return torch.from_numpy(arr)
+
+
+def _gguf_py_blocks(ggml_type, name: str):
+    """A block function using gguf-py's numpy dequantizer (the fallback for exotic types)."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType(int(ggml_type))
+
+    def fn(blocks: torch.Tensor) -> torch.Tensor:
+        if name not in _warned_fallback:
+            _warned_fallback.add(name)
+            msg = f"ggml type {name}: no torch dequantizer, using gguf-py's numpy one (slower, CPU)"
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+            logger.warning(msg)
+        dev = blocks.device
+        arr = blocks.cpu().numpy()
+        out = gguf.quants.dequantize(arr, qtype)
+        return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).reshape(arr.shape[0], -1).to(dev)
+
+    return fn
+
+
+def block_dequantizer(ggml_type):
+    """The block function for a ggml type (ours, else gguf-py's fallback); raises UnsupportedTypeError."""
+    from .ggml_types import ggml_type_info
+
+    info = ggml_type_info(ggml_type)
+    if info.dequant is not None:
+        return info.dequant
+    import gguf.quants
+
+    try:
+        qtype = gguf.GGMLQuantizationType(info.id)
+    except ValueError:
+        qtype = None
+    if qtype is not None and qtype in gguf.quants._type_traits:
+        return _gguf_py_blocks(qtype, info.name)
+    raise UnsupportedTypeError(f"ggml type {info.name} ({info.id}) cannot be dequantized")
+
+
+def dequantize(
+    data,
+    ggml_type,
+    shape=None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+    chunk_blocks: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dequantize raw ggml bytes into a ``dtype`` tensor of ``shape`` (torch order) on ``device``.
+
+    ``data`` is a flat ``uint8`` numpy array (e.g. a zero-copy view of a memory-mapped file) or a
+    ``uint8`` torch tensor (any device).  Work proceeds ``chunk_blocks`` blocks at a time (default: about 128k values): only
+    that chunk is copied to ``device`` and expanded to float32, so the extra memory beyond the
+    output stays bounded whatever the tensor size.  F32 input asked for as float32 on the CPU is
+    returned zero-copy.
+    """
+    from .ggml_types import ggml_type_info
+
+    info = ggml_type_info(ggml_type)
+    src = _as_uint8_tensor(data)
+    nbytes = src.numel()
+    if nbytes % info.block_bytes:
+        raise ValueError(f"{nbytes} bytes is not a whole number of {info.name} blocks ({info.block_bytes} B)")
+    n_blocks = nbytes // info.block_bytes
+    n_elems = n_blocks * info.block_elems
+    if shape is None:
+        shape = (n_elems,)
+    shape = tuple(int(s) for s in shape)
+    if int(np.prod(shape, dtype=np.int64)) != n_elems:
+        raise ValueError(f"{info.name}: {nbytes} bytes hold {n_elems} values, not shape {list(shape)}")
+    device = torch.device(device) if device is not None else src.device
+
+    if out is None and info.name == "F32" and dtype == torch.float32 and src.device == device:
+        return src.view(torch.float32).reshape(shape)
+    if out is None and info.name in ("F16", "BF16") and src.device == device:
+        native = torch.float16 if info.name == "F16" else torch.bfloat16
+        if dtype == native:
+            return src.view(native).reshape(shape)
+
+    fn = block_dequantizer(info.id)
+    if out is None:
+        out = torch.empty(n_elems, dtype=dtype, device=device)
+    else:
+        if out.numel() != n_elems or not out.is_contiguous():
+            raise ValueError("out has the wrong size or is not contiguous")
+    flat = out.reshape(-1)
+    if chunk_blocks is None:
+        chunk_blocks = DEFAULT_CHUNK_ELEMS // info.block_elems
+        if device.type != "cpu":
+            chunk_blocks *= 64  # GPUs want big launches; memory stays bounded all the same
+    step = max(1, int(chunk_blocks))
+    bb, be = info.block_bytes, info.block_elems
+    for b0 in range(0, n_blocks, step):
+        b1 = min(n_blocks, b0 + step)
+        chunk = src[b0 * bb : b1 * bb].to(device, non_blocking=False).reshape(b1 - b0, bb)
+        flat[b0 * be : b1 * be].copy_(fn(chunk).reshape(-1))
+    return out.reshape(shape)

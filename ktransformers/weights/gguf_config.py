@@ -1,0 +1,304 @@
+"""transformers configs (and tokenizers) from GGUF metadata.
+
+:func:`config_from_metadata` turns llama.cpp's ``<arch>.*`` keys into the transformers 5.24 config
+class the unmodified HF model is built from:
+
+=============  ==========================================================================
+GGUF arch      config
+=============  ==========================================================================
+llama          LlamaConfig, or MixtralConfig when ``llama.expert_count`` > 0
+qwen2 / qwen3  Qwen2Config / Qwen3Config
+qwen2moe       Qwen2MoeConfig
+qwen3moe       Qwen3MoeConfig
+deepseek2      DeepseekV3Config when ``expert_gating_func`` is 2 (sigmoid) or the file has
+               ``exp_probs_b`` tensors, else DeepseekV2Config
+gemma3         Gemma3TextConfig
+=============  ==========================================================================
+
+Conventions: the config says ``dtype=float32`` (override with ``dtype=``), and
+``tie_word_embeddings`` is true exactly when the file has no ``output.weight``.  deepseek2 files
+written by recent llama.cpp describe MLA as MQA (``head_count_kv = 1``, ``key_length =
+kv_lora_rank + rope``); the real per-head sizes are ``key_length_mla`` / ``value_length_mla``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from ..errors import WeightError
+
+# llama.cpp's gemma3 constants (not stored in the file): local (sliding) rope base and SWA pattern
+GEMMA3_ROPE_LOCAL_BASE = 10000.0
+GEMMA3_SLIDING_PATTERN = 6
+
+
+class _Meta:
+    def __init__(self, meta: Mapping[str, Any], arch: str, where: str):
+        self.m = meta
+        self.arch = arch
+        self.where = where
+
+    def get(self, key: str, default=None):
+        v = self.m.get(f"{self.arch}.{key}", default)
+        if isinstance(v, list) and v and not isinstance(v[0], str):
+            # per-layer arrays (e.g. feed_forward_length on some files): use the largest value
+            v = max(v)
+        return v
+
+    def need(self, key: str):
+        v = self.get(key)
+        if v is None:
+            raise WeightError(f"{self.where}: GGUF metadata lacks '{self.arch}.{key}'")
+        return v
+
+
+def _rope_parameters(md: _Meta, theta: float) -> dict:
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(theta)}
+    kind = md.get("rope.scaling.type")
+    factor = md.get("rope.scaling.factor")
+    if kind in (None, "none") or not factor or float(factor) == 1.0:
+        return rope
+    if kind == "linear":
+        rope.update(rope_type="linear", factor=float(factor))
+    elif kind == "yarn":
+        rope.update(rope_type="yarn", factor=float(factor))
+        orig = md.get("rope.scaling.original_context_length")
+        if orig:
+            rope["original_max_position_embeddings"] = int(orig)
+        logm = md.get("rope.scaling.yarn_log_multiplier")
+        if logm:
+            # llama.cpp's converter writes 0.1 * mscale_all_dim
+            rope["mscale_all_dim"] = float(logm) / 0.1
+            rope["mscale"] = rope["mscale_all_dim"]
+        for k_g, k_h in (("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow")):
+            v = md.get(k_g)
+            if v:
+                rope[k_h] = float(v)
+    else:
+        rope.update(rope_type=str(kind), factor=float(factor))
+    return rope
+
+
+def config_from_metadata(
+    meta: Mapping[str, Any],
+    tensor_shapes: Mapping[str, tuple[int, ...]],
+    where: str = "gguf",
+    dtype: torch.dtype | str = torch.float32,
+):
+    """Build the transformers config for a GGUF file from its metadata and tensor shapes.
+
+    ``tensor_shapes`` maps GGUF tensor names to torch-order shapes (used for the vocabulary size,
+    tied embeddings and a few sizes that older files do not store).
+    """
+    import transformers as tf
+
+    arch = meta.get("general.architecture")
+    if arch is None:
+        raise WeightError(f"{where}: GGUF metadata lacks 'general.architecture'")
+    if arch not in _SUPPORTED:
+        raise WeightError(
+            f"{where}: GGUF architecture '{arch}' is not supported "
+            "(supported: llama, mixtral-style llama, qwen2, qwen3, qwen2moe, qwen3moe, deepseek2, gemma3)"
+        )
+    md = _Meta(meta, arch, where)
+
+    emb = tensor_shapes.get("token_embd.weight")
+    vocab = md.get("vocab_size")
+    if emb is not None:
+        vocab = int(emb[0])
+    elif vocab is None:
+        tokens = meta.get("tokenizer.ggml.tokens")
+        vocab = len(tokens) if tokens else None
+    if vocab is None:
+        raise WeightError(f"{where}: cannot tell the vocabulary size (no token_embd.weight, no {arch}.vocab_size)")
+
+    hidden = int(md.need("embedding_length"))
+    n_layers = int(md.need("block_count"))
+    n_head = int(md.need("attention.head_count"))
+    n_head_kv = int(md.get("attention.head_count_kv", n_head))
+    kw: dict[str, Any] = dict(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        num_hidden_layers=n_layers,
+        num_attention_heads=n_head,
+        num_key_value_heads=n_head_kv,
+        max_position_embeddings=int(md.get("context_length", 4096)),
+        rms_norm_eps=float(md.get("attention.layer_norm_rms_epsilon", 1e-6)),
+        tie_word_embeddings="output.weight" not in tensor_shapes,
+    )
+    ffn = md.get("feed_forward_length")
+    if ffn is not None:
+        kw["intermediate_size"] = int(ffn)
+    for key, attr in (
+        ("tokenizer.ggml.bos_token_id", "bos_token_id"),
+        ("tokenizer.ggml.eos_token_id", "eos_token_id"),
+        ("tokenizer.ggml.padding_token_id", "pad_token_id"),
+    ):
+        if meta.get(key) is not None:
+            kw[attr] = int(meta[key])
+    theta = float(md.get("rope.freq_base", 10000.0))
+    key_len = md.get("attention.key_length")
+    n_expert = int(md.get("expert_count", 0) or 0)
+
+    def expert_ffn():
+        v = md.get("expert_feed_forward_length")
+        if v is None:
+            shp = tensor_shapes.get("blk.0.ffn_gate_exps.weight") or tensor_shapes.get(
+                f"blk.{n_layers - 1}.ffn_gate_exps.weight"
+            )
+            if shp is None:
+                raise WeightError(f"{where}: GGUF metadata lacks '{arch}.expert_feed_forward_length'")
+            v = shp[1]
+        return int(v)
+
+    if arch == "llama":
+        head_dim = int(key_len or md.get("rope.dimension_count") or hidden // n_head)
+        kw.update(head_dim=head_dim, rope_parameters=_rope_parameters(md, theta))
+        kw["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
+        if n_expert:
+            kw.pop("attention_bias")
+            kw.update(
+                num_local_experts=n_expert,
+                num_experts_per_tok=int(md.need("expert_used_count")),
+                intermediate_size=int(md.get("expert_feed_forward_length") or ffn),
+                sliding_window=None,
+            )
+            cfg = tf.MixtralConfig(**kw)
+        else:
+            cfg = tf.LlamaConfig(**kw)
+    elif arch in ("qwen2", "qwen3"):
+        kw["rope_parameters"] = _rope_parameters(md, theta)
+        if arch == "qwen3":
+            kw["head_dim"] = int(key_len or hidden // n_head)
+            kw["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
+            cfg = tf.Qwen3Config(**kw)
+        else:
+            cfg = tf.Qwen2Config(**kw)
+    elif arch in ("qwen2moe", "qwen3moe"):
+        kw.update(
+            rope_parameters=_rope_parameters(md, theta),
+            num_experts=n_expert,
+            num_experts_per_tok=int(md.need("expert_used_count")),
+            moe_intermediate_size=expert_ffn(),
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+        if arch == "qwen2moe":
+            sh = md.get("expert_shared_feed_forward_length")
+            if sh is None:
+                shp = tensor_shapes.get("blk.0.ffn_gate_shexp.weight")
+                sh = shp[0] if shp is not None else kw.get("intermediate_size", 0)
+            kw.update(shared_expert_intermediate_size=int(sh), norm_topk_prob=False)
+            cfg = tf.Qwen2MoeConfig(**kw)
+        else:
+            kw.update(head_dim=int(key_len or hidden // n_head), norm_topk_prob=True)
+            kw["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
+            cfg = tf.Qwen3MoeConfig(**kw)
+    elif arch == "deepseek2":
+        rope_dim = int(md.need("rope.dimension_count"))
+        k_mla = md.get("attention.key_length_mla")
+        v_mla = md.get("attention.value_length_mla")
+        k_len = int(k_mla if k_mla is not None else md.need("attention.key_length"))
+        v_len = int(v_mla if v_mla is not None else md.need("attention.value_length"))
+        q_lora = md.get("attention.q_lora_rank")
+        gating = int(md.get("expert_gating_func", 1) or 1)
+        has_bias = any(n.endswith("exp_probs_b.bias") for n in tensor_shapes)
+        n_group = int(md.get("expert_group_count", 1) or 1)
+        topk_group = int(md.get("expert_group_used_count", 1) or 1)
+        kw.update(
+            num_key_value_heads=n_head,  # MLA: llama.cpp's head_count_kv=1 is its MQA view
+            rope_parameters=_rope_parameters(md, theta),
+            q_lora_rank=int(q_lora) if q_lora else None,
+            kv_lora_rank=int(md.need("attention.kv_lora_rank")),
+            qk_rope_head_dim=rope_dim,
+            qk_nope_head_dim=k_len - rope_dim,
+            v_head_dim=v_len,
+            head_dim=rope_dim,
+            first_k_dense_replace=int(md.get("leading_dense_block_count", 0) or 0),
+            n_routed_experts=n_expert,
+            num_experts_per_tok=int(md.need("expert_used_count")),
+            moe_intermediate_size=expert_ffn(),
+            n_shared_experts=int(md.get("expert_shared_count", 0) or 0),
+            routed_scaling_factor=float(md.get("expert_weights_scale", 1.0) or 1.0),
+            norm_topk_prob=bool(md.get("expert_weights_norm", False)),
+            n_group=n_group,
+            topk_group=topk_group,
+        )
+        if gating == 2 or has_bias:
+            kw.update(num_nextn_predict_layers=0, rope_interleave=True)
+            cfg = tf.DeepseekV3Config(**kw)
+        else:
+            kw["topk_method"] = "group_limited_greedy" if n_group > 1 else "greedy"
+            cfg = tf.DeepseekV2Config(**kw)
+    elif arch == "gemma3":
+        head_dim = int(key_len or 256)
+        # llama.cpp scales queries by 1/sqrt(head_dim), except 27B (62 layers): 1/sqrt(hidden/heads)
+        qpas = hidden // n_head if n_layers == 62 else head_dim
+        full = _rope_parameters(md, theta)
+        kw.update(
+            head_dim=head_dim,
+            sliding_window=int(md.get("attention.sliding_window", 4096)),
+            query_pre_attn_scalar=qpas,
+            rope_parameters={
+                "full_attention": full,
+                "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_ROPE_LOCAL_BASE},
+            },
+            layer_types=[
+                "full_attention" if (i + 1) % GEMMA3_SLIDING_PATTERN == 0 else "sliding_attention"
+                for i in range(n_layers)
+            ],
+            final_logit_softcapping=md.get("final_logit_softcapping"),
+            attn_logit_softcapping=md.get("attn_logit_softcapping"),
+        )
+        cfg = tf.Gemma3TextConfig(**kw)
+    else:
+        raise WeightError(
+            f"{where}: GGUF architecture '{arch}' is not supported "
+            "(supported: llama, mixtral-style llama, qwen2, qwen3, qwen2moe, qwen3moe, deepseek2, gemma3)"
+        )
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    cfg.dtype = dtype
+    name = meta.get("general.name")
+    if name:
+        cfg._name_or_path = str(name)
+    cfg.architectures = [_ARCH_CLASS[type(cfg).__name__]]
+    return cfg
+
+
+_SUPPORTED = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "deepseek2", "gemma3")
+
+_ARCH_CLASS = {
+    "LlamaConfig": "LlamaForCausalLM",
+    "MixtralConfig": "MixtralForCausalLM",
+    "Qwen2Config": "Qwen2ForCausalLM",
+    "Qwen3Config": "Qwen3ForCausalLM",
+    "Qwen2MoeConfig": "Qwen2MoeForCausalLM",
+    "Qwen3MoeConfig": "Qwen3MoeForCausalLM",
+    "DeepseekV2Config": "DeepseekV2ForCausalLM",
+    "DeepseekV3Config": "DeepseekV3ForCausalLM",
+    "Gemma3TextConfig": "Gemma3ForCausalLM",
+}
+
+
+def tokenizer_from_gguf(path, meta: Mapping[str, Any]):
+    """A transformers tokenizer from the file's ``tokenizer.ggml.*`` metadata, or None.
+
+    None when the file has no vocabulary (``tokenizer.ggml.model`` absent or ``no_vocab``).
+    Built by transformers itself (``AutoTokenizer.from_pretrained(dir, gguf_file=name)``);
+    a tokenizer kind transformers cannot convert raises WeightError naming the file.
+    """
+    from pathlib import Path
+
+    model = meta.get("tokenizer.ggml.model")
+    if model in (None, "", "none", "no_vocab"):
+        return None
+    p = Path(path)
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    except Exception as e:  # transformers raises assorted errors for tokenizers it cannot convert
+        raise WeightError(f"{p}: cannot build a tokenizer from its '{model}' vocabulary ({type(e).__name__}: {e})") from e

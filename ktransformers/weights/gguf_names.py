@@ -1,0 +1,213 @@
+"""Hugging Face <-> GGUF (llama.cpp) tensor names, for the architectures we load and write.
+
+Names are mapped in both directions by one table per architecture.  GGUF names are llama.cpp's
+(``blk.N.attn_q.weight``); HF names are transformers 5.24's (``model.layers.N.self_attn.q_proj.weight``).
+Routed experts use the stacked *virtual* HF names of :mod:`.source`
+(``model.layers.N.mlp.experts.{gate,up,down}_proj``, torch ``[E, I, H]`` / ``[E, H, I]``).
+
+What a mapping alone cannot express is described by :class:`Transform` flags that the GGUF source
+(reading) and the converter (writing) apply:
+
+* ``llama`` arch: ``attn_q`` / ``attn_k`` rows are permuted by llama.cpp's converter (rotary pairs
+  interleaved per head); :func:`unpermute_qk` undoes it, :func:`permute_qk` does it.
+* ``gemma3``: llama.cpp stores every RMSNorm weight as ``w + 1`` (Gemma computes ``x * (1 + w)``);
+  HF ``w`` = GGUF value - 1 (transformers' own GGUF loader does the same).
+* ``deepseek2`` split MLA: ``attn_k_b [H, nope, kv_lora]`` + ``attn_v_b [H, v, kv_lora]`` (torch
+  order) rebuild HF ``kv_b_proj.weight [H*(nope+v), kv_lora]``: per head ``cat(k_b[h].T, v_b[h])``.
+* Tied output: no ``output.weight`` -> ``lm_head.weight`` is ``token_embd.weight``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+#: architectures the source and the converter handle (GGUF ``general.architecture`` values)
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "deepseek2", "gemma3")
+
+#: transformers ``model_type`` -> GGUF arch
+MODEL_TYPE_TO_ARCH = {
+    "llama": "llama",
+    "mistral": "llama",
+    "mixtral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen2_moe": "qwen2moe",
+    "qwen3_moe": "qwen3moe",
+    "deepseek_v2": "deepseek2",
+    "deepseek_v3": "deepseek2",
+    "gemma3_text": "gemma3",
+    "gemma3": "gemma3",
+}
+
+_COMMON_BLOCK = [
+    # (gguf leaf without .weight/.bias, hf leaf without .weight/.bias)
+    ("attn_norm", "input_layernorm"),
+    ("attn_q", "self_attn.q_proj"),
+    ("attn_k", "self_attn.k_proj"),
+    ("attn_v", "self_attn.v_proj"),
+    ("attn_output", "self_attn.o_proj"),
+    ("attn_q_norm", "self_attn.q_norm"),
+    ("attn_k_norm", "self_attn.k_norm"),
+    ("ffn_norm", "post_attention_layernorm"),
+    ("ffn_gate", "mlp.gate_proj"),
+    ("ffn_up", "mlp.up_proj"),
+    ("ffn_down", "mlp.down_proj"),
+    ("ffn_gate_inp", "mlp.gate"),
+]
+
+_GEMMA3_BLOCK = [
+    ("attn_norm", "input_layernorm"),
+    ("attn_q", "self_attn.q_proj"),
+    ("attn_k", "self_attn.k_proj"),
+    ("attn_v", "self_attn.v_proj"),
+    ("attn_output", "self_attn.o_proj"),
+    ("attn_q_norm", "self_attn.q_norm"),
+    ("attn_k_norm", "self_attn.k_norm"),
+    ("post_attention_norm", "post_attention_layernorm"),
+    ("ffn_norm", "pre_feedforward_layernorm"),
+    ("post_ffw_norm", "post_feedforward_layernorm"),
+    ("ffn_gate", "mlp.gate_proj"),
+    ("ffn_up", "mlp.up_proj"),
+    ("ffn_down", "mlp.down_proj"),
+]
+
+_MLA_BLOCK = [
+    ("attn_q_a", "self_attn.q_a_proj"),
+    ("attn_q_a_norm", "self_attn.q_a_layernorm"),
+    ("attn_q_b", "self_attn.q_b_proj"),
+    ("attn_kv_a_mqa", "self_attn.kv_a_proj_with_mqa"),
+    ("attn_kv_a_norm", "self_attn.kv_a_layernorm"),
+    ("attn_kv_b", "self_attn.kv_b_proj"),
+]
+
+
+def _shexp(hf_prefix: str):
+    return [
+        ("ffn_gate_shexp", f"{hf_prefix}.gate_proj"),
+        ("ffn_up_shexp", f"{hf_prefix}.up_proj"),
+        ("ffn_down_shexp", f"{hf_prefix}.down_proj"),
+    ]
+
+
+_BLOCK_TABLES = {
+    "llama": _COMMON_BLOCK,
+    "qwen2": _COMMON_BLOCK,
+    "qwen3": _COMMON_BLOCK,
+    "qwen2moe": _COMMON_BLOCK + _shexp("mlp.shared_expert") + [("ffn_gate_inp_shexp", "mlp.shared_expert_gate")],
+    "qwen3moe": _COMMON_BLOCK,
+    "deepseek2": _COMMON_BLOCK + _MLA_BLOCK + _shexp("mlp.shared_experts"),
+    "gemma3": _GEMMA3_BLOCK,
+}
+
+_TOP = [
+    ("token_embd.weight", "model.embed_tokens.weight"),
+    ("output_norm.weight", "model.norm.weight"),
+    ("output.weight", "lm_head.weight"),
+]
+
+EXPERT_GGUF = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+EXPERT_HF = {v: k for k, v in EXPERT_GGUF.items()}
+#: per-expert GGUF tensors of older Mixtral files: ``blk.N.ffn_gate.E.weight``
+PER_EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
+
+_BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+_HF_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+@dataclass(frozen=True)
+class NameMap:
+    """Bidirectional name table for one architecture."""
+
+    arch: str
+
+    def __post_init__(self):
+        if self.arch not in _BLOCK_TABLES:
+            raise KeyError(f"architecture {self.arch!r} has no name table (supported: {', '.join(SUPPORTED_ARCHS)})")
+        g2h: dict[str, str] = {}
+        for g, h in _BLOCK_TABLES[self.arch]:
+            for suf in (".weight", ".bias"):
+                g2h[g + suf] = h + suf
+        g2h["exp_probs_b.bias"] = "mlp.gate.e_score_correction_bias"
+        for hf_leaf, g in EXPERT_GGUF.items():
+            g2h[f"{g}.weight"] = f"mlp.experts.{hf_leaf}"
+        object.__setattr__(self, "_g2h", g2h)
+        object.__setattr__(self, "_h2g", {h: g for g, h in g2h.items()})
+        object.__setattr__(self, "_top_g2h", dict(_TOP))
+        object.__setattr__(self, "_top_h2g", {h: g for g, h in _TOP})
+
+    def gguf_to_hf(self, name: str) -> str | None:
+        if name in self._top_g2h:
+            return self._top_g2h[name]
+        m = _BLK_RE.match(name)
+        if m:
+            leaf = self._g2h.get(m.group(2))
+            if leaf is not None:
+                return f"model.layers.{m.group(1)}.{leaf}"
+            pe = PER_EXPERT_RE.match(name)
+            if pe:  # older Mixtral files: one tensor per expert
+                return f"model.layers.{pe.group(1)}.mlp.experts.{pe.group(3)}.{pe.group(2)}_proj.weight"
+        return None
+
+    def hf_to_gguf(self, name: str) -> str | None:
+        if name in self._top_h2g:
+            return self._top_h2g[name]
+        m = _HF_RE.match(name)
+        if m:
+            leaf = self._h2g.get(m.group(2))
+            if leaf is not None:
+                return f"blk.{m.group(1)}.{leaf}"
+            pe = re.match(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$", m.group(2))
+            if pe:
+                return f"blk.{m.group(1)}.ffn_{pe.group(2)}.{pe.group(1)}.weight"
+        return None
+
+
+def name_map(arch: str) -> NameMap:
+    return NameMap(arch)
+
+
+# ------------------------------------------------------------------------- value transforms
+
+
+def permute_qk(w: torch.Tensor, n_head: int, n_head_kv: int | None = None) -> torch.Tensor:
+    """llama.cpp's ``LlamaModel.permute`` (HF -> GGUF row order of attn_q / attn_k, weight or bias)."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_qk(w: torch.Tensor, n_head: int, n_head_kv: int | None = None) -> torch.Tensor:
+    """Inverse of :func:`permute_qk` (GGUF -> HF)."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def qk_row_order(rows: int, n_head: int, n_head_kv: int | None = None) -> torch.Tensor:
+    """Index ``idx`` with ``hf_rows = gguf_rows[idx]`` (for reordering quantized rows of llama Q/K)."""
+    return unpermute_qk(torch.arange(rows), n_head, n_head_kv)
+
+
+def kv_b_from_split(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
+    """HF ``kv_b_proj.weight [H*(nope+v), r]`` from llama.cpp's ``attn_k_b [H, nope, r]`` (stored as
+    ``k_b[h] = kv_b[h, :nope, :].T`` i.e. torch ``[H, r, nope]``) and ``attn_v_b [H, v, r]``."""
+    n_head, r, nope = k_b.shape
+    assert v_b.shape[0] == n_head and v_b.shape[2] == r, (k_b.shape, v_b.shape)
+    per_head = torch.cat([k_b.transpose(1, 2), v_b], dim=1)  # [H, nope+v, r]
+    return per_head.reshape(n_head * (nope + v_b.shape[1]), r).contiguous()
+
+
+def split_kv_b(kv_b: torch.Tensor, n_head: int, nope: int, v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`kv_b_from_split`: (k_b torch ``[H, r, nope]``, v_b ``[H, v, r]``)."""
+    r = kv_b.shape[1]
+    per_head = kv_b.reshape(n_head, nope + v, r)
+    return per_head[:, :nope, :].transpose(1, 2).contiguous(), per_head[:, nope:, :].contiguous()
+
+
+def is_gemma_norm(gguf_name: str) -> bool:
+    return gguf_name.endswith("norm.weight")

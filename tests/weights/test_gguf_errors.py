@@ -1,0 +1,153 @@
+"""Bad GGUF files give one WeightError line naming the file (and the tensor), never a crash."""
+
+from __future__ import annotations
+
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from ktransformers.errors import WeightError
+from ktransformers.weights.gguf_source import GGUFSource
+
+from ._util import fixture_dir
+
+
+def one_line(e: pytest.ExceptionInfo, *needles: str) -> str:
+    msg = str(e.value)
+    assert "\n" not in msg
+    for n in needles:
+        assert n in msg, (n, msg)
+    return msg
+
+
+@pytest.fixture
+def q8(tmp_path):
+    p = tmp_path / "m.gguf"
+    shutil.copy(fixture_dir("qwen3moe-tiny") / "Q8_0.gguf", p)
+    return p
+
+
+def test_wrong_magic(tmp_path):
+    p = tmp_path / "bad.gguf"
+    p.write_bytes(b"GGML" + b"\0" * 100)
+    with pytest.raises(WeightError) as e:
+        GGUFSource(p)
+    one_line(e, str(p), "not a GGUF file")
+
+
+def test_truncated_header(q8):
+    data = q8.read_bytes()
+    q8.write_bytes(data[:300])
+    with pytest.raises(WeightError) as e:
+        GGUFSource(q8)
+    one_line(e, str(q8))
+
+
+def test_truncated_tensor_data(q8):
+    data = q8.read_bytes()
+    q8.write_bytes(data[: len(data) - 5000])
+    with pytest.raises(WeightError) as e:
+        GGUFSource(q8)
+    one_line(e, str(q8), "tensor '", "past the end")
+
+
+def test_missing_tensor(q8):
+    src = GGUFSource(q8)
+    with pytest.raises(WeightError) as e:
+        src.tensor("model.layers.7.self_attn.q_proj.weight")
+    one_line(e, str(q8), "model.layers.7.self_attn.q_proj.weight", "not found")
+
+
+def _rewrite(src_path, dst, edit_meta=None, edit_tensor=None):
+    r = gguf.GGUFReader(src_path)
+    arch = r.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(dst), arch=edit_meta("general.architecture", arch) if edit_meta else arch)
+    for k, f in r.fields.items():
+        if k.startswith("GGUF.") or k == "general.architecture":
+            continue
+        val = f.contents()
+        if edit_meta:
+            val = edit_meta(k, val)
+        if f.types[0] == gguf.GGUFValueType.ARRAY:
+            w.add_array(k, val)
+        else:
+            w.add_key_value(k, val, f.types[0])
+    for t in r.tensors:
+        data, qt = np.asarray(t.data), t.tensor_type
+        if edit_tensor:
+            data, qt = edit_tensor(t.name, data, qt)
+        w.add_tensor(t.name, data, raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def test_shape_disagrees_with_config(tmp_path):
+    p = _rewrite(fixture_dir("qwen3moe-tiny") / "Q8_0.gguf", tmp_path / "m.gguf",
+                 edit_meta=lambda k, v: 128 if k == "qwen3moe.expert_feed_forward_length" else v)
+    src = GGUFSource(p)
+    with pytest.raises(WeightError) as e:
+        src.validate()
+    one_line(e, str(p), "ffn_", "shape", "config expects")
+
+
+def test_unsupported_type(tmp_path):
+    # give one tensor a type gguf-py knows but nobody can dequantize (Q8_1: same block elems as Q8_0)
+    def edit(name, data, qt):
+        if name == "blk.0.attn_q.weight":
+            rows = data.shape[0]
+            return np.zeros((rows, 256 // 32 * 40), np.uint8), gguf.GGMLQuantizationType.Q8_1
+        return data, qt
+
+    p = _rewrite(fixture_dir("qwen3moe-tiny") / "Q8_0.gguf", tmp_path / "m.gguf", edit_tensor=edit)
+    src = GGUFSource(p)
+    with pytest.raises(WeightError) as e:
+        src.tensor("model.layers.0.self_attn.q_proj.weight")
+    one_line(e, str(p), "blk.0.attn_q.weight", "Q8_1")
+
+
+def test_unknown_type_id(q8):
+    # patch the ggml type id of the first tensor info to an id that does not exist
+    r = gguf.GGUFReader(q8)
+    off = r.tensors[0].field.offset
+    parts = r.tensors[0].field.parts
+    type_off = off + sum(int(p.nbytes) for p in parts[:4])
+    data = bytearray(q8.read_bytes())
+    data[type_off : type_off + 4] = (77).to_bytes(4, "little")
+    q8.write_bytes(bytes(data))
+    with pytest.raises(WeightError) as e:
+        GGUFSource(q8)
+    one_line(e, str(q8), f"tensor '{r.tensors[0].name}'", "77")
+
+
+def test_unsupported_arch(tmp_path):
+    p = _rewrite(fixture_dir("qwen3moe-tiny") / "Q8_0.gguf", tmp_path / "m.gguf",
+                 edit_meta=lambda k, v: "rwkv9" if k == "general.architecture" else v)
+    src = GGUFSource(p)
+    with pytest.raises(WeightError) as e:
+        src.config()
+    one_line(e, str(p), "rwkv9", "not supported")
+
+
+def test_empty_and_missing_paths(tmp_path):
+    with pytest.raises(WeightError):
+        GGUFSource(tmp_path / "nope.gguf")
+    with pytest.raises(WeightError, match="no .gguf"):
+        GGUFSource(tmp_path)
+    (tmp_path / "a.gguf").write_bytes(b"")
+    with pytest.raises(WeightError, match="not a GGUF file"):
+        GGUFSource(tmp_path / "a.gguf")
+
+
+def test_zero_copy_tensor_is_writable_without_touching_file(q8):
+    before = q8.read_bytes()
+    src = GGUFSource(q8)
+    t = src.tensor("model.norm.weight")  # F32: a view of the (copy-on-write) mapping
+    t.add_(1.0)
+    assert q8.read_bytes() == before
+    assert isinstance(t, torch.Tensor)
