@@ -1,0 +1,576 @@
+"""OpenAI Assistants (beta) routes under ``/v1``: assistants, threads, messages, runs, run steps.
+
+A run turns the thread's messages (after the assistant's instructions) into one new assistant
+message.  Runs execute as background tasks on the engine; ``stream: true`` follows the run as
+server-sent events (``thread.run.created`` … ``thread.message.delta`` … ``done``).  A streaming
+client that disconnects cancels its run; ``POST …/runs/{id}/cancel`` cancels any run.
+Extensions: ``GET /v1/threads`` lists threads (the web page's conversation list).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import StreamingResponse
+from sqlalchemy import delete, select
+from starlette.concurrency import run_in_threadpool
+
+from .common import SSE_HEADERS, check_model, new_id, sse
+from .db import ACTIVE_RUN, Assistant, Database, Message, Run, Thread
+from .engine import Engine, GenerationRequest, QueueFull
+from .errors import APIError
+from .prompting import content_text
+from .schemas import (AssistantCreate, AssistantModify, MessageCreate, MetadataModify, RunCreate, RunModify,
+                      ThreadAndRunCreate, ThreadCreate)
+
+router = APIRouter()
+log = logging.getLogger("ktransformers.server")
+
+_SAVE_EVERY_S = 1.0
+
+
+def _db(request: Request) -> Database:
+    return request.app.state.db
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+def _parts(content, param: str) -> list[dict]:
+    text = content_text(content, param)
+    return [{"type": "text", "text": {"value": text, "annotations": []}}]
+
+
+def _meta(m) -> dict:
+    if m is None:
+        return {}
+    if len(m) > 16:
+        raise APIError(400, "metadata holds at most 16 keys", param="metadata")
+    return {str(k): v for k, v in m.items()}
+
+
+# ---- assistants ---------------------------------------------------------------------------
+
+@router.post("/assistants")
+def create_assistant(body: AssistantCreate, request: Request):
+    model = check_model(request.app.state.engine, body.model)
+    a = Assistant(id=new_id("asst_"), created_at=_now(), name=body.name, description=body.description, model=model,
+                  instructions=body.instructions, tools=body.tools, tool_resources=body.tool_resources,
+                  meta=_meta(body.metadata), temperature=body.temperature, top_p=body.top_p,
+                  response_format=body.response_format)
+    with _db(request).write() as s:
+        s.add(a)
+    return a.to_dict()
+
+
+@router.get("/assistants")
+def list_assistants(request: Request, limit: int = 20, order: str = "desc", after: str | None = None,
+                    before: str | None = None):
+    with _db(request).read() as s:
+        return Database.page(s, Assistant, limit=limit, order=order, after=after, before=before)
+
+
+@router.get("/assistants/{assistant_id}")
+def get_assistant(assistant_id: str, request: Request):
+    with _db(request).read() as s:
+        return Database.get(s, Assistant, assistant_id, "assistant").to_dict()
+
+
+@router.post("/assistants/{assistant_id}")
+def modify_assistant(assistant_id: str, body: AssistantModify, request: Request):
+    fields = body.model_dump(exclude_unset=True)
+    if "model" in fields:
+        fields["model"] = check_model(request.app.state.engine, fields["model"])
+    with _db(request).write() as s:
+        a = Database.get(s, Assistant, assistant_id, "assistant")
+        for k, v in fields.items():
+            setattr(a, "meta" if k == "metadata" else k, _meta(v) if k == "metadata" else v)
+    return a.to_dict()
+
+
+@router.delete("/assistants/{assistant_id}")
+def delete_assistant(assistant_id: str, request: Request):
+    with _db(request).write() as s:
+        s.delete(Database.get(s, Assistant, assistant_id, "assistant"))
+    return {"id": assistant_id, "object": "assistant.deleted", "deleted": True}
+
+
+# ---- threads ------------------------------------------------------------------------------
+
+def _new_message(thread_id: str, m: MessageCreate, i: int | None = None) -> Message:
+    param = "content" if i is None else f"messages[{i}].content"
+    return Message(id=new_id("msg_"), thread_id=thread_id, created_at=_now(), role=m.role,
+                   content=_parts(m.content, param), status="completed", attachments=m.attachments or [],
+                   meta=_meta(m.metadata), completed_at=_now())
+
+
+def _create_thread(s, body: ThreadCreate | None) -> Thread:
+    body = body or ThreadCreate()
+    t = Thread(id=new_id("thread_"), created_at=_now(), meta=_meta(body.metadata), tool_resources=body.tool_resources)
+    s.add(t)
+    for i, m in enumerate(body.messages or []):
+        s.add(_new_message(t.id, m, i))
+    return t
+
+
+@router.post("/threads")
+def create_thread(request: Request, body: ThreadCreate | None = None):
+    with _db(request).write() as s:
+        t = _create_thread(s, body)
+    return t.to_dict()
+
+
+# registered before the /threads/{thread_id} routes, which would otherwise match "runs" as an id
+@router.post("/threads/runs")
+async def create_thread_and_run(body: ThreadAndRunCreate, request: Request):
+    _check_run_body(request, body)
+    db = _db(request)
+
+    def work():
+        with db.write() as s:
+            Database.get(s, Assistant, body.assistant_id, "assistant")
+            t = _create_thread(s, body.thread)
+            s.flush()
+            return t.to_dict(), _insert_run(s, t.id, body).to_dict()
+
+    thread_d, run_d = await run_in_threadpool(work)
+    return await _launch(request, run_d, body.stream, thread_d if body.stream else None)
+
+
+@router.get("/threads")
+def list_threads(request: Request, limit: int = 20, order: str = "desc", after: str | None = None,
+                 before: str | None = None):
+    with _db(request).read() as s:
+        return Database.page(s, Thread, limit=limit, order=order, after=after, before=before)
+
+
+@router.get("/threads/{thread_id}")
+def get_thread(thread_id: str, request: Request):
+    with _db(request).read() as s:
+        return Database.get(s, Thread, thread_id, "thread").to_dict()
+
+
+@router.post("/threads/{thread_id}")
+def modify_thread(thread_id: str, body: MetadataModify, request: Request):
+    fields = body.model_dump(exclude_unset=True)
+    with _db(request).write() as s:
+        t = Database.get(s, Thread, thread_id, "thread")
+        if "metadata" in fields:
+            t.meta = _meta(fields["metadata"])
+        if "tool_resources" in fields:
+            t.tool_resources = fields["tool_resources"]
+    return t.to_dict()
+
+
+@router.delete("/threads/{thread_id}")
+def delete_thread(thread_id: str, request: Request):
+    registry: RunRegistry = request.app.state.runs
+    with _db(request).write() as s:
+        t = Database.get(s, Thread, thread_id, "thread")
+        for r in s.scalars(select(Run).where(Run.thread_id == thread_id, Run.status.in_(ACTIVE_RUN))):
+            registry.cancel(r.id)
+        s.execute(delete(Message).where(Message.thread_id == thread_id))
+        s.execute(delete(Run).where(Run.thread_id == thread_id))
+        s.delete(t)
+    return {"id": thread_id, "object": "thread.deleted", "deleted": True}
+
+
+# ---- messages -----------------------------------------------------------------------------
+
+def _active_run(s, thread_id: str) -> Run | None:
+    return s.scalar(select(Run).where(Run.thread_id == thread_id, Run.status.in_(ACTIVE_RUN)))
+
+
+@router.post("/threads/{thread_id}/messages")
+def create_message(thread_id: str, body: MessageCreate, request: Request):
+    with _db(request).write() as s:
+        Database.get(s, Thread, thread_id, "thread")
+        active = _active_run(s, thread_id)
+        if active is not None:
+            raise APIError(400, f"Can't add messages to {thread_id} while a run {active.id} is active.",
+                           param="thread_id")
+        m = _new_message(thread_id, body)
+        s.add(m)
+    return m.to_dict()
+
+
+@router.get("/threads/{thread_id}/messages")
+def list_messages(thread_id: str, request: Request, limit: int = 20, order: str = "desc",
+                  after: str | None = None, before: str | None = None, run_id: str | None = None):
+    with _db(request).read() as s:
+        Database.get(s, Thread, thread_id, "thread")
+        filters = [Message.thread_id == thread_id] + ([Message.run_id == run_id] if run_id else [])
+        return Database.page(s, Message, *filters, limit=limit, order=order, after=after, before=before)
+
+
+def _message(s, thread_id: str, message_id: str) -> Message:
+    m = Database.get(s, Message, message_id, "message")
+    if m.thread_id != thread_id:
+        raise APIError(404, f"No message found with id '{message_id}' in thread '{thread_id}'.", param="message_id")
+    return m
+
+
+@router.get("/threads/{thread_id}/messages/{message_id}")
+def get_message(thread_id: str, message_id: str, request: Request):
+    with _db(request).read() as s:
+        return _message(s, thread_id, message_id).to_dict()
+
+
+@router.post("/threads/{thread_id}/messages/{message_id}")
+def modify_message(thread_id: str, message_id: str, body: RunModify, request: Request):
+    with _db(request).write() as s:
+        m = _message(s, thread_id, message_id)
+        if body.metadata is not None:
+            m.meta = _meta(body.metadata)
+    return m.to_dict()
+
+
+@router.delete("/threads/{thread_id}/messages/{message_id}")
+def delete_message(thread_id: str, message_id: str, request: Request):
+    with _db(request).write() as s:
+        s.delete(_message(s, thread_id, message_id))
+    return {"id": message_id, "object": "thread.message.deleted", "deleted": True}
+
+
+# ---- runs ---------------------------------------------------------------------------------
+
+@dataclass
+class ActiveRun:
+    run_id: str
+    cancelled: bool = False
+    stream: object = None  # EngineStream once submitted
+    listeners: list = field(default_factory=list)  # asyncio.Queues of (event, data)
+    task: asyncio.Task | None = None
+
+
+class RunRegistry:
+    """Runs executing in this process (their tasks, engine streams and SSE listeners)."""
+
+    def __init__(self):
+        self.active: dict[str, ActiveRun] = {}
+
+    def cancel(self, run_id: str) -> bool:
+        a = self.active.get(run_id)
+        if a is None:
+            return False
+        a.cancelled = True
+        if a.stream is not None:
+            a.stream.cancel()
+        return True
+
+    async def shutdown(self) -> None:
+        tasks = []
+        for a in list(self.active.values()):
+            self.cancel(a.run_id)
+            if a.task is not None:
+                tasks.append(a.task)
+        if tasks:
+            with contextlib.suppress(Exception):
+                await asyncio.wait(tasks, timeout=5)
+
+
+def _prompt_messages(s, run: Run) -> list[dict]:
+    msgs = []
+    if run.instructions:
+        msgs.append({"role": "system", "content": run.instructions})
+    rows = s.scalars(select(Message).where(Message.thread_id == run.thread_id, Message.id != (run.message_id or ""))
+                     .order_by(Message.seq.asc()))
+    for m in rows:
+        if m.role in ("user", "assistant") and (m.role == "user" or m.status != "in_progress"):
+            msgs.append({"role": m.role, "content": m.text()})
+    return msgs
+
+
+class RunExecutor:
+    """Executes one run: prompt → engine → assistant message, with DB updates and SSE events."""
+
+    def __init__(self, app, run_id: str, active: ActiveRun):
+        self.app = app
+        self.db: Database = app.state.db
+        self.engine: Engine = app.state.engine
+        self.run_id = run_id
+        self.active = active
+
+    def publish(self, event: str, data) -> None:
+        for q in self.active.listeners:
+            q.put_nowait((event, data))
+
+    async def _write(self, fn):
+        def work():
+            with self.db.write() as s:
+                run = Database.get(s, Run, self.run_id, "run")
+                return fn(s, run)
+        return await run_in_threadpool(work)
+
+    async def execute(self) -> None:
+        try:
+            await self._execute()
+        except Exception as e:  # noqa: BLE001 - any failure ends the run as failed, not the server
+            log.exception("run %s failed", self.run_id)
+            err = {"code": "server_error", "message": f"{type(e).__name__}: {e}"}
+            if isinstance(e, APIError):
+                code = {503: "rate_limit_exceeded", 400: "invalid_prompt"}.get(e.status, "server_error")
+                err = {"code": code, "message": e.message}
+            with contextlib.suppress(Exception):
+                await self._finish("failed", err=err)
+        finally:
+            self.publish("done", "[DONE]")
+            self.publish(None, None)
+            self.app.state.runs.active.pop(self.run_id, None)
+
+    async def _execute(self) -> None:
+        # wait for the engine to take the request (a background run waits out a full queue)
+        def prepare(s, run):
+            return _prompt_messages(s, run), run.to_dict()
+
+        messages, run_d = await self._write(prepare)
+        ids = await run_in_threadpool(self.engine.apply_chat_template, messages)
+        if run_d["max_prompt_tokens"] and len(ids) > run_d["max_prompt_tokens"]:
+            ids = ids[-run_d["max_prompt_tokens"]:]
+        req = GenerationRequest(ids, temperature=run_d["temperature"], top_p=run_d["top_p"],
+                                max_new_tokens=run_d["max_completion_tokens"], tag="assistants.run")
+        while True:
+            if self.active.cancelled:
+                await self._finish("cancelled")
+                return
+            try:
+                stream = await self.engine.submit(req)
+                break
+            except QueueFull:
+                await asyncio.sleep(0.5)
+        self.active.stream = stream
+        if self.active.cancelled:
+            stream.cancel()
+
+        def start(s, run):
+            now = _now()
+            run.status = "in_progress" if run.status == "queued" else run.status
+            run.started_at = now
+            m = Message(id=new_id("msg_"), thread_id=run.thread_id, created_at=now, role="assistant",
+                        content=[], status="in_progress", assistant_id=run.assistant_id, run_id=run.id)
+            s.add(m)
+            run.message_id = m.id
+            return run.to_dict(), run.step_dict(), m.to_dict()
+
+        run_d, step_d, msg_d = await self._write(start)
+        self.publish("thread.run.in_progress", run_d)
+        self.publish("thread.run.step.created", step_d)
+        self.publish("thread.run.step.in_progress", step_d)
+        self.publish("thread.message.created", msg_d)
+        self.publish("thread.message.in_progress", msg_d)
+
+        text: list[str] = []
+        n_out, reason, last_save = 0, "stop", time.monotonic()
+        async for ev in stream:
+            if ev.token_id is not None:
+                n_out += 1
+            if ev.finish_reason:
+                reason = ev.finish_reason
+            if ev.text:
+                text.append(ev.text)
+                self.publish("thread.message.delta", {
+                    "id": msg_d["id"], "object": "thread.message.delta",
+                    "delta": {"content": [{"index": 0, "type": "text",
+                                           "text": {"value": ev.text, "annotations": []}}]}})
+                if time.monotonic() - last_save > _SAVE_EVERY_S:  # partial answers survive a crash
+                    last_save = time.monotonic()
+                    partial = "".join(text)
+
+                    def save(s, run, partial=partial):
+                        m = Database.get(s, Message, run.message_id, "message")
+                        m.content = [{"type": "text", "text": {"value": partial, "annotations": []}}]
+                    await self._write(save)
+        usage = {"prompt_tokens": len(ids), "completion_tokens": n_out, "total_tokens": len(ids) + n_out}
+        status = {"cancelled": "cancelled", "length": "incomplete"}.get(reason, "completed")
+        if self.active.cancelled:
+            status = "cancelled"
+        await self._finish(status, text="".join(text), usage=usage)
+
+    async def _finish(self, status: str, *, text: str | None = None, usage: dict | None = None,
+                      err: dict | None = None) -> None:
+        def finish(s, run):
+            now = _now()
+            run.status = status
+            run.usage = usage or run.usage
+            if status == "completed":
+                run.completed_at = now
+            elif status == "cancelled":
+                run.cancelled_at = now
+            elif status == "failed":
+                run.failed_at, run.last_error = now, err
+            elif status == "incomplete":
+                run.completed_at = now
+                run.incomplete_details = {"reason": "max_completion_tokens"}
+            msg = None
+            if run.message_id:
+                m = Database.get(s, Message, run.message_id, "message")
+                if text is not None:
+                    m.content = [{"type": "text", "text": {"value": text, "annotations": []}}]
+                if status == "completed":
+                    m.status, m.completed_at = "completed", now
+                else:
+                    m.status, m.incomplete_at = "incomplete", now
+                    m.incomplete_details = {"reason": {"cancelled": "run_cancelled", "failed": "run_failed",
+                                                       "incomplete": "max_tokens"}[status]}
+                msg = m.to_dict()
+            return run.to_dict(), run.step_dict(), msg
+
+        run_d, step_d, msg_d = await self._write(finish)
+        if msg_d is not None:
+            self.publish("thread.message.completed" if status == "completed" else "thread.message.incomplete", msg_d)
+            self.publish({"completed": "thread.run.step.completed", "incomplete": "thread.run.step.completed",
+                          "cancelled": "thread.run.step.cancelled", "failed": "thread.run.step.failed"}[status],
+                         step_d)
+        self.publish(f"thread.run.{status}", run_d)
+
+
+def _check_run_body(request: Request, body: RunCreate) -> None:
+    if body.tools:
+        raise APIError(400, "tools in Assistants runs are not supported by this server yet", param="tools")
+    if body.model:
+        check_model(request.app.state.engine, body.model)
+
+
+def _insert_run(s, thread_id: str, body: RunCreate) -> Run:
+    a = Database.get(s, Assistant, body.assistant_id, "assistant")
+    active = _active_run(s, thread_id)
+    if active is not None:
+        raise APIError(400, f"Thread {thread_id} already has an active run {active.id}.", param="thread_id")
+    for i, m in enumerate(body.additional_messages or []):
+        s.add(_new_message(thread_id, m, i))
+    instructions = body.instructions if body.instructions is not None else (a.instructions or "")
+    if body.additional_instructions:
+        instructions = (instructions + "\n\n" + body.additional_instructions).strip()
+    run = Run(id=new_id("run_"), thread_id=thread_id, assistant_id=a.id, created_at=_now(), status="queued",
+              model=a.model, instructions=instructions, tools=[], meta=_meta(body.metadata),
+              temperature=body.temperature if body.temperature is not None else a.temperature,
+              top_p=body.top_p if body.top_p is not None else a.top_p,
+              max_prompt_tokens=body.max_prompt_tokens, max_completion_tokens=body.max_completion_tokens,
+              truncation_strategy=body.truncation_strategy, tool_choice=body.tool_choice,
+              response_format=body.response_format,
+              parallel_tool_calls=True if body.parallel_tool_calls is None else body.parallel_tool_calls)
+    s.add(run)
+    return run
+
+
+async def _launch(request: Request, run_d: dict, stream: bool, thread_d: dict | None = None):
+    app = request.app
+    registry: RunRegistry = app.state.runs
+    active = ActiveRun(run_d["id"])
+    q: asyncio.Queue | None = asyncio.Queue() if stream else None
+    if q is not None:
+        active.listeners.append(q)
+        if thread_d is not None:
+            q.put_nowait(("thread.created", thread_d))
+        q.put_nowait(("thread.run.created", run_d))
+        q.put_nowait(("thread.run.queued", run_d))
+    registry.active[run_d["id"]] = active
+    active.task = asyncio.create_task(RunExecutor(app, run_d["id"], active).execute())
+    if q is None:
+        return run_d
+
+    async def events():
+        finished = False
+        try:
+            while True:
+                event, data = await q.get()
+                if event is None:
+                    finished = True
+                    return
+                yield sse(data, event)
+        finally:
+            if not finished:  # the client went away: stop generating for it
+                registry.cancel(run_d["id"])
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+@router.post("/threads/{thread_id}/runs")
+async def create_run(thread_id: str, body: RunCreate, request: Request):
+    _check_run_body(request, body)
+    db = _db(request)
+
+    def work():
+        with db.write() as s:
+            Database.get(s, Thread, thread_id, "thread")
+            return _insert_run(s, thread_id, body).to_dict()
+
+    run_d = await run_in_threadpool(work)
+    return await _launch(request, run_d, body.stream)
+
+
+def _run(s, thread_id: str, run_id: str) -> Run:
+    r = Database.get(s, Run, run_id, "run")
+    if r.thread_id != thread_id:
+        raise APIError(404, f"No run found with id '{run_id}' in thread '{thread_id}'.", param="run_id")
+    return r
+
+
+@router.get("/threads/{thread_id}/runs")
+def list_runs(thread_id: str, request: Request, limit: int = 20, order: str = "desc", after: str | None = None,
+              before: str | None = None):
+    with _db(request).read() as s:
+        Database.get(s, Thread, thread_id, "thread")
+        return Database.page(s, Run, Run.thread_id == thread_id, limit=limit, order=order, after=after,
+                             before=before)
+
+
+@router.get("/threads/{thread_id}/runs/{run_id}")
+def get_run(thread_id: str, run_id: str, request: Request):
+    with _db(request).read() as s:
+        return _run(s, thread_id, run_id).to_dict()
+
+
+@router.post("/threads/{thread_id}/runs/{run_id}")
+def modify_run(thread_id: str, run_id: str, body: RunModify, request: Request):
+    with _db(request).write() as s:
+        r = _run(s, thread_id, run_id)
+        if body.metadata is not None:
+            r.meta = _meta(body.metadata)
+    return r.to_dict()
+
+
+@router.post("/threads/{thread_id}/runs/{run_id}/cancel")
+def cancel_run(thread_id: str, run_id: str, request: Request):
+    registry: RunRegistry = request.app.state.runs
+    with _db(request).write() as s:
+        r = _run(s, thread_id, run_id)
+        if r.status not in ACTIVE_RUN:
+            raise APIError(400, f"Cannot cancel run with status '{r.status}'.", param="run_id")
+        if registry.cancel(run_id):
+            r.status = "cancelling"
+        else:  # not executing in this process (should not happen after startup cleanup)
+            r.status, r.cancelled_at = "cancelled", _now()
+    return r.to_dict()
+
+
+@router.post("/threads/{thread_id}/runs/{run_id}/submit_tool_outputs")
+def submit_tool_outputs(thread_id: str, run_id: str, request: Request):
+    with _db(request).read() as s:
+        r = _run(s, thread_id, run_id)
+    raise APIError(400, f"Run {r.id} is not waiting for tool outputs (status '{r.status}').", param="run_id")
+
+
+@router.get("/threads/{thread_id}/runs/{run_id}/steps")
+def list_run_steps(thread_id: str, run_id: str, request: Request, limit: int = Query(20, ge=1, le=100),
+                   order: str = "desc"):
+    with _db(request).read() as s:
+        r = _run(s, thread_id, run_id)
+        data = [r.step_dict()] if r.message_id else []
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": False}
+
+
+@router.get("/threads/{thread_id}/runs/{run_id}/steps/{step_id}")
+def get_run_step(thread_id: str, run_id: str, step_id: str, request: Request):
+    with _db(request).read() as s:
+        r = _run(s, thread_id, run_id)
+        if not r.message_id or step_id != "step_" + r.id[4:]:
+            raise APIError(404, f"No run step found with id '{step_id}'.", param="step_id")
+        return r.step_dict()

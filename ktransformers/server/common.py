@@ -1,0 +1,130 @@
+"""Helpers the API modules share: model-name checks, running a stream to the end while
+watching for a client that went away, SSE/NDJSON framing."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from .engine import Engine, EngineStream
+from .errors import APIError
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:24]}"
+
+
+def check_model(engine: Engine, name: str | None, *, ollama: bool = False) -> str:
+    """The served model's name; 404 for any other non-empty name."""
+    if not name:
+        if ollama:
+            raise APIError(400, "'model' is required", param="model")
+        return engine.model_name
+    base = name[:-len(":latest")] if name.endswith(":latest") else name
+    served = engine.model_name
+    served_base = served[:-len(":latest")] if served.endswith(":latest") else served
+    if base != served_base:
+        msg = (f"model '{name}' not found" if ollama
+               else f"The model '{name}' does not exist; this server serves '{served}'")
+        raise APIError(404, msg, param="model", code="model_not_found")
+    return served
+
+
+def stop_list(stop) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop] if stop else []
+    return [s for s in stop if s]
+
+
+@dataclass
+class Collected:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = "stop"
+
+
+@contextlib.asynccontextmanager
+async def cancel_on_disconnect(request: Request | None, stream: EngineStream):
+    """While the body runs, a client disconnect cancels ``stream`` at once."""
+
+    async def watch():
+        try:
+            while True:
+                msg = await request.receive()
+                if msg["type"] == "http.disconnect":
+                    stream.cancel()
+                    return
+        except Exception:
+            return
+
+    task = asyncio.create_task(watch()) if request is not None else None
+    try:
+        yield
+    except BaseException:
+        stream.cancel()
+        raise
+    finally:
+        if task is not None:
+            task.cancel()
+
+
+async def collect(stream: EngineStream, request: Request | None = None) -> Collected:
+    out = Collected()
+    parts: list[str] = []
+    async with cancel_on_disconnect(request, stream):
+        async for ev in stream:
+            if ev.token_id is not None:
+                out.token_ids.append(ev.token_id)
+            if ev.text:
+                parts.append(ev.text)
+            if ev.finish_reason:
+                out.finish_reason = ev.finish_reason
+    out.text = "".join(parts)
+    return out
+
+
+async def guarded(stream: EngineStream, agen):
+    """Wrap a streaming body so that however it ends (client gone, error), the generation stops."""
+    try:
+        async for chunk in agen:
+            yield chunk
+    finally:
+        stream.cancel()
+        with contextlib.suppress(Exception):
+            await agen.aclose()
+
+
+def sse(obj, event: str | None = None) -> str:
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+    return (f"event: {event}\n" if event else "") + f"data: {data}\n\n"
+
+
+def ndjson(obj) -> str:
+    return json.dumps(obj, ensure_ascii=False) + "\n"
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def stats_numbers(stream: EngineStream, generated: int) -> dict:
+    """prompt/eval counts and durations (ns) from the Generator's stats, else wall-clock."""
+    st = stream.stats
+    if st is not None:
+        prompt_n, prompt_s = st.prompt_tokens, st.prefill_seconds
+        gen_n, gen_s = st.generated_tokens, st.decode_seconds
+    else:
+        prompt_n, prompt_s, gen_n, gen_s = stream.prompt_tokens, 0.0, generated, 0.0
+    return {"prompt_tokens": int(prompt_n), "prompt_seconds": float(prompt_s),
+            "generated_tokens": int(gen_n), "decode_seconds": float(gen_s)}

@@ -1,0 +1,331 @@
+"""The engine boundary: one object owns the model + Generator and serves requests one at a time.
+
+``await engine.submit(request)`` puts a request on a bounded queue and returns an
+:class:`EngineStream`, an async iterator of ``TokenEvent``s.  A single worker thread runs the
+generations in order, so the event loop never blocks on the model.  A full queue raises
+:class:`QueueFull` at once (the HTTP layer answers 503 with ``Retry-After``); cancelling a
+stream (client gone, stop button) sets the generation's cancel Event so the worker stops at
+the next token and moves on.
+
+Batching is a later step: it replaces the worker loop, not this interface.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import KTError
+from .errors import APIError
+
+log = logging.getLogger("ktransformers.server")
+
+_END = object()
+
+
+class QueueFull(APIError):
+    def __init__(self, retry_after: int, waiting: int):
+        super().__init__(503, f"server busy: {waiting} requests already waiting; retry in {retry_after}s",
+                         type="server_overloaded", code="queue_full", headers={"Retry-After": str(retry_after)})
+
+
+class PromptTooLong(APIError):
+    def __init__(self, n: int, limit: int):
+        super().__init__(400, f"prompt is {n} tokens but this server's context holds {limit} tokens "
+                              f"(--cache_lens); shorten the prompt or restart with a larger --cache_lens",
+                         code="context_length_exceeded", param="messages")
+
+
+@dataclass
+class SamplingDefaults:
+    """Server-wide sampling defaults; a request's own values win when present."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 512
+    repetition_penalty: float = 1.0
+
+
+@dataclass
+class GenerationRequest:
+    input_ids: list[int]
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_new_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    tag: str = ""  # what the request came from, for logs and /health
+
+
+class EngineStream:
+    """Async iterator over one request's TokenEvents; the last one carries ``finish_reason``."""
+
+    def __init__(self, job: "_Job"):
+        self._job = job
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        item = await self._job.events.get()
+        if item is _END:
+            self._job.events.put_nowait(_END)  # keep answering StopAsyncIteration
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        """Stop this generation at the next token (or drop it from the queue)."""
+        self._job.cancel.set()
+
+    @property
+    def id(self) -> int:
+        return self._job.id
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self._job.request.input_ids)
+
+    @property
+    def params(self):
+        return self._job.params
+
+    @property
+    def stats(self):
+        """The Generator's GenerationStats for this request (None until it finished)."""
+        return self._job.stats
+
+    @property
+    def queue_seconds(self) -> float:
+        start = self._job.started_at or time.monotonic()
+        return max(0.0, start - self._job.created_at)
+
+    @property
+    def total_seconds(self) -> float:
+        end = self._job.ended_at or time.monotonic()
+        return max(0.0, end - self._job.created_at)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._job.finish_reason
+
+
+@dataclass
+class _Job:
+    id: int
+    request: GenerationRequest
+    params: Any
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    cancel: threading.Event = field(default_factory=threading.Event)
+    created_at: float = field(default_factory=time.monotonic)
+    started_at: float | None = None
+    ended_at: float | None = None
+    stats: Any = None
+    finish_reason: str | None = None
+
+
+class Engine:
+    """Owns the Generator; serves :meth:`submit` calls from a bounded FIFO, one at a time."""
+
+    def __init__(self, generator, tokenizer, *, model_name: str, max_context: int,
+                 defaults: SamplingDefaults | None = None, max_queue: int = 16, model_info: dict | None = None):
+        self.generator = generator
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_context = int(max_context)
+        self.defaults = defaults or SamplingDefaults()
+        self.max_queue = max(0, int(max_queue))
+        self.model_info = dict(model_info or {})
+        self.loaded_at = time.time()
+        self.load_seconds = float(self.model_info.get("load_seconds", 0.0))
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._waiting: deque[_Job] = deque()
+        self._wakeup = queue.SimpleQueue()
+        self._running: _Job | None = None
+        self._durations: deque[float] = deque(maxlen=16)
+        self.counts = {"completed": 0, "cancelled": 0, "failed": 0}
+        self.last_finish_reason: str | None = None
+        self._worker: threading.Thread | None = None
+        self._stopping = False
+
+    # ---- lifecycle -------------------------------------------------------------------
+    def start(self) -> None:
+        if self._worker is None or not self._worker.is_alive():
+            self._stopping = False
+            self._worker = threading.Thread(target=self._run, name="kt-engine", daemon=True)
+            self._worker.start()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stopping = True
+        with self._lock:
+            jobs = list(self._waiting) + ([self._running] if self._running else [])
+        for j in jobs:
+            j.cancel.set()
+        self._wakeup.put(None)
+        if self._worker is not None:
+            self._worker.join(timeout)
+        self._worker = None
+
+    # ---- tokens ----------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    @property
+    def chat_template(self) -> str | None:
+        t = getattr(self.tokenizer, "chat_template", None)
+        if isinstance(t, dict):
+            t = t.get("default") or next(iter(t.values()), None)
+        return t
+
+    @property
+    def template_supports_tools(self) -> bool:
+        t = self.chat_template or ""
+        return "tools" in t
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            add_generation_prompt: bool = True) -> list[int]:
+        try:
+            return list(self.generator.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                           tools=tools))
+        except APIError:
+            raise
+        except Exception as e:  # jinja TemplateError, raise_exception() in the template, bad roles ...
+            raise APIError(400, f"the chat template rejected these messages: {type(e).__name__}: {e}",
+                           param="messages") from None
+
+    # ---- requests --------------------------------------------------------------------
+    def make_params(self, req: GenerationRequest):
+        from ..generation import SamplingParams
+
+        d = self.defaults
+        n = len(req.input_ids)
+        if n == 0:
+            raise APIError(400, "the prompt is empty (0 tokens)", param="prompt")
+        if n >= self.max_context:
+            raise PromptTooLong(n, self.max_context)
+        room = self.max_context - n
+        max_new = d.max_new_tokens if req.max_new_tokens is None else int(req.max_new_tokens)
+        if max_new < 1:
+            raise APIError(400, f"max tokens must be at least 1 (got {max_new})", param="max_tokens")
+        top_p = float(d.top_p if req.top_p is None else req.top_p)
+        params = SamplingParams(
+            temperature=float(d.temperature if req.temperature is None else req.temperature),
+            top_p=top_p if top_p > 0 else 1e-6,  # OpenAI allows 0: keep only the most likely token
+            top_k=int(d.top_k if req.top_k is None else req.top_k),
+            max_new_tokens=min(max_new, room),
+            stop=[s for s in (req.stop or []) if s],
+            seed=req.seed,
+            repetition_penalty=float(d.repetition_penalty if req.repetition_penalty is None
+                                     else req.repetition_penalty),
+        )
+        try:
+            return params.validate()
+        except KTError as e:
+            raise APIError(400, str(e)) from None
+
+    async def submit(self, req: GenerationRequest) -> EngineStream:
+        """Queue ``req``; raises QueueFull / PromptTooLong / APIError before anything is queued."""
+        params = self.make_params(req)
+        if self._stopping:
+            raise APIError(503, "server is shutting down", headers={"Retry-After": "5"})
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            busy = self._running is not None
+            if len(self._waiting) >= self.max_queue and (busy or self._waiting):
+                raise QueueFull(self._retry_after(), len(self._waiting))
+            job = _Job(next(self._ids), req, params, loop, asyncio.Queue())
+            self._waiting.append(job)
+        self._wakeup.put(job)
+        return EngineStream(job)
+
+    def _retry_after(self) -> int:
+        avg = (sum(self._durations) / len(self._durations)) if self._durations else 2.0
+        return int(min(60, max(1, round(avg * (len(self._waiting) + 1) / 2))))
+
+    def status(self) -> dict:
+        with self._lock:
+            running = self._running
+            return {
+                "model": self.model_name,
+                "running": None if running is None else {"id": running.id, "tag": running.request.tag,
+                                                         "prompt_tokens": len(running.request.input_ids)},
+                "waiting": len(self._waiting),
+                "max_queue": self.max_queue,
+                "max_context": self.max_context,
+                **self.counts,
+                "last_finish_reason": self.last_finish_reason,
+            }
+
+    # ---- worker ----------------------------------------------------------------------
+    def _emit(self, job: _Job, item) -> None:
+        try:
+            job.loop.call_soon_threadsafe(job.events.put_nowait, item)
+        except RuntimeError:  # loop closed: nobody is listening any more
+            job.cancel.set()
+
+    def _run(self) -> None:
+        while True:
+            token = self._wakeup.get()
+            if token is None:
+                if self._stopping:
+                    break
+                continue
+            with self._lock:
+                if not self._waiting:
+                    continue
+                job = self._waiting.popleft()
+                self._running = job
+            try:
+                self._serve(job)
+            finally:
+                with self._lock:
+                    self._running = None
+
+    def _serve(self, job: _Job) -> None:
+        from ..generation import TokenEvent
+
+        job.started_at = time.monotonic()
+        reason = None
+        try:
+            if job.cancel.is_set():
+                reason = "cancelled"
+                self._emit(job, TokenEvent(None, "", "cancelled"))
+            else:
+                for ev in self.generator.stream(job.request.input_ids, job.params, job.cancel):
+                    if ev.finish_reason is not None:
+                        reason = ev.finish_reason
+                    self._emit(job, ev)
+                if reason is None:  # a generator that ended without a final event
+                    reason = "cancelled" if job.cancel.is_set() else "stop"
+                    self._emit(job, TokenEvent(None, "", reason))
+                job.stats = getattr(self.generator, "last_stats", None)
+        except Exception as e:  # the model failed: report to this request, keep serving others
+            log.exception("generation %d failed", job.id)
+            reason = "error"
+            self._emit(job, APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error"))
+        finally:
+            job.ended_at = time.monotonic()
+            job.finish_reason = reason
+            self.last_finish_reason = reason
+            key = {"cancelled": "cancelled", "error": "failed"}.get(reason, "completed")
+            self.counts[key] += 1
+            if reason != "cancelled":
+                self._durations.append(job.ended_at - job.started_at)
+            self._emit(job, _END)
+

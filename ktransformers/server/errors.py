@@ -1,0 +1,106 @@
+"""HTTP errors, answered in the shape each API family's clients expect.
+
+OpenAI routes (``/v1``): ``{"error": {"message", "type", "param", "code"}}``.
+Ollama routes (``/api``): ``{"error": "message"}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 409: "conflict_error", 413: "request_too_large",
+          422: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_overloaded"}
+
+
+class APIError(Exception):
+    """An error a client caused or can act on; ``message`` is one line."""
+
+    def __init__(self, status: int, message: str, *, type: str | None = None, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or _TYPES.get(status, "invalid_request_error")
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+
+def error_body(path: str, status: int, message: str, type: str | None = None, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    if path.startswith("/api/") or path == "/api":
+        return {"error": message}
+    return {"error": {"message": message, "type": type or _TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def error_response(request_path: str, err: APIError) -> JSONResponse:
+    return JSONResponse(error_body(request_path, err.status, err.message, err.type, err.param, err.code),
+                        status_code=err.status, headers=err.headers)
+
+
+def _loc_name(loc) -> str:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path")]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
+    return out
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errs = exc.errors()
+    if not errs:
+        return "invalid request", None
+    e = errs[0]
+    if e.get("type") == "json_invalid":
+        ctx = e.get("ctx") or {}
+        return f"request body is not valid JSON ({ctx.get('error', 'parse error')})", None
+    name = _loc_name(e.get("loc", ()))
+    msg = e.get("msg", "invalid value")
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    if e.get("type") == "missing":
+        text = f"'{name}' is required" if name else "request body is required"
+    elif name:
+        text = f"'{name}': {msg}"
+    else:
+        text = msg
+    if len(errs) > 1:
+        text += f" (and {len(errs) - 1} more problem{'s' if len(errs) > 2 else ''})"
+    return text, name or None
+
+
+def install_error_handlers(app) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return error_response(request.url.path, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        message, param = validation_message(exc)
+        return JSONResponse(error_body(request.url.path, 400, message, "invalid_request_error", param),
+                            status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404 and message == "Not Found":
+            message = f"no route {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+        return JSONResponse(error_body(request.url.path, exc.status_code, message), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        import logging
+
+        logging.getLogger("ktransformers.server").exception("unhandled error on %s", request.url.path)
+        return JSONResponse(error_body(request.url.path, 500, f"internal error: {type(exc).__name__}: {exc}"),
+                            status_code=500)

@@ -1,0 +1,246 @@
+"""``ktransformers`` / ``python -m ktransformers.server``: load a model and serve it over HTTP.
+
+    ktransformers --model_path ./Qwen3-30B-A3B --gguf_path ./Qwen3-30B-A3B-Q4_K_M.gguf --port 10002
+
+Settings come from built-in defaults, then ``--config file.yaml`` (keys = flag names), then
+the flags given.  A bad flag, value or path prints one ``error:`` line and exits with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+from ..errors import ConfigError, KTError
+from .settings import DEFAULT_DATA_DIR, Settings, coerce, load_config_file, parse_bool
+
+log = logging.getLogger("ktransformers.server")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse prints usage + message by default)
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _bool(v: str) -> bool:
+    try:
+        return parse_bool(v)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    S = argparse.SUPPRESS
+    p = _Parser(prog="ktransformers", argument_default=S,
+                description="Serve a (MoE) model with OpenAI-, Ollama- and Assistants-compatible HTTP APIs.")
+    g = p.add_argument_group("model")
+    g.add_argument("--model_path", "--model_dir", dest="model_path",
+                   help="folder with config.json + tokenizer (+ safetensors weights)")
+    g.add_argument("--gguf_path", help="GGUF weights: a .gguf file or a folder of (split) .gguf files")
+    g.add_argument("--optimize_config_path", help="YAML rule file (default: the shipped rules for the architecture)")
+    g.add_argument("--model_name", help="name clients use for the model (default: from the folder/file name)")
+    g.add_argument("--device", help="device for modules no rule places (default: cuda:0 if available, else cpu)")
+    g.add_argument("--cpu_infer", type=int, help="CPU threads for inference (default: torch's choice)")
+    g.add_argument("--cache_lens", type=int,
+                   help="context length in tokens, prompt + answer (default: the model's max positions)")
+    g.add_argument("--chunk_size", type=int, help="prompt tokens per prefill step [8192]")
+    g = p.add_argument_group("generation defaults (a request's own values win)")
+    g.add_argument("--max_new_tokens", type=int, help="answer length when the request gives none [1024]")
+    g.add_argument("--temperature", type=float,
+                   help="default temperature (0 = greedy) [model's generation_config, else 0]")
+    g.add_argument("--top_p", type=float, help="default top_p [model's generation_config, else 1.0]")
+    g.add_argument("--top_k", type=int, help="default top_k (0 = off) [model's generation_config, else 0]")
+    g.add_argument("--repetition_penalty", type=float, help="default repetition penalty [1.0]")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", help="address to bind [127.0.0.1: this machine only]")
+    g.add_argument("--port", type=int, help="port [10002]")
+    g.add_argument("--api_key", help="require 'Authorization: Bearer <key>' on every route except GET /health")
+    g.add_argument("--web", type=_bool, nargs="?", const=True, help="serve the chat page at /web")
+    g.add_argument("--data_dir", help=f"SQLite database (Assistants API) and logs [{DEFAULT_DATA_DIR}]")
+    g.add_argument("--max_queue", type=int, help="requests that may wait for the engine; more get 503 [16]")
+    g.add_argument("--max_body_mb", type=float, help="largest request body accepted, in MiB [16]")
+    g.add_argument("--log_level", choices=["debug", "info", "warning", "error"], help="[info]")
+    g.add_argument("--config", dest="config", help="YAML file of settings (keys = flag names); flags override it")
+    return p
+
+
+def parse_settings(argv: list[str] | None = None) -> Settings:
+    ns = vars(build_parser().parse_args(argv))
+    cfg_file = ns.pop("config", None)
+    values = load_config_file(cfg_file) if cfg_file else {}
+    values.update(ns)
+    return coerce(Settings().replace(**values)).validate().validate_paths()
+
+
+def _check_port(host: str, port: int) -> None:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ConfigError(f"--host {host}: cannot resolve ({e.strerror})") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise ConfigError(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return path.is_dir() and any((path / f).is_file() for f in
+                                 ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"))
+
+
+def _model_info(settings: Settings, model, source, load_seconds: float) -> dict:
+    weights = Path(settings.gguf_path or settings.model_path)
+    files = [weights] if weights.is_file() else [p for p in weights.glob("*") if p.suffix in (".gguf", ".safetensors")]
+    size = sum(p.stat().st_size for p in files if p.is_file())
+    try:
+        n_params = sum(p.numel() for p in model.parameters())
+    except Exception:
+        n_params = 0
+    quant = ""
+    if hasattr(source, "tensor_info"):
+        meta = getattr(source, "metadata", {}) or {}
+        quant = _GGUF_FILE_TYPES.get(meta.get("general.file_type"), "")
+        if not quant:  # the most common type among the matrices
+            try:
+                counts = Counter(t for _, t, shape, _ in source.tensor_info() if len(shape) > 1)
+                quant = counts.most_common(1)[0][0] if counts else ""
+            except Exception:
+                quant = ""
+    else:
+        quant = str(getattr(model.config, "dtype", "") or "").replace("torch.", "").upper()
+    return {"family": getattr(model.config, "model_type", ""),
+            "format": "gguf" if settings.gguf_path else "safetensors",
+            "size": size, "parameter_count": n_params,
+            "parameter_size": f"{n_params / 1e9:.1f}B" if n_params >= 1e8 else f"{n_params / 1e6:.1f}M",
+            "quantization": quant, "path": str(weights), "load_seconds": load_seconds}
+
+
+#: llama.cpp's ``general.file_type`` values (LLAMA_FTYPE_*)
+_GGUF_FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
+                    11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
+                    17: "Q5_K_M", 18: "Q6_K", 19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS",
+                    23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S",
+                    29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16"}
+
+
+def _sampling_defaults(settings: Settings, model):
+    from .engine import SamplingDefaults
+
+    gc = getattr(model, "generation_config", None)
+    sample = bool(getattr(gc, "do_sample", False)) if gc is not None else False
+
+    def pick(flag, attr, fallback):
+        if flag is not None:
+            return flag
+        v = getattr(gc, attr, None) if (gc is not None and sample) else None
+        return v if v is not None else fallback
+
+    return SamplingDefaults(temperature=float(pick(settings.temperature, "temperature", 0.0)),
+                            top_p=float(pick(settings.top_p, "top_p", 1.0)),
+                            top_k=int(pick(settings.top_k, "top_k", 0)),
+                            max_new_tokens=settings.max_new_tokens,
+                            repetition_penalty=float(settings.repetition_penalty or 1.0))
+
+
+def build_engine(settings: Settings):
+    """Load the model, tokenizer and Generator named by ``settings`` into an :class:`Engine`."""
+    import torch
+
+    from ..generation import Generator
+    from ..util.loading import load_model
+    from ..weights import open_weights
+    from .engine import Engine
+
+    if settings.cpu_infer:
+        torch.set_num_threads(settings.cpu_infer)
+    t0 = time.perf_counter()
+    source = open_weights(settings.gguf_path or settings.model_path)
+    model_path = settings.model_path
+    if model_path and not Path(model_path).is_dir():
+        model_path = str(Path(model_path).parent)
+    if model_path and _has_tokenizer(Path(model_path)):
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+        except Exception as e:
+            raise ConfigError(f"--model_path {model_path}: cannot load its tokenizer "
+                              f"({type(e).__name__}: {e})") from None
+    elif hasattr(source, "tokenizer"):
+        tokenizer = source.tokenizer()
+        if tokenizer is None:
+            raise ConfigError(f"{settings.gguf_path}: holds no vocabulary; pass --model_path with the tokenizer files")
+    else:
+        raise ConfigError(f"{model_path or settings.model_path}: no tokenizer files (tokenizer.json / "
+                          "tokenizer_config.json) here")
+    if not getattr(tokenizer, "chat_template", None):  # GGUF files usually carry the template
+        tpl = (getattr(source, "metadata", None) or {}).get("tokenizer.chat_template")
+        if isinstance(tpl, str) and tpl.strip():
+            tokenizer.chat_template = tpl
+    model = load_model(source, model_path, rules=settings.optimize_config_path, device=settings.device)
+    load_s = time.perf_counter() - t0
+    max_pos = getattr(model.config, "max_position_embeddings", None) or 4096
+    max_context = settings.cache_lens or int(max_pos)
+    generator = Generator(model, tokenizer, chunk_size=settings.chunk_size, max_cache_len=max_context)
+    name = settings.model_name or settings.default_model_name()
+    return Engine(generator, tokenizer, model_name=name, max_context=max_context,
+                  defaults=_sampling_defaults(settings, model), max_queue=settings.max_queue,
+                  model_info=_model_info(settings, model, source, load_s))
+
+
+def _setup_logging(settings: Settings) -> Path:
+    logs = Path(settings.data_dir) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    level = getattr(logging, settings.log_level.upper(), logging.INFO)
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    root = logging.getLogger("ktransformers")
+    root.setLevel(level)
+    fh = logging.FileHandler(logs / "server.log")
+    fh.setFormatter(fmt)
+    sh = logging.StreamHandler()
+    sh.setFormatter(fmt)
+    root.handlers[:] = [fh, sh]
+    return logs / "server.log"
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        settings = parse_settings(argv)
+        _check_port(settings.host, settings.port)
+        try:
+            Path(settings.data_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"--data_dir {settings.data_dir}: cannot create it ({e.strerror})") from None
+        log_file = _setup_logging(settings)
+        log.info("data dir %s (database, logs in %s)", Path(settings.data_dir).resolve(), log_file)
+        log.info("loading model ...")
+        engine = build_engine(settings)
+    except KTError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from .app import create_app
+
+    app = create_app(engine, settings)
+    log.info("model '%s' loaded in %.1fs; context %d tokens", engine.model_name, engine.load_seconds,
+             engine.max_context)
+    url = f"http://{settings.host}:{settings.port}"
+    log.info("serving on %s  (OpenAI: %s/v1  Ollama: %s/api%s)%s", url, url, url,
+             f"  web: {url}/web" if settings.web else "", "  [API key required]" if settings.api_key else "")
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,282 @@
+"""Ollama-compatible routes under ``/api``: generate, chat, tags, show, ps, version.
+
+``stream`` defaults to true as in Ollama: NDJSON lines, the last one with ``done: true`` and
+the timing fields (nanoseconds) from the Generator's stats.  ``stream: false`` answers one
+JSON object.  ``load_duration`` reports the time the request waited for the engine (the model
+itself is loaded once, at server start).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import datetime, timedelta, timezone
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from .common import check_model, collect, guarded, ndjson, stats_numbers, stop_list
+from .engine import Engine, EngineStream, GenerationRequest
+from .errors import APIError
+from .prompting import ToolCallStream, fim_prompt, fim_tokens, parse_tool_calls, render_go_template
+from .schemas import OllamaChatRequest, OllamaGenerateRequest, OllamaOptions, OllamaShowRequest
+
+router = APIRouter()
+
+#: the Ollama API version these routes follow (clients check it before using newer fields)
+OLLAMA_COMPAT_VERSION = "0.6.0"
+
+
+def _engine(request: Request) -> Engine:
+    return request.app.state.engine
+
+
+def _ts(t: float | None = None) -> str:
+    d = datetime.now(timezone.utc) if t is None else datetime.fromtimestamp(t, timezone.utc)
+    return d.isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def _ns(seconds: float) -> int:
+    return int(round(seconds * 1e9))
+
+
+def _request(engine: Engine, ids: list[int], options: OllamaOptions | None, tag: str) -> GenerationRequest:
+    o = options or OllamaOptions()
+    max_new = o.num_predict
+    if max_new is not None:
+        if max_new in (-1, -2):
+            max_new = max(1, engine.max_context - len(ids))
+        elif max_new <= 0:
+            raise APIError(400, f"options.num_predict must be positive, -1 or -2 (got {max_new})")
+    return GenerationRequest(ids, temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, max_new_tokens=max_new,
+                             stop=stop_list(o.stop), seed=o.seed, repetition_penalty=o.repeat_penalty, tag=tag)
+
+
+def _done_fields(stream: EngineStream, generated: int, reason: str | None) -> dict:
+    s = stats_numbers(stream, generated)
+    return {
+        "done_reason": "length" if reason == "length" else "stop",
+        "total_duration": _ns(stream.total_seconds),
+        "load_duration": _ns(stream.queue_seconds),
+        "prompt_eval_count": s["prompt_tokens"],
+        "prompt_eval_duration": _ns(s["prompt_seconds"]),
+        "eval_count": s["generated_tokens"],
+        "eval_duration": _ns(s["decode_seconds"]),
+    }
+
+
+def _load_reply(model: str, chat: bool) -> dict:
+    out = {"model": model, "created_at": _ts(), "done": True, "done_reason": "load"}
+    if chat:
+        out["message"] = {"role": "assistant", "content": ""}
+    else:
+        out["response"] = ""
+    return out
+
+
+def _generate_ids(engine: Engine, body: OllamaGenerateRequest) -> list[int]:
+    prompt = body.prompt or ""
+    if body.template:
+        text = render_go_template(body.template, {"System": body.system or "", "Prompt": prompt,
+                                                  "Suffix": body.suffix or ""})
+        ids = engine.encode(text)
+    elif body.suffix:
+        text, _ = fim_prompt(engine.tokenizer, prompt, body.suffix)
+        ids = engine.encode(text)
+    elif body.raw:
+        ids = engine.encode(prompt)
+    else:
+        msgs = ([{"role": "system", "content": body.system}] if body.system else []) + \
+               [{"role": "user", "content": prompt}]
+        ids = engine.apply_chat_template(msgs)
+    return list(body.context or []) + ids
+
+
+@router.post("/generate")
+async def generate(body: OllamaGenerateRequest, request: Request):
+    engine = _engine(request)
+    model = check_model(engine, body.model, ollama=True)
+    if body.images:
+        raise APIError(400, "images are not supported: this model takes text only")
+    if not (body.prompt or body.suffix):
+        return _load_reply(model, chat=False)
+    ids = await run_in_threadpool(_generate_ids, engine, body)
+    stream = await engine.submit(_request(engine, ids, body.options, "ollama.generate"))
+    with_context = not body.raw
+
+    if not body.stream:
+        got = await collect(stream, request)
+        out = {"model": model, "created_at": _ts(), "response": got.text, "done": True,
+               **_done_fields(stream, len(got.token_ids), got.finish_reason)}
+        if with_context:
+            out["context"] = ids + got.token_ids
+        return out
+
+    async def lines():
+        gen_ids: list[int] = []
+        reason = "stop"
+        try:
+            async for ev in stream:
+                if ev.token_id is not None:
+                    gen_ids.append(ev.token_id)
+                if ev.finish_reason:
+                    reason = ev.finish_reason
+                if ev.text:
+                    yield ndjson({"model": model, "created_at": _ts(), "response": ev.text, "done": False})
+        except APIError as e:
+            yield ndjson({"error": e.message})
+            return
+        last = {"model": model, "created_at": _ts(), "response": "", "done": True,
+                **_done_fields(stream, len(gen_ids), reason)}
+        if with_context:
+            last["context"] = ids + gen_ids
+        yield ndjson(last)
+
+    return StreamingResponse(guarded(stream, lines()), media_type="application/x-ndjson")
+
+
+def _ollama_calls(calls: list[dict]) -> list[dict]:
+    out = []
+    for c in calls:
+        fn = c["function"]
+        try:
+            args = json.loads(fn["arguments"])
+        except (TypeError, json.JSONDecodeError):
+            args = fn["arguments"]
+        out.append({"function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def _chat_ids(engine: Engine, body: OllamaChatRequest, tools: list[dict] | None) -> list[int]:
+    from .openai_api import chat_prompt_ids
+
+    messages = []
+    for i, m in enumerate(body.messages):
+        if m.images:
+            raise APIError(400, f"messages[{i}].images: images are not supported; this model takes text only")
+        messages.append({"role": m.role, "content": m.content or "", "tool_calls": m.tool_calls})
+    return chat_prompt_ids(engine, messages, tools, None)
+
+
+@router.post("/chat")
+async def chat(body: OllamaChatRequest, request: Request):
+    engine = _engine(request)
+    model = check_model(engine, body.model, ollama=True)
+    if not body.messages:
+        return _load_reply(model, chat=True)
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    ids = await run_in_threadpool(_chat_ids, engine, body, tools)
+    stream = await engine.submit(_request(engine, ids, body.options, "ollama.chat"))
+
+    if not body.stream:
+        got = await collect(stream, request)
+        content, calls = parse_tool_calls(got.text) if tools else (got.text, [])
+        msg = {"role": "assistant", "content": content}
+        if calls:
+            msg["tool_calls"] = _ollama_calls(calls)
+        return {"model": model, "created_at": _ts(), "message": msg, "done": True,
+                **_done_fields(stream, len(got.token_ids), got.finish_reason)}
+
+    async def lines():
+        parser = ToolCallStream() if tools else None
+        n_out = 0
+        reason = "stop"
+
+        def render(items):
+            for kind, val in items:
+                msg = {"role": "assistant", "content": val if kind == "text" else ""}
+                if kind == "call":
+                    msg["tool_calls"] = _ollama_calls([val])
+                elif not val:
+                    continue
+                yield ndjson({"model": model, "created_at": _ts(), "message": msg, "done": False})
+
+        try:
+            async for ev in stream:
+                if ev.token_id is not None:
+                    n_out += 1
+                if ev.finish_reason:
+                    reason = ev.finish_reason
+                if ev.text:
+                    for line in render(parser.feed(ev.text) if parser else [("text", ev.text)]):
+                        yield line
+            if parser:
+                for line in render(parser.finish()):
+                    yield line
+        except APIError as e:
+            yield ndjson({"error": e.message})
+            return
+        yield ndjson({"model": model, "created_at": _ts(), "message": {"role": "assistant", "content": ""},
+                      "done": True, **_done_fields(stream, n_out, reason)})
+
+    return StreamingResponse(guarded(stream, lines()), media_type="application/x-ndjson")
+
+
+# ---- model information -------------------------------------------------------------------
+
+def _details(engine: Engine) -> dict:
+    info = engine.model_info
+    family = info.get("family", "")
+    return {"parent_model": "", "format": info.get("format", ""), "family": family,
+            "families": [family] if family else None,
+            "parameter_size": info.get("parameter_size", ""), "quantization_level": info.get("quantization", "")}
+
+
+def _digest(engine: Engine) -> str:
+    key = f"{engine.model_name}:{engine.model_info.get('path', '')}:{engine.model_info.get('size', 0)}"
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _entry(engine: Engine) -> dict:
+    return {"name": engine.model_name, "model": engine.model_name, "modified_at": _ts(engine.loaded_at),
+            "size": int(engine.model_info.get("size", 0)), "digest": _digest(engine), "details": _details(engine)}
+
+
+@router.get("/tags")
+async def tags(request: Request):
+    return {"models": [_entry(_engine(request))]}
+
+
+@router.get("/ps")
+async def ps(request: Request):
+    e = _engine(request)
+    entry = _entry(e)
+    entry.pop("modified_at")
+    entry["expires_at"] = _ts((datetime.now(timezone.utc) + timedelta(days=3650)).timestamp())
+    entry["size_vram"] = int(e.model_info.get("size_vram", 0))
+    entry["context_length"] = e.max_context
+    return {"models": [entry]}
+
+
+@router.get("/version")
+async def version():
+    from .. import __version__
+
+    return {"version": OLLAMA_COMPAT_VERSION, "server": f"ktransformers {__version__}"}
+
+
+@router.post("/show")
+async def show(body: OllamaShowRequest, request: Request):
+    e = _engine(request)
+    check_model(e, body.model or body.name, ollama=True)
+    d = e.defaults
+    params = [f"temperature {d.temperature}", f"top_p {d.top_p}", f"top_k {d.top_k}",
+              f"num_predict {d.max_new_tokens}", f"num_ctx {e.max_context}"]
+    caps = ["completion", "tools"]
+    if fim_tokens(e.tokenizer) is not None:
+        caps.append("insert")
+    family = e.model_info.get("family", "")
+    model_info = {"general.architecture": family, "general.name": e.model_name,
+                  "general.parameter_count": int(e.model_info.get("parameter_count", 0)),
+                  f"{family or 'model'}.context_length": e.max_context}
+    return JSONResponse({
+        "license": "",
+        "modelfile": f"# served by ktransformers\nFROM {e.model_info.get('path', e.model_name)}\n",
+        "parameters": "\n".join(params),
+        "template": e.chat_template or "{{ .Prompt }}",
+        "details": _details(e),
+        "model_info": model_info,
+        "capabilities": caps,
+        "modified_at": _ts(e.loaded_at),
+    })

@@ -1,0 +1,237 @@
+"""OpenAI-compatible routes under ``/v1``: models, chat completions, (legacy) completions."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from .common import SSE_HEADERS, check_model, collect, guarded, new_id, now, sse, stop_list
+from .engine import Engine, GenerationRequest
+from .errors import APIError, error_body
+from .prompting import ToolCallStream, add_tool_prompt, fim_prompt, parse_tool_calls, template_messages
+from .schemas import (ChatChoice, ChatCompletion, ChatCompletionRequest, Completion, CompletionChoice,
+                      CompletionRequest, ModelCard, ModelList, ResponseMessage, Usage)
+
+router = APIRouter()
+
+
+def _engine(request: Request) -> Engine:
+    return request.app.state.engine
+
+
+def _finish(reason: str | None) -> str:
+    return "length" if reason == "length" else "stop"
+
+
+def _unsupported(body) -> None:
+    if body.n is not None and body.n > 1:
+        raise APIError(400, "n > 1 is not supported: this server returns one choice per request", param="n")
+    if getattr(body, "logprobs", None):
+        raise APIError(400, "logprobs are not supported by this server", param="logprobs")
+    if getattr(body, "best_of", None) not in (None, 1):
+        raise APIError(400, "best_of > 1 is not supported by this server", param="best_of")
+
+
+@router.get("/models", response_model=ModelList)
+async def list_models(request: Request):
+    e = _engine(request)
+    return ModelList(data=[ModelCard(id=e.model_name, created=int(e.loaded_at))])
+
+
+@router.get("/models/{model_id:path}", response_model=ModelCard)
+async def get_model(model_id: str, request: Request):
+    e = _engine(request)
+    check_model(e, model_id)
+    return ModelCard(id=e.model_name, created=int(e.loaded_at))
+
+
+# ---- chat ---------------------------------------------------------------------------------
+
+def chat_prompt_ids(engine: Engine, messages: list[dict], tools: list[dict] | None, tool_choice) -> list[int]:
+    native = engine.template_supports_tools
+    msgs = template_messages(messages, native)
+    if tools and not native:
+        msgs = add_tool_prompt(msgs, tools, tool_choice)
+        tools = None
+    return engine.apply_chat_template(msgs, tools=tools if native else None)
+
+
+@router.post("/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    engine = _engine(request)
+    model = check_model(engine, body.model)
+    _unsupported(body)
+    use_tools = bool(body.tools) and body.tool_choice != "none"
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if use_tools else None
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    ids = await run_in_threadpool(chat_prompt_ids, engine, messages, tools, body.tool_choice)
+    req = GenerationRequest(
+        ids, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+        max_new_tokens=body.max_completion_tokens or body.max_tokens, stop=stop_list(body.stop),
+        seed=body.seed, repetition_penalty=body.repetition_penalty, tag="openai.chat")
+    stream = await engine.submit(req)
+    cid, created = new_id("chatcmpl-"), now()
+
+    if not body.stream:
+        got = await collect(stream, request)
+        content, calls = parse_tool_calls(got.text) if use_tools else (got.text, [])
+        n_out = len(got.token_ids)
+        return ChatCompletion(
+            id=cid, created=created, model=model,
+            choices=[ChatChoice(message=ResponseMessage(content=content if (content or not calls) else None,
+                                                        tool_calls=calls or None),
+                                finish_reason="tool_calls" if calls else _finish(got.finish_reason))],
+            usage=Usage(prompt_tokens=len(ids), completion_tokens=n_out, total_tokens=len(ids) + n_out),
+        ).model_dump(exclude_none=False)
+
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def chunk(delta: dict, finish: str | None = None) -> str:
+        d = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+             "system_fingerprint": None,
+             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        if include_usage:
+            d["usage"] = None
+        return sse(d)
+
+    async def events():
+        yield chunk({"role": "assistant", "content": ""})
+        parser = ToolCallStream() if use_tools else None
+        n_calls = n_out = 0
+        reason = "stop"
+
+        def render(items):
+            nonlocal n_calls
+            for kind, val in items:
+                if kind == "text":
+                    if val:
+                        yield chunk({"content": val})
+                else:
+                    yield chunk({"tool_calls": [{"index": n_calls, **val}]})
+                    n_calls += 1
+
+        try:
+            async for ev in stream:
+                if ev.token_id is not None:
+                    n_out += 1
+                if ev.finish_reason:
+                    reason = ev.finish_reason
+                if ev.text:
+                    for c in render(parser.feed(ev.text) if parser else [("text", ev.text)]):
+                        yield c
+            if parser:
+                for c in render(parser.finish()):
+                    yield c
+        except APIError as e:
+            yield sse(error_body("/v1", e.status, e.message, e.type, e.param, e.code))
+            yield sse("[DONE]")
+            return
+        yield chunk({}, "tool_calls" if n_calls else _finish(reason))
+        if include_usage:
+            yield sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                       "system_fingerprint": None, "choices": [],
+                       "usage": {"prompt_tokens": len(ids), "completion_tokens": n_out,
+                                 "total_tokens": len(ids) + n_out}})
+        yield sse("[DONE]")
+
+    return StreamingResponse(guarded(stream, events()), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+# ---- completions --------------------------------------------------------------------------
+
+def _prompts(engine: Engine, body: CompletionRequest) -> list[tuple[str, list[int]]]:
+    """[(prompt text for echo, token ids)] for each prompt in the request."""
+    p = body.prompt
+    if isinstance(p, str):
+        items: list = [p]
+    elif p and all(isinstance(x, int) for x in p):
+        items = [list(p)]
+    else:
+        items = list(p)
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            text = item
+            if body.suffix:
+                text, _ = fim_prompt(engine.tokenizer, item, body.suffix)
+            out.append((item, engine.encode(text)))
+        else:
+            out.append((engine.decode(item), list(item)))
+    return out
+
+
+@router.post("/completions")
+async def completions(body: CompletionRequest, request: Request):
+    engine = _engine(request)
+    model = check_model(engine, body.model)
+    _unsupported(body)
+    prompts = await run_in_threadpool(_prompts, engine, body)
+
+    def make_req(ids):
+        return GenerationRequest(ids, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                                 max_new_tokens=body.max_tokens,
+                                 stop=stop_list(body.stop), seed=body.seed,
+                                 repetition_penalty=body.repetition_penalty, tag="openai.completions")
+
+    reqs = [make_req(ids) for _, ids in prompts]
+    for r in reqs:  # every prompt is checked (length, limits) before any is generated
+        engine.make_params(r)
+    cid, created = new_id("cmpl-"), now()
+    n_prompt = sum(len(r.input_ids) for r in reqs)
+
+    if not body.stream:
+        choices, n_out = [], 0
+        for i, ((text, _), r) in enumerate(zip(prompts, reqs)):
+            stream = await engine.submit(r)
+            got = await collect(stream, request)
+            n_out += len(got.token_ids)
+            choices.append(CompletionChoice(index=i, text=(text if body.echo else "") + got.text,
+                                            finish_reason=_finish(got.finish_reason)))
+        return Completion(id=cid, created=created, model=model, choices=choices,
+                          usage=Usage(prompt_tokens=n_prompt, completion_tokens=n_out,
+                                      total_tokens=n_prompt + n_out)).model_dump()
+
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    first = await engine.submit(reqs[0])  # a full queue answers 503 before the stream starts
+
+    def chunk(i: int, text: str, finish: str | None = None) -> str:
+        d = {"id": cid, "object": "text_completion", "created": created, "model": model,
+             "system_fingerprint": None,
+             "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": finish}]}
+        if include_usage:
+            d["usage"] = None
+        return sse(d)
+
+    current = {"stream": first}
+
+    async def events():
+        n_out = 0
+        try:
+            for i, ((text, _), r) in enumerate(zip(prompts, reqs)):
+                stream = first if i == 0 else await engine.submit(r)
+                current["stream"] = stream
+                if body.echo:
+                    yield chunk(i, text)
+                reason = "stop"
+                async for ev in stream:
+                    if ev.token_id is not None:
+                        n_out += 1
+                    if ev.finish_reason:
+                        reason = ev.finish_reason
+                    if ev.text:
+                        yield chunk(i, ev.text)
+                yield chunk(i, "", _finish(reason))
+        except APIError as e:
+            yield sse(error_body("/v1", e.status, e.message, e.type, e.param, e.code))
+            yield sse("[DONE]")
+            return
+        finally:
+            current["stream"].cancel()
+        if include_usage:
+            yield sse({"id": cid, "object": "text_completion", "created": created, "model": model,
+                       "choices": [], "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out,
+                                                "total_tokens": n_prompt + n_out}})
+        yield sse("[DONE]")
+
+    return StreamingResponse(guarded(first, events()), media_type="text/event-stream", headers=SSE_HEADERS)

@@ -1,0 +1,314 @@
+"""Pydantic request and response models for the OpenAI, Ollama and Assistants routes.
+
+Request models ignore unknown fields (clients send many we do not use) but check the types of
+the ones we read; a bad value becomes a 400 naming the field (see ``errors.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class _Req(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
+
+
+# ---- OpenAI chat / completions --------------------------------------------------------------
+
+class FunctionCall(_Open):
+    name: str = ""
+    arguments: str | dict | None = None
+
+
+class ToolCall(_Open):
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Open):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[dict[str, Any] | str] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDef(_Open):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(_Open):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class StreamOptions(_Req):
+    include_usage: bool = False
+
+
+StopType = str | list[str] | None
+
+
+def _check_stop(v):
+    if isinstance(v, list) and len(v) > 16:
+        raise ValueError("at most 16 stop sequences")
+    return v
+
+
+class SamplingFields(_Req):
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)  # extension
+    max_tokens: int | None = Field(None, ge=1)
+    seed: int | None = None
+    stop: StopType = None
+    repetition_penalty: float | None = Field(None, gt=0.0)  # extension
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)  # accepted, not applied
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)  # accepted, not applied
+    n: int | None = Field(None, ge=1)
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_limit(cls, v):
+        return _check_stop(v)
+
+
+class ChatCompletionRequest(SamplingFields):
+    model: str | None = None
+    messages: list[ChatMessage]
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    logprobs: bool | None = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _non_empty(cls, v):
+        if not v:
+            raise ValueError("messages must contain at least one message")
+        return v
+
+
+class CompletionRequest(SamplingFields):
+    model: str | None = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    suffix: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = Field(None, ge=1)
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt must not be an empty list")
+        return v
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "ktransformers"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
+    refusal: None = None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ResponseMessage
+    logprobs: None = None
+    finish_reason: str
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+# ---- Ollama -------------------------------------------------------------------------------
+
+class OllamaOptions(_Req):
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    num_predict: int | None = None  # -1: until the context is full, -2: fill the context
+    stop: StopType = None
+    seed: int | None = None
+    repeat_penalty: float | None = Field(None, gt=0.0)
+    num_ctx: int | None = None  # accepted; the context is fixed at server start (--cache_lens)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_limit(cls, v):
+        return _check_stop(v)
+
+
+class OllamaMessage(_Open):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = ""
+    images: list[str] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class OllamaGenerateRequest(_Req):
+    model: str
+    prompt: str | None = ""
+    suffix: str | None = None
+    system: str | None = None
+    template: str | None = None
+    context: list[int] | None = None
+    stream: bool = True
+    raw: bool = False
+    format: str | dict[str, Any] | None = None
+    images: list[str] | None = None
+    options: OllamaOptions | None = None
+    keep_alive: str | int | float | None = None
+    think: bool | str | None = None
+
+
+class OllamaChatRequest(_Req):
+    model: str
+    messages: list[OllamaMessage] = Field(default_factory=list)
+    tools: list[Tool] | None = None
+    stream: bool = True
+    format: str | dict[str, Any] | None = None
+    options: OllamaOptions | None = None
+    keep_alive: str | int | float | None = None
+    think: bool | str | None = None
+
+
+class OllamaShowRequest(_Req):
+    model: str | None = None
+    name: str | None = None  # older clients
+    verbose: bool = False
+
+
+# ---- Assistants ---------------------------------------------------------------------------
+
+Metadata = dict[str, Any] | None
+
+
+class AssistantCreate(_Req):
+    model: str | None = None
+    name: str | None = Field(None, max_length=256)
+    description: str | None = Field(None, max_length=512)
+    instructions: str | None = Field(None, max_length=256_000)
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    tool_resources: dict[str, Any] | None = None
+    metadata: Metadata = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    response_format: str | dict[str, Any] | None = None
+
+
+class AssistantModify(_Req):
+    model: str | None = None
+    name: str | None = Field(None, max_length=256)
+    description: str | None = Field(None, max_length=512)
+    instructions: str | None = Field(None, max_length=256_000)
+    tools: list[dict[str, Any]] | None = None
+    tool_resources: dict[str, Any] | None = None
+    metadata: Metadata = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    response_format: str | dict[str, Any] | None = None
+
+
+class MessageCreate(_Req):
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+    attachments: list[dict[str, Any]] | None = None
+    metadata: Metadata = None
+
+
+class ThreadCreate(_Req):
+    messages: list[MessageCreate] | None = None
+    tool_resources: dict[str, Any] | None = None
+    metadata: Metadata = None
+
+
+class MetadataModify(_Req):
+    metadata: Metadata = None
+    tool_resources: dict[str, Any] | None = None
+
+
+class RunCreate(_Req):
+    assistant_id: str
+    model: str | None = None
+    instructions: str | None = None
+    additional_instructions: str | None = None
+    additional_messages: list[MessageCreate] | None = None
+    tools: list[dict[str, Any]] | None = None
+    metadata: Metadata = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    max_prompt_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    truncation_strategy: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: str | dict[str, Any] | None = None
+    stream: bool = False
+
+
+class ThreadAndRunCreate(RunCreate):
+    thread: ThreadCreate | None = None
+
+
+class RunModify(_Req):
+    metadata: Metadata = None

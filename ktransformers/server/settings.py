@@ -1,0 +1,154 @@
+"""Server settings: built-in defaults < ``--config`` YAML file < command-line flags."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+
+DEFAULT_DATA_DIR = "./.ktransformers-data"
+
+
+@dataclass
+class Settings:
+    host: str = "127.0.0.1"
+    port: int = 10002
+    model_path: str | None = None
+    gguf_path: str | None = None
+    optimize_config_path: str | None = None
+    model_name: str | None = None
+    cpu_infer: int | None = None
+    max_new_tokens: int = 1024
+    cache_lens: int | None = None
+    chunk_size: int = 8192
+    api_key: str | None = None
+    web: bool = False
+    data_dir: str = DEFAULT_DATA_DIR
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    max_queue: int = 16
+    max_body_mb: float = 16.0
+    device: str | None = None
+    log_level: str = "info"
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    def replace(self, **kw) -> "Settings":
+        return dataclasses.replace(self, **kw)
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * 1024 * 1024)
+
+    def validate(self) -> "Settings":
+        """Raise ConfigError (one line) on a value the server cannot start with."""
+        if not (0 < self.port < 65536):
+            raise ConfigError(f"--port {self.port}: must be 1..65535")
+        for name in ("max_new_tokens", "chunk_size", "max_body_mb"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{name} {getattr(self, name)}: must be positive")
+        if self.cpu_infer is not None and self.cpu_infer < 1:
+            raise ConfigError(f"--cpu_infer {self.cpu_infer}: must be at least 1")
+        if self.cache_lens is not None and self.cache_lens < 16:
+            raise ConfigError(f"--cache_lens {self.cache_lens}: must be at least 16 tokens")
+        if self.max_queue < 0:
+            raise ConfigError(f"--max_queue {self.max_queue}: must be 0 or more")
+        if self.temperature is not None and not (0 <= self.temperature <= 2):
+            raise ConfigError(f"--temperature {self.temperature}: must be within 0..2")
+        if self.top_p is not None and not (0 < self.top_p <= 1):
+            raise ConfigError(f"--top_p {self.top_p}: must be within (0, 1]")
+        if self.top_k is not None and self.top_k < 0:
+            raise ConfigError(f"--top_k {self.top_k}: must be 0 (off) or more")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError("--api_key: must not be empty")
+        return self
+
+    def validate_paths(self) -> "Settings":
+        if not self.model_path and not self.gguf_path:
+            raise ConfigError("no model: pass --model_path (folder with config.json + tokenizer"
+                              " [+ safetensors]) and/or --gguf_path (a .gguf file or folder)")
+        if self.model_path and not Path(self.model_path).exists():
+            raise ConfigError(f"--model_path {self.model_path}: no such file or directory")
+        if self.gguf_path and not Path(self.gguf_path).exists():
+            raise ConfigError(f"--gguf_path {self.gguf_path}: no such file or directory")
+        if self.optimize_config_path and not Path(self.optimize_config_path).is_file():
+            raise ConfigError(f"--optimize_config_path {self.optimize_config_path}: no such file")
+        return self
+
+    def default_model_name(self) -> str:
+        import re
+
+        p = Path(self.gguf_path or self.model_path or "model")
+        name = p.stem if p.is_file() or p.suffix in (".gguf", ".safetensors") else p.name
+        if p.suffix == ".safetensors" and p.parent.name:
+            name = p.parent.name
+        return re.sub(r"-\d{5}-of-\d{5}$", "", name) or "model"
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """Flat YAML mapping of setting names (same as the flags, without dashes) to values."""
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: must be a mapping of setting: value")
+    known = set(Settings.keys())
+    out = {}
+    for k, v in data.items():
+        key = str(k).replace("-", "_")
+        if key not in known:
+            raise ConfigError(f"--config {path}: unknown setting '{k}' (known: {', '.join(sorted(known))})")
+        out[key] = v
+    return out
+
+
+def coerce(settings: Settings) -> Settings:
+    """Check/convert the types of values that came from YAML."""
+    kw = {}
+    for f in fields(Settings):
+        v = getattr(settings, f.name)
+        if v is None:
+            continue
+        t = str(f.type)
+        try:
+            if t.startswith("int"):
+                if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
+                    raise ValueError
+                kw[f.name] = int(v)
+            elif t.startswith("float"):
+                if isinstance(v, bool):
+                    raise ValueError
+                kw[f.name] = float(v)
+            elif t.startswith("bool"):
+                kw[f.name] = parse_bool(v)
+            elif t.startswith("str"):
+                if isinstance(v, (dict, list)):
+                    raise ValueError
+                kw[f.name] = str(v)
+        except (TypeError, ValueError):
+            raise ConfigError(f"setting '{f.name}': {v!r} is not a valid {t.split(' ')[0]}") from None
+    return settings.replace(**kw)
+
+
+def parse_bool(v) -> bool:
+    if isinstance(v, bool):
+        return v
+    s = str(v).strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {v!r}")
