@@ -1,0 +1,299 @@
+"""The generation loop: chunked prefill into a static KV cache, then one token at a time.
+
+The model is called directly (``model(input_ids=…, cache=…, position_ids=…)``), not through
+``generate()``, so the per-token Python work is one forward call, one sampler call and one
+small decode of the text window.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from ..errors import ConfigError
+from .sampling import Sampler, SamplingParams
+from .text import IncrementalDetokenizer, StopStrings
+
+#: end-of-turn markers of common chat templates; a tokenizer holding one as a single token
+#: stops on it (the reference system stops on the ChatML end marker the same way)
+END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end▁of▁sentence|>", "<|endoftext|>")
+
+
+@dataclass
+class TokenEvent:
+    """One step of a stream.  The final event has ``token_id=None`` and a ``finish_reason``."""
+
+    token_id: int | None         # None only on the final event
+    text: str                    # text newly decoded since the previous event ("" mid-character)
+    finish_reason: str | None = None   # "stop" (EOS or stop string), "length", "cancelled"
+
+
+@dataclass
+class GenerationStats:
+    """Timings of one request.
+
+    ``prefill_seconds`` is the time to the first token (prompt forward + first sample);
+    ``decode_seconds`` the time spent producing the tokens after it, so ``decode_tps`` is
+    ``(generated_tokens - 1) / decode_seconds``.  Only the generator's own work is timed, not
+    the time the consumer of the stream spends between tokens.
+    """
+
+    prompt_tokens: int
+    prefill_seconds: float
+    generated_tokens: int
+    decode_seconds: float
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        steps = max(self.generated_tokens - 1, 0)
+        return steps / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    def line(self) -> str:
+        return (
+            f"prompt eval count: {self.prompt_tokens} token(s), duration: {self.prefill_seconds:.3f}s, "
+            f"rate: {self.prefill_tps:.2f} tokens/s | "
+            f"eval count: {self.generated_tokens} token(s), duration: {self.decode_seconds:.3f}s, "
+            f"rate: {self.decode_tps:.2f} tokens/s"
+        )
+
+
+def _module_device(module: torch.nn.Module | None) -> torch.device | None:
+    if module is None:
+        return None
+    for t in module.parameters():
+        if t.device.type != "meta":
+            return t.device
+    dev = getattr(module, "generate_device", None)
+    return torch.device(dev) if dev is not None else None
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """Every id that ends a generation: generation_config's EOS ids (all of them), the
+    tokenizer's EOS, and chat end-of-turn markers the tokenizer has as single tokens."""
+    ids: set[int] = set()
+    for cfg in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        e = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+        if e is None:
+            continue
+        ids.update([e] if isinstance(e, int) else list(e))
+        break
+    if tokenizer is not None:
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            ids.add(int(tokenizer.eos_token_id))
+        if getattr(tokenizer, "chat_template", None):
+            vocab_added = getattr(tokenizer, "added_tokens_encoder", {}) or {}
+            for t in END_OF_TURN_TOKENS:
+                if t in vocab_added:
+                    ids.add(int(vocab_added[t]))
+    return ids
+
+
+class Generator:
+    """Streams tokens from an (injected) causal LM.  One request at a time per instance.
+
+    ``chunk_size``: prompt tokens per prefill forward.  ``max_cache_len``: an upper bound on
+    prompt + new tokens (the static cache is sized prompt + max_new_tokens, capped by it).
+    ``offload_cache``: keep the KV cache in host memory between layers when the model runs on
+    CUDA (transformers' cache offloading; the ``long_context`` mode of local_chat).
+    """
+
+    def __init__(self, model, tokenizer, *, chunk_size: int = 8192, max_cache_len: int | None = None,
+                 offload_cache: bool = False):
+        if chunk_size < 1:
+            raise ConfigError(f"chunk_size must be >= 1 (got {chunk_size})")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.chunk_size = int(chunk_size)
+        self.max_cache_len = max_cache_len
+        self.offload_cache = offload_cache
+        self.last_stats: GenerationStats | None = None
+        self.device = (_module_device(model.get_input_embeddings()) or _module_device(model)
+                       or torch.device("cpu"))
+        self.eos_ids = eos_token_ids(model, tokenizer)
+        self._lock = threading.Lock()
+
+    # ---------------------------------------------------------------------------------- model
+    def new_cache(self, max_cache_len: int):
+        from transformers import StaticCache
+
+        # offloading moves layers between a CUDA device and host memory; on the CPU the cache already
+        # lives in host memory
+        offload = self.offload_cache and self.device.type == "cuda"
+        return StaticCache(config=self.model.config, max_cache_len=max_cache_len, offloading=offload)
+
+    def _forward(self, ids: torch.Tensor, start: int, cache) -> torch.Tensor:
+        n = ids.shape[1]
+        pos = torch.arange(start, start + n, device=self.device).unsqueeze(0)
+        out = self.model(input_ids=ids, cache=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1].float()
+
+    def prefill(self, input_ids: list[int], cache, cancel: threading.Event | None = None) -> torch.Tensor | None:
+        """Run the prompt through the model in chunks; logits [1, V] (fp32) of its last position.
+
+        Returns None when ``cancel`` was set between chunks.
+        """
+        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
+        logits = None
+        with torch.inference_mode():
+            for start in range(0, ids.shape[1], self.chunk_size):
+                if cancel is not None and cancel.is_set() and start > 0:
+                    return None
+                logits = self._forward(ids[:, start:start + self.chunk_size], start, cache)
+        return logits
+
+    # ----------------------------------------------------------------------------- requests
+    def stream(self, input_ids: list[int], params: SamplingParams,
+               cancel: threading.Event | None = None) -> Iterator[TokenEvent]:
+        """Generate for ``input_ids``; yields one event per token and a final event."""
+        params.validate()
+        input_ids = [int(i) for i in input_ids]
+        n = len(input_ids)
+        if n == 0:
+            raise ConfigError("empty prompt: nothing to generate from")
+        max_new = params.max_new_tokens
+        if self.max_cache_len is not None:
+            if n >= self.max_cache_len:
+                raise ConfigError(f"prompt of {n} tokens does not fit the cache of {self.max_cache_len} tokens")
+            max_new = min(max_new, self.max_cache_len - n)
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError("this Generator is already streaming a request; use one Generator per stream")
+        try:
+            yield from self._stream(input_ids, params, max_new, cancel)
+        finally:
+            self._lock.release()
+
+    def _stream(self, input_ids, params, max_new, cancel):
+        n = len(input_ids)
+        stats = GenerationStats(prompt_tokens=n, prefill_seconds=0.0, generated_tokens=0, decode_seconds=0.0)
+        self.last_stats = stats
+        if max_new == 0:
+            yield TokenEvent(None, "", "length")
+            return
+        detok = IncrementalDetokenizer(self.tokenizer, input_ids)
+        stops = StopStrings(params.stop)
+        eos = self.eos_ids
+
+        t0 = time.perf_counter()
+        cache = self.new_cache(n + max_new)
+        logits = self.prefill(input_ids, cache, cancel)
+        stats.prefill_seconds = time.perf_counter() - t0  # updated below to include the first sample
+        sampler = Sampler(params, logits.device if logits is not None else self.device)
+        history = None
+        if sampler.needs_ids:
+            history = torch.zeros((1, n + max_new), dtype=torch.long, device=sampler_device(logits, self.device))
+            history[0, :n] = torch.tensor(input_ids, dtype=torch.long)
+        pos = n
+        generated = 0
+        finish = None
+        first = True
+        stopped_by_string = False
+        while True:
+            if logits is None or (cancel is not None and cancel.is_set()):
+                finish = "cancelled"
+                break
+            with torch.inference_mode():
+                token = sampler(logits, history[:, :pos] if history is not None else None)
+            generated += 1
+            stats.generated_tokens = generated
+            now = time.perf_counter()
+            if first:
+                stats.prefill_seconds = now - t0
+                first = False
+            else:
+                stats.decode_seconds += now - t0
+            if token in eos:
+                finish = "stop"
+                break
+            text, stopped = stops.feed(detok.add(token))
+            yield TokenEvent(token, text)
+            if stopped:
+                finish = "stop"
+                stopped_by_string = True
+                break
+            if generated >= max_new:
+                finish = "length"
+                break
+            if cancel is not None and cancel.is_set():
+                finish = "cancelled"
+                break
+            t0 = time.perf_counter()
+            if history is not None:
+                history[0, pos] = token
+            with torch.inference_mode():
+                logits = self._forward(torch.tensor([[token]], dtype=torch.long, device=self.device), pos, cache)
+            pos += 1
+        tail = ""
+        if not stopped_by_string:
+            rest, hit = stops.feed(detok.flush())
+            tail = rest if hit else rest + stops.flush()
+        yield TokenEvent(None, tail, finish)
+
+    def generate(self, input_ids: list[int], params: SamplingParams,
+                 cancel: threading.Event | None = None) -> tuple[str, list[int], str]:
+        """Whole answer at once: (text, generated token ids without EOS, finish_reason)."""
+        parts: list[str] = []
+        ids: list[int] = []
+        finish = "stop"
+        for ev in self.stream(input_ids, params, cancel):
+            parts.append(ev.text)
+            if ev.token_id is not None:
+                ids.append(ev.token_id)
+            if ev.finish_reason is not None:
+                finish = ev.finish_reason
+        return "".join(parts), ids, finish
+
+    # ------------------------------------------------------------------------------ prompts
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools=None) -> list[int]:
+        """Token ids of a conversation through the tokenizer's chat template.
+
+        A tokenizer without a template (a base model) gets plain concatenation: each message's
+        text in order, an assistant message continuing the text before it directly, and a
+        newline before a user/system message that does not follow whitespace.
+        """
+        if self.has_chat_template():
+            kw = {"tools": tools} if tools else {}
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kw
+            )
+            return self.encode(text, add_special_tokens=False)
+        text = ""
+        for m in messages:
+            part = message_text(m.get("content"))
+            if text and m.get("role") != "assistant" and not text[-1].isspace():
+                text += "\n"
+            text += part
+        return self.encode(text, add_special_tokens=True)
+
+
+def sampler_device(logits: torch.Tensor | None, default: torch.device) -> torch.device:
+    return logits.device if logits is not None else default
+
+
+def message_text(content) -> str:
+    """The text of a chat message's content (a string, or OpenAI-style list of parts)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    out = []
+    for p in content:
+        if isinstance(p, str):
+            out.append(p)
+        elif isinstance(p, dict) and p.get("type") in ("text", None):
+            out.append(str(p.get("text", "")))
+    return "".join(out)

@@ -1,0 +1,90 @@
+"""Sampling parameters and the per-request sampler (transformers' logits processors/warpers)."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import ConfigError
+
+
+@dataclass
+class SamplingParams:
+    """What to generate and how.  ``temperature == 0`` is greedy (argmax)."""
+
+    temperature: float = 0.0     # 0 → greedy
+    top_p: float = 1.0
+    top_k: int = 0               # 0 → off
+    max_new_tokens: int = 256
+    stop: list[str] = field(default_factory=list)   # stop strings (not included in output)
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+
+    def validate(self) -> "SamplingParams":
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0 (got {self.temperature})")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1] (got {self.top_p})")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0 (got {self.top_k})")
+        if self.max_new_tokens < 0:
+            raise ConfigError(f"max_new_tokens must be >= 0 (got {self.max_new_tokens})")
+        if self.repetition_penalty <= 0:
+            raise ConfigError(f"repetition_penalty must be > 0 (got {self.repetition_penalty})")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in self.stop if s]
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Sampler:
+    """Turns one row of logits into a token id; one instance per request.
+
+    The chain is transformers' own: repetition penalty, then (when sampling) temperature,
+    top-k and top-p, then a multinomial draw from a per-request seeded ``torch.Generator``.
+    Greedy requests skip the warpers and take the argmax.
+    """
+
+    def __init__(self, params: SamplingParams, device: torch.device):
+        from transformers.generation.logits_process import (
+            LogitsProcessorList,
+            RepetitionPenaltyLogitsProcessor,
+            TemperatureLogitsWarper,
+            TopKLogitsWarper,
+            TopPLogitsWarper,
+        )
+
+        self.params = params
+        self.processors = LogitsProcessorList()
+        if params.repetition_penalty != 1.0:
+            self.processors.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
+        self.needs_ids = bool(self.processors)
+        self.greedy = params.greedy
+        if not self.greedy:
+            if params.temperature != 1.0:
+                self.processors.append(TemperatureLogitsWarper(params.temperature))
+            if params.top_k > 0:
+                self.processors.append(TopKLogitsWarper(params.top_k))
+            if params.top_p < 1.0:
+                self.processors.append(TopPLogitsWarper(params.top_p))
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        self.seed = seed
+        self.generator = None
+        if not self.greedy:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, ids: torch.Tensor | None) -> int:
+        """``logits``: [1, V] float32; ``ids``: [1, n] every token so far (only used by the penalty)."""
+        if self.processors:
+            logits = self.processors(ids, logits)
+        if self.greedy:
+            return int(torch.argmax(logits, dim=-1))
+        probs = torch.softmax(logits, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator))

@@ -1,0 +1,332 @@
+"""Chat with a model in the terminal: ``python -m ktransformers.local_chat --gguf_path MODEL.gguf``.
+
+Interactive by default (streaming, multi-turn through the tokenizer's chat template); with
+``--prompt TEXT`` it prints one answer and exits.  Errors print one ``error: ...`` line on
+stderr and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a model hub
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+from .errors import ConfigError, KTError  # noqa: E402
+
+BLOCK = '"""'
+BANNER = ('Type a message and press Enter.  A line of """ opens/closes a multi-line block; '
+          "Ctrl-C stops an answer; Ctrl-D (or Ctrl-C twice) exits.")
+
+
+def physical_cores() -> int:
+    """Physical CPU cores usable by this process (hyper-threads not counted)."""
+    try:
+        from .operators.cpu_threads import physical_cores as cores
+    except ImportError:
+        return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    return max(1, cores())
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse's default prints usage too)
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m ktransformers.local_chat",
+                description="Chat with a (MoE) model whose modules are placed by a YAML rule file.")
+    a = p.add_argument
+    a("--model_path", help="folder with config.json / tokenizer / generation_config.json (optional when the GGUF "
+                           "carries config and tokenizer; also used as the weights when --gguf_path is absent)")
+    a("--gguf_path", help="weights: a .gguf file, a folder of GGUF shards, or safetensors file/folder")
+    a("--optimize_config_path", help="YAML rule file (default: the shipped rule file for the architecture)")
+    a("--max_new_tokens", type=int, default=1000, help="most tokens per answer (default 1000)")
+    a("--cpu_infer", type=int, default=None, help="CPU threads for torch and the CPU kernels (default: physical cores)")
+    a("--use_cuda_graph", action=argparse.BooleanOptionalAction, default=None,
+      help="capture the decode step in a CUDA graph (CUDA only; ignored with a note on CPU)")
+    a("--prompt_file", help="file whose text is sent when you enter an empty line")
+    a("--mode", choices=["normal", "long_context"], default="normal",
+      help="long_context (Llama only): keep the KV cache in CPU memory")
+    a("--force_think", action="store_true", help="start every answer with '<think>\\n' (reasoning models)")
+    a("--chunk_size", type=int, default=8192, help="prompt tokens per prefill step (default 8192)")
+    a("--device", default=None, help="device for modules no rule places (default cuda:0 if available, else cpu)")
+    a("--prompt", help="one-shot: answer this prompt, print the answer and exit")
+    a("--temperature", type=float, default=None,
+      help="sampling temperature; 0 = greedy (default: the model's generation_config, else greedy)")
+    a("--top_p", type=float, default=None, help="nucleus sampling mass (default: generation_config, else 1.0)")
+    a("--top_k", type=int, default=None, help="sample from the k best tokens, 0 = off (default: generation_config)")
+    a("--repetition_penalty", type=float, default=None, help="penalty for repeated tokens, 1.0 = off")
+    a("--seed", type=int, default=None, help="random seed for sampling (default: random)")
+    a("--stats", action=argparse.BooleanOptionalAction, default=None,
+      help="print the prompt/eval token-rate line after each answer, on stderr (default: on when interactive)")
+    return p
+
+
+# ------------------------------------------------------------------------------------- setup
+
+
+def _set_threads(n: int) -> None:
+    """torch's intra-op threads, and the CPU-kernel pool size (read when kernel ops load)."""
+    import torch
+
+    torch.set_num_threads(n)
+    try:
+        from .operators.cpu_threads import set_cpu_infer_threads
+    except ImportError:  # no CPU-kernel support in this build
+        return
+    set_cpu_infer_threads(n)
+
+
+def _has_tokenizer_files(folder: Path) -> bool:
+    return any((folder / f).is_file() for f in
+               ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"))
+
+
+def load_tokenizer(model_path: str | None, source):
+    """The tokenizer from ``--model_path`` when it has one, else from the GGUF metadata."""
+    if model_path and Path(model_path).is_dir() and _has_tokenizer_files(Path(model_path)):
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{model_path}: cannot load its tokenizer: {str(e).splitlines()[0]}") from None
+    get = getattr(source, "tokenizer", None)
+    tok = get() if callable(get) else None
+    if tok is None:
+        where = f"{model_path} has no tokenizer files and " if model_path else ""
+        raise ConfigError(f"{where}{source.path} carries no tokenizer; pass --model_path with a tokenizer")
+    return tok
+
+
+def default_sampling(args, model):
+    from .generation import SamplingParams
+
+    gc = getattr(model, "generation_config", None)
+    sampling = bool(getattr(gc, "do_sample", False))
+    t = args.temperature
+    if t is None:
+        t = float(getattr(gc, "temperature", None) or 1.0) if sampling else 0.0
+    top_p = args.top_p if args.top_p is not None else (float(getattr(gc, "top_p", None) or 1.0) if sampling else 1.0)
+    top_k = args.top_k if args.top_k is not None else (int(getattr(gc, "top_k", None) or 0) if sampling else 0)
+    rp = args.repetition_penalty if args.repetition_penalty is not None else \
+        float(getattr(gc, "repetition_penalty", None) or 1.0)
+    return SamplingParams(temperature=t, top_p=top_p, top_k=top_k, max_new_tokens=args.max_new_tokens,
+                          seed=args.seed, repetition_penalty=rp).validate()
+
+
+def _check_args(args) -> None:
+    for flag in ("model_path", "gguf_path", "optimize_config_path", "prompt_file"):
+        v = getattr(args, flag)
+        if v is not None and not Path(v).exists():
+            raise ConfigError(f"--{flag} {v}: no such file or directory")
+    if not args.gguf_path and not args.model_path:
+        raise ConfigError("no weights: pass --gguf_path (a .gguf file or folder) or --model_path with safetensors")
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max_new_tokens must be at least 1 (got {args.max_new_tokens})")
+    if args.chunk_size < 1:
+        raise ConfigError(f"--chunk_size must be at least 1 (got {args.chunk_size})")
+    if args.cpu_infer is not None and args.cpu_infer < 1:
+        raise ConfigError(f"--cpu_infer must be at least 1 (got {args.cpu_infer})")
+
+
+def load(args, log=print):
+    """(model, tokenizer, generator) for parsed ``args``."""
+    import torch
+
+    from .generation import Generator
+    from .optimize_rules import architecture, default_rule_file
+    from .util.loading import load_config, load_model
+    from .weights import open_weights
+
+    source = open_weights(args.gguf_path or args.model_path)
+    config = load_config(args.model_path, source)
+    arch = architecture(config)
+    if args.mode == "long_context" and arch != "LlamaForCausalLM":
+        raise ConfigError(f"--mode long_context is only supported for LlamaForCausalLM, not {arch}")
+    device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    if not device.startswith("cuda") and args.use_cuda_graph:
+        log("note: --use_cuda_graph applies only on CUDA; decoding without CUDA graphs")
+    elif device.startswith("cuda") and args.use_cuda_graph:
+        log("note: CUDA graph capture is not implemented yet; decoding eagerly")
+    tokenizer = load_tokenizer(args.model_path, source)
+    rules = args.optimize_config_path
+    user_rules = rules is not None
+    if rules is None:
+        rules = default_rule_file(config, cuda=device.startswith("cuda"))
+    model = load_model(source, args.model_path, rules, device=device, allow_unmatched=not user_rules,
+                       progress=True)
+    if args.model_path and (Path(args.model_path) / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(args.model_path, local_files_only=True)
+    log(f"{model.kt_load_report.summary()}; rules: {rules}")
+    gen = Generator(model, tokenizer, chunk_size=args.chunk_size, offload_cache=args.mode == "long_context")
+    return model, tokenizer, gen
+
+
+# ---------------------------------------------------------------------------------- chatting
+
+
+def _think_prefix(gen) -> list[int]:
+    return gen.encode("<think>\n", add_special_tokens=False)
+
+
+def answer(gen, messages, params, force_think, out=sys.stdout, cancel=None) -> tuple[str, str]:
+    """Stream one answer to ``out``; (text, finish_reason)."""
+    ids = gen.apply_chat_template(messages)
+    if force_think:
+        ids = ids + _think_prefix(gen)
+        out.write("<think>\n")
+        out.flush()
+    parts = []
+    finish = "stop"
+    for ev in gen.stream(ids, params, cancel):
+        if ev.text:
+            out.write(ev.text)
+            out.flush()
+            parts.append(ev.text)
+        if ev.finish_reason is not None:
+            finish = ev.finish_reason
+    return "".join(parts), finish
+
+
+def _read_block(first: str) -> str:
+    """Lines up to a line ending in triple quotes (the opening line's rest included)."""
+    rest = first.strip()[len(BLOCK):]
+    if rest.rstrip().endswith(BLOCK):  # """one line"""
+        return rest.rstrip()[: -len(BLOCK)]
+    lines = [rest] if rest else []
+    while True:
+        try:
+            line = input("... ")
+        except EOFError:
+            break
+        if line.rstrip().endswith(BLOCK):
+            tail = line.rstrip()[: -len(BLOCK)]
+            if tail:
+                lines.append(tail)
+            break
+        lines.append(line)
+    return "\n".join(lines)
+
+
+class _SigintCancels:
+    """While active, Ctrl-C sets ``cancel`` (a second one raises KeyboardInterrupt)."""
+
+    def __init__(self, cancel: threading.Event):
+        self.cancel = cancel
+
+    def _handler(self, signum, frame):
+        if self.cancel.is_set():
+            raise KeyboardInterrupt
+        self.cancel.set()
+
+    def __enter__(self):
+        self.prev = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self.prev)
+        return False
+
+
+def interactive(gen, params, args) -> int:
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:
+        pass
+    stats = args.stats if args.stats is not None else True
+    mode = "chat template" if gen.has_chat_template() else "plain completion (no chat template)"
+    print(f"{BANNER}\n[{mode}]", flush=True)
+    history: list[dict] = []
+    interrupted = False
+    while True:
+        try:
+            line = input("Chat: ")
+        except EOFError:
+            print()
+            return 0
+        except KeyboardInterrupt:
+            if interrupted:
+                print()
+                return 0
+            print("\n(press Ctrl-C again or Ctrl-D to exit)", flush=True)
+            interrupted = True
+            continue
+        interrupted = False
+        try:
+            if line.strip().startswith(BLOCK):
+                content = _read_block(line)
+            elif not line.strip():
+                if not args.prompt_file:
+                    continue
+                content = Path(args.prompt_file).read_text()
+                print(f"[prompt from {args.prompt_file}: {len(content)} characters]", flush=True)
+            elif Path(line.strip()).is_file():
+                content = Path(line.strip()).read_text()
+                print(f"[prompt from {line.strip()}: {len(content)} characters]", flush=True)
+            else:
+                content = line
+        except KeyboardInterrupt:
+            print("\n(input discarded)", flush=True)
+            continue
+        if not content.strip():
+            continue
+        msgs = history + [{"role": "user", "content": content}]
+        cancel = threading.Event()
+        try:
+            with _SigintCancels(cancel):
+                text, finish = answer(gen, msgs, params, args.force_think, cancel=cancel)
+        except KeyboardInterrupt:
+            text, finish = "", "cancelled"
+        print(flush=True)
+        if finish == "cancelled":
+            print("[stopped]", flush=True)
+            interrupted = True
+        else:
+            history = msgs + [{"role": "assistant", "content": text}]
+        if stats and gen.last_stats is not None:
+            print(gen.last_stats.line(), file=sys.stderr, flush=True)
+
+
+def one_shot(gen, params, args) -> int:
+    _, finish = answer(gen, [{"role": "user", "content": args.prompt}], params, args.force_think)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if args.stats and gen.last_stats is not None:
+        print(gen.last_stats.line(), file=sys.stderr, flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    try:
+        _check_args(args)
+        _set_threads(args.cpu_infer or physical_cores())
+        model, tokenizer, gen = load(args, log)
+        params = default_sampling(args, model)
+        if args.prompt is not None:
+            return one_shot(gen, params, args)
+        return interactive(gen, params, args)
+    except KTError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
