@@ -13,9 +13,23 @@ or in one call: ``load_model(weights_path, model_path=None, rules=None)``.
 __version__ = "0.1.0"
 
 from .errors import ConfigError, KTError, RuleError, WeightError
-from .optimize import build_model, explain_plan, format_explanation, inject, optimize_and_load_gguf, plan_model
-from .util.loading import load_config, load_model
-from .weights import open_weights
+
+# torch and transformers load lazily, so a CLI's --help or a bad flag answers at once
+_LAZY = {
+    "build_model": "optimize", "explain_plan": "optimize", "format_explanation": "optimize",
+    "inject": "optimize", "optimize_and_load_gguf": "optimize", "plan_model": "optimize",
+    "load_config": "util.loading", "load_model": "util.loading", "open_weights": "weights",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "ConfigError", "KTError", "RuleError", "WeightError", "build_model", "explain_plan", "format_explanation",
