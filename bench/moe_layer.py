@@ -1,0 +1,187 @@
+"""Benchmark one routed-experts MoE layer on the CPU (not a test).
+
+Prints, side by side for Qwen3-30B-A3B (H2048 I768 E128 k8) and DeepSeek-V2-Lite
+(H2048 I1408 E64 k6), decode T=1 and prefill T=128/512, 1 and 2 threads:
+  * this project: llamafile Q4_K, Q8_0, BF16; AMXInt8; AMXBF16 (ktransformers.kernels)
+  * a naive torch per-expert loop (bf16), the usual baseline
+  * kt-kernel (PyPI) and llama.cpp when importable (otherwise a note)
+Per row: median ms (>= 20 timed calls, random routing with a fixed seed, a different routing
+per call), effective weight GB/s (bytes of the experts hit / time), GFLOP/s (2*3*H*I*T*k / time),
+the fraction of the DRAM read bandwidth and of the compute peak measured at start-up with the
+same thread count (the extension's probes), and the speed-up over the torch loop.
+
+    .venv/bin/python bench/moe_layer.py                  # everything (~10-20 min on 2 cores)
+    .venv/bin/python bench/moe_layer.py --shapes qwen3 --tokens 1 --threads 1 --reps 30
+Weights are random (valid blocks), allocated once per shape and variant and freed afterwards
+(Qwen3 BF16 layer ~1.2 GB).  DeepSeek-V2-Lite's I=1408 is not a multiple of 256, so its "Q4_K"
+row uses Q4_K for gate/up and Q8_0 for down (what llama.cpp's quantizer falls back to).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import ktransformers.kernels as K  # noqa: E402
+
+SHAPES = {"qwen3": ("Qwen3-30B-A3B", 2048, 768, 128, 8), "dsv2": ("DeepSeek-V2-Lite", 2048, 1408, 64, 6)}
+BLOCK = {"Q4_K": (256, 144), "Q8_0": (32, 34), "BF16": (1, 2)}
+
+
+def rand_weights(t: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random but valid ggml bytes, rows x cols elements of type t (uint8, flat)."""
+    be, bb = BLOCK[t]
+    if t == "BF16":  # random sign/mantissa, exponent for |w| in [2^-7, 2^-6)
+        bits = rng.integers(0, 1 << 16, size=rows * cols, dtype=np.uint16)
+        return ((bits & 0x807F) | 0x3C00).astype(np.uint16).view(np.uint8)
+    nb = rows * cols // be
+    raw = rng.integers(0, 256, size=(nb, bb), dtype=np.uint8)
+    d = np.full(nb, 2e-4, np.float16).view(np.uint8).reshape(nb, 2)
+    raw[:, 0:2] = d
+    if t == "Q4_K":
+        raw[:, 2:4] = d
+    return raw.reshape(-1)
+
+
+def routings(T: int, E: int, k: int, n: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        ids = np.argsort(rng.random((T, E)), axis=1)[:, :k].astype(np.int64)
+        w = rng.random((T, k)).astype(np.float32)
+        out.append((ids, w / w.sum(1, keepdims=True)))
+    return out
+
+
+def time_calls(fn, routes, warmup: int = 3) -> float:
+    for i in range(warmup):
+        fn(*routes[i % len(routes)])
+    ts = []
+    for ids, w in routes:
+        t0 = time.perf_counter()
+        fn(ids, w)
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def torch_loop(x, ids, w, g, u, d):
+    """Naive per-expert SwiGLU loop over the experts hit (bf16)."""
+    out = torch.zeros_like(x)
+    ids_t, w_t = torch.from_numpy(ids), torch.from_numpy(w).to(x.dtype)
+    for e in torch.unique(ids_t).tolist():
+        tok, slot = torch.nonzero(ids_t == e, as_tuple=True)
+        xe = x[tok]
+        h = torch.nn.functional.silu(xe @ g[e].T) * (xe @ u[e].T)
+        out.index_add_(0, tok, (h @ d[e].T) * w_t[tok, slot, None])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="qwen3,dsv2")
+    ap.add_argument("--tokens", default="1,128,512")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--variants", default="torch,Q4_K,Q8_0,BF16,AMXInt8,AMXBF16",
+                    help="torch first: the other rows report their speed-up over it")
+    ap.add_argument("--reps", type=int, default=20, help="timed calls per row (median)")
+    args = ap.parse_args()
+    tokens = [int(v) for v in args.tokens.split(",")]
+    threads_l = [int(v) for v in args.threads.split(",")]
+    variants = args.variants.split(",")
+
+    print(f"ISA tier: {K.isa_tier()}; torch {torch.__version__}")
+    probes = {}
+    for th in threads_l:
+        p = K.cpu_infer(th)
+        bw = max(p.probe_read_bw(1 << 30, 3) for _ in range(2))
+        peaks = {k: p.probe_peak(k, 3_000_000) for k in ("fp32", "bf16", "int8")}
+        probes[th] = (bw, peaks)
+        print(f"probe {th} thread(s): DRAM read {bw:.1f} GB/s, fp32 {peaks['fp32']:.0f} GFLOP/s, "
+              f"bf16 {peaks['bf16']:.0f} GFLOP/s, int8 {peaks['int8']:.0f} GOP/s")
+    for name in ("kt_kernel", "llama_cpp"):
+        try:
+            __import__(name)
+            print(f"note: {name} is importable but not wired into this bench yet; see shared/notes/peer-bench.md")
+        except ImportError:
+            print(f"note: {name} not importable here: skipped (numbers in shared/notes/peer-bench.md)")
+
+    rows = []
+    hdr = (f"{'shape':17s} {'variant':14s} {'thr':>3s} {'T':>4s} {'ms':>9s} {'GB/s':>6s} {'GFLOP/s':>8s} "
+           f"{'%DRAM':>6s} {'%peak':>6s} {'vs torch':>8s}")
+    print(hdr)
+    for sk in args.shapes.split(","):
+        sname, H, I, E, k = SHAPES[sk]
+        torch_ms: dict = {}
+        for var in variants:
+            rng = np.random.default_rng(1)
+            if var in ("BF16", "AMXInt8", "AMXBF16", "torch"):
+                gt = ut = dt = "BF16"
+            elif var == "Q4_K" and I % 256:
+                gt, ut, dt = "Q4_K", "Q4_K", "Q8_0"
+            else:
+                gt = ut = dt = var
+            t0 = time.perf_counter()
+            g = rand_weights(gt, E * I, H, rng)
+            u = rand_weights(ut, E * I, H, rng)
+            d = rand_weights(dt, E * H, I, rng)
+            label = var if (gt, dt) == (var, var) or var in ("AMXInt8", "AMXBF16", "torch") else f"{gt}/down {dt}"
+            for th in threads_l:
+                pool = K.cpu_infer(th)
+                if var == "torch":
+                    torch.set_num_threads(th)
+                    tg, tu, td = (torch.frombuffer(a, dtype=torch.bfloat16).view(E, *s)
+                                  for a, s in ((g, (I, H)), (u, (I, H)), (d, (H, I))))
+                    moe = None
+                else:
+                    backend = var if var in ("AMXInt8", "AMXBF16") else "llamafile"
+                    tl = time.perf_counter()
+                    moe = K.MoEKernel(pool, backend, E, H, I, g, u, d, gt, ut, dt)
+                    load_s = time.perf_counter() - tl
+                for T in tokens:
+                    routes = routings(T, E, k, max(args.reps, 20))
+                    x32 = torch.randn(T, H, generator=torch.Generator().manual_seed(T)) * 0.5
+                    if var == "torch":
+                        x = x32.to(torch.bfloat16)
+                        fn = lambda ids, w: torch_loop(x, ids, w, tg, tu, td)  # noqa: E731
+                        peak_kind = "bf16"
+                    else:
+                        out = torch.empty(T, H)
+                        fn = lambda ids, w: moe.forward(x32, ids, w, out)  # noqa: E731
+                        peak_kind = "bf16" if var in ("BF16", "AMXBF16") else "int8"
+                    ms = time_calls(fn, routes) * 1e3
+                    hit = np.mean([len(np.unique(ids)) for ids, _ in routes])
+                    if var == "AMXInt8":
+                        bpe = (1.0, 1.0, 1.0)
+                    elif var in ("AMXBF16", "BF16", "torch"):
+                        bpe = (2.0, 2.0, 2.0)
+                    else:
+                        bpe = tuple(BLOCK[t][1] / BLOCK[t][0] for t in (gt, ut, dt))
+                    wbytes = hit * I * H * sum(bpe)
+                    gbs = wbytes / ms / 1e6
+                    gflops = 2 * 3 * H * I * T * k / ms / 1e6
+                    bw, peaks = probes[th]
+                    if var == "torch":
+                        torch_ms[(th, T)] = ms
+                    ratio = torch_ms.get((th, T), float("nan")) / ms
+                    line = (f"{sname:17s} {label:14s} {th:3d} {T:4d} {ms:9.3f} {gbs:6.1f} {gflops:8.1f} "
+                            f"{100 * gbs / bw:5.0f}% {100 * gflops / peaks[peak_kind]:5.1f}% {ratio:7.2f}x")
+                    print(line, flush=True)
+                    rows.append(line)
+                if moe is not None and var in ("AMXInt8", "AMXBF16"):
+                    print(f"  ({var} load+repack {load_s:.1f} s, {moe.packed_bytes / 1e9:.2f} GB)")
+                del moe
+            del g, u, d
+            gc.collect()
+    print("\n" + hdr + "\n" + "\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
