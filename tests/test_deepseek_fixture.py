@@ -14,7 +14,7 @@ import torch
 import ktransformers
 from ktransformers.operators.attention import KDeepseekV2Attention
 
-FIX = Path("/work/shared/fixtures/deepseek2-tiny")
+FIX = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "deepseek2-tiny"
 RULES = Path(ktransformers.__file__).parent / "optimize_rules"
 RULE = RULES / "DeepSeek-V3-Chat-cpu.yaml"
 
@@ -97,3 +97,25 @@ def test_gguf_exact_with_torch_experts(quant):
     got = _logits(model)
     hf_dq = np.load(FIX / f"{quant}.hf_dequant_logits.npy")
     assert np.abs(got - hf_dq).max() <= 1e-4, np.abs(got - hf_dq).max()
+
+
+def test_local_chat_runs_the_fixture_end_to_end(tmp_path):
+    """The llama.cpp-made GGUF (no vocabulary) with a byte tokenizer from --model_path, through
+    the shipped rules that local_chat picks for DeepseekV3ForCausalLM."""
+    import subprocess
+    import sys
+
+    from ktransformers.util.tiny_models import make_tiny_tokenizer
+
+    make_tiny_tokenizer().save_pretrained(tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-m", "ktransformers.local_chat", "--model_path", str(tmp_path), "--gguf_path",
+         str(FIX / "Q4_K_M.gguf"), "--prompt", "Hello", "--max_new_tokens", "8", "--stats"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "DeepSeek-V3-Chat-cpu.yaml" in r.stderr
+    import re
+
+    assert re.search(r"prompt eval count: \d+ token\(s\).*\| eval count: [1-8] token\(s\), duration: [\d.]+s, "
+                     r"rate: [\d.]+ tokens/s", r.stderr)
