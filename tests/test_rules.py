@@ -250,3 +250,16 @@ def test_transfer_map_is_checked_against_placement(tiny_model_dir):
         load_model(d, model_path=d, rules=rules)
     agreeing = rules.replace("{1: meta}", "{1: cpu}")
     assert load_model(d, model_path=d, rules=agreeing).kt_plan
+
+
+def test_op_device_and_op_kwargs_checked_at_parse_time():
+    msg = rules_error("- match: {name: x}\n  replace:\n    class: KTransformersExperts\n"
+                      "    kwargs: {generate_op: KExpertsCPU, generate_device: 'cuda:0'}\n")
+    assert "(replace.kwargs.generate_op)" in msg and "KExpertsCPU runs only on cpu, not cuda:0" in msg
+    msg = rules_error("- match: {name: x}\n  replace:\n    class: KTransformersExperts\n"
+                      "    device: cuda\n    kwargs: {generate_op: KExpertsCPU}\n")
+    assert "runs only on cpu" in msg
+    msg = rules_error("- match: {name: x}\n  replace:\n    class: KTransformersExperts\n"
+                      "    kwargs: {generate_op: KExpertsTorch, backend: AMXInt8}\n")
+    assert "(replace.kwargs.backend)" in msg and "only KExpertsCPU take(s) 'backend'" in msg
+    assert "this rule's ops are KExpertsTorch" in msg

@@ -219,7 +219,7 @@ def _parse_rule(node, index: int, source: str) -> Rule:
         if not isinstance(kwargs, dict):
             raise err("replace.kwargs", "must be a mapping", _line(vn))
         klines = {str(_construct(k)): _line(k) for k, _ in vn.value} if isinstance(vn, yaml.MappingNode) else {}
-        _check_kwargs(rclass, rtext, kwargs, klines, source, index)
+        _check_kwargs(rclass, rtext, kwargs, klines, source, index, device)
     recursive = True
     if "recursive" in items:
         _, vn = items["recursive"]
@@ -242,7 +242,8 @@ def _check_device(value, fail) -> None:
         raise fail(f"'{value}' is not a device (use 'cpu', 'cuda', 'cuda:1', ...)") from None
 
 
-def _check_kwargs(cls, rtext: str, kwargs: dict, klines: dict[str, int], source: str, index: int) -> None:
+def _check_kwargs(cls, rtext: str, kwargs: dict, klines: dict[str, int], source: str, index: int,
+                  device: str | None = None) -> None:
     def fail(key: str, msg: str) -> RuleError:
         return RuleError(f"{source}:{klines.get(key, 0)}: rule #{index} (replace.kwargs.{key}): {msg}")
 
@@ -280,13 +281,33 @@ def _check_kwargs(cls, rtext: str, kwargs: dict, klines: dict[str, int], source:
                 from .registry import suggest_op
 
                 raise fail(key, suggest_op(cls.__name__, name, sorted(ops)))
+        chosen = {}
         for key in ("generate_op", "prefill_op"):
-            name = kwargs.get(key) or (cls.DEFAULT_OP if key == "generate_op" else kwargs.get("generate_op"))
+            if key == "prefill_op" and "prefill_op" in kwargs and kwargs["prefill_op"] is None:
+                continue  # disabled: the generate op serves both phases
+            name = kwargs.get(key) or (cls.DEFAULT_OP if key == "generate_op" else kwargs.get("generate_op")
+                                       or cls.DEFAULT_OP)
             op = ops.get(name) if name else None
             if op is None:
                 continue
+            chosen[key] = op
+            # the op must be able to run where this rule puts its phase
+            phase_dev = kwargs.get(key.replace("_op", "_device")) or kwargs.get("device") or device
+            if phase_dev is not None and hasattr(op, "check_device"):
+                why = op.check_device(torch.device(phase_dev))
+                if why:
+                    raise fail(key, why)
             # an op may check its own kwargs' values: validate_kwargs(kwargs) -> (key, message) | None
             validate = getattr(op, "validate_kwargs", None)
             problem = validate(kwargs) if validate is not None else None
             if problem:
                 raise fail(problem[0], problem[1])
+        # a kwarg only some op understands must belong to an op this rule actually uses
+        own = set(getattr(cls, "COMMON_KWARGS", {})) | set(getattr(cls, "KWARGS", {}))
+        for key in kwargs:
+            if key in own:
+                continue
+            if not any(key in op.extra_kwargs for op in chosen.values()):
+                users = sorted(n for n, o in ops.items() if key in o.extra_kwargs)
+                used = ", ".join(sorted({o.name for o in chosen.values()})) or "none"
+                raise fail(key, f"only {', '.join(users)} take(s) '{key}', but this rule's ops are {used}")
