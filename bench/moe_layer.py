@@ -12,6 +12,8 @@ same thread count (the extension's probes), and the speed-up over the torch loop
 
     .venv/bin/python bench/moe_layer.py                  # everything (~10-20 min on 2 cores)
     .venv/bin/python bench/moe_layer.py --shapes qwen3 --tokens 1 --threads 1 --reps 30
+    .venv/bin/python bench/moe_layer.py --quick          # Qwen3 only, T=1,128, 1 thread, no torch row
+    .venv/bin/python bench/moe_layer.py --quick --variants Q4_K --tokens 1   # --quick + overrides
 Weights are random (valid blocks), allocated once per shape and variant and freed afterwards
 (Qwen3 BF16 layer ~1.2 GB).  DeepSeek-V2-Lite's I=1408 is not a multiple of 256, so its "Q4_K"
 row uses Q4_K for gate/up and Q8_0 for down (what llama.cpp's quantizer falls back to).
@@ -33,7 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ktransformers.kernels as K  # noqa: E402
 
 SHAPES = {"qwen3": ("Qwen3-30B-A3B", 2048, 768, 128, 8), "dsv2": ("DeepSeek-V2-Lite", 2048, 1408, 64, 6)}
-BLOCK = {"Q4_K": (256, 144), "Q8_0": (32, 34), "BF16": (1, 2)}
+BLOCK = {"Q4_K": (256, 144), "Q8_0": (32, 34), "BF16": (1, 2), "Q4_0": (32, 18), "Q5_K": (256, 176),
+         "Q6_K": (256, 210)}
+F16_AT = {"Q4_K": (0, 2), "Q8_0": (0,), "Q4_0": (0,), "Q5_K": (0, 2), "Q6_K": (208,)}  # byte offsets of d (, dmin)
 
 
 def rand_weights(t: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -45,9 +49,8 @@ def rand_weights(t: str, rows: int, cols: int, rng: np.random.Generator) -> np.n
     nb = rows * cols // be
     raw = rng.integers(0, 256, size=(nb, bb), dtype=np.uint8)
     d = np.full(nb, 2e-4, np.float16).view(np.uint8).reshape(nb, 2)
-    raw[:, 0:2] = d
-    if t == "Q4_K":
-        raw[:, 2:4] = d
+    for off in F16_AT[t]:
+        raw[:, off:off + 2] = d
     return raw.reshape(-1)
 
 
@@ -84,15 +87,40 @@ def torch_loop(x, ids, w, g, u, d):
     return out
 
 
+def call_overhead_us(n: int = 2000) -> float:
+    """Median wall time of MoEKernel.forward on a tiny Q8_0 layer (E=8, H=I=64, k=2): ~all overhead."""
+    E, H, I, k = 8, 64, 64, 2
+    rng = np.random.default_rng(0)
+    w = [rand_weights("Q8_0", E * r, c, rng) for r, c in ((I, H), (I, H), (H, I))]
+    moe = K.MoEKernel(K.cpu_infer(1), "llamafile", E, H, I, *w, "Q8_0", "Q8_0", "Q8_0")
+    x, out = torch.randn(1, H), torch.empty(1, H)
+    ids, wt = torch.tensor([[1, 5]]), torch.tensor([[0.5, 0.5]])
+    ts = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        moe.forward(x, ids, wt, out)
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts[n // 10:]) * 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="qwen3,dsv2")
     ap.add_argument("--tokens", default="1,128,512")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--variants", default="torch,Q4_K,Q8_0,BF16,AMXInt8,AMXBF16",
-                    help="torch first: the other rows report their speed-up over it")
+                    help="torch first: the other rows report their speed-up over it; also Q4_0, Q5_K, Q6_K")
     ap.add_argument("--reps", type=int, default=20, help="timed calls per row (median)")
+    ap.add_argument("--quick", action="store_true",
+                    help="defaults become: qwen3, T=1,128, 1 thread, Q4_K,Q8_0,BF16,AMXInt8,AMXBF16, "
+                         "smaller probes, plus the per-call Python overhead; explicit options still win")
     args = ap.parse_args()
+    if args.quick:
+        given = {a.split("=")[0] for a in sys.argv[1:]}
+        for opt, val in (("--shapes", "qwen3"), ("--tokens", "1,128"), ("--threads", "1"),
+                         ("--variants", "Q4_K,Q8_0,BF16,AMXInt8,AMXBF16")):
+            if opt not in given:
+                setattr(args, opt[2:], val)
     tokens = [int(v) for v in args.tokens.split(",")]
     threads_l = [int(v) for v in args.threads.split(",")]
     variants = args.variants.split(",")
@@ -101,8 +129,9 @@ def main() -> None:
     probes = {}
     for th in threads_l:
         p = K.cpu_infer(th)
-        bw = max(p.probe_read_bw(1 << 30, 3) for _ in range(2))
-        peaks = {k: p.probe_peak(k, 3_000_000) for k in ("fp32", "bf16", "int8")}
+        nb, it = ((1 << 28, 3_000_000) if args.quick else (1 << 30, 3_000_000))
+        bw = max(p.probe_read_bw(nb, 3) for _ in range(2))
+        peaks = {k: p.probe_peak(k, it) for k in ("fp32", "bf16", "int8")}
         probes[th] = (bw, peaks)
         print(f"probe {th} thread(s): DRAM read {bw:.1f} GB/s, fp32 {peaks['fp32']:.0f} GFLOP/s, "
               f"bf16 {peaks['bf16']:.0f} GFLOP/s, int8 {peaks['int8']:.0f} GOP/s")
@@ -113,6 +142,8 @@ def main() -> None:
         except ImportError:
             print(f"note: {name} not importable here: skipped (numbers in shared/notes/peer-bench.md)")
 
+    if args.quick:
+        print(f"python call overhead (tiny layer, T=1, 1 thread): {call_overhead_us():.1f} us per forward")
     rows = []
     hdr = (f"{'shape':17s} {'variant':14s} {'thr':>3s} {'T':>4s} {'ms':>9s} {'GB/s':>6s} {'GFLOP/s':>8s} "
            f"{'%DRAM':>6s} {'%peak':>6s} {'vs torch':>8s}")

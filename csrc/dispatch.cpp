@@ -12,8 +12,9 @@ size_t act_row_bytes(ActFmt f, int Kpad) {
     case ActFmt::F32: b = 4ull * Kpad; break;
     case ActFmt::BF16: b = 2ull * Kpad; break;
     case ActFmt::Q8_32: b = Kpad + 8ull * (Kpad / 32); break;
-    case ActFmt::Q8_256: b = Kpad + 4ull * (Kpad / 256) + 2ull * (Kpad / 16); break;
-    case ActFmt::I8_G128: b = Kpad + 8ull * (Kpad / kI8Group); break;
+    case ActFmt::Q8_256: b = Kpad + 4ull * (Kpad / 256) + 2ull * (Kpad / 16) + 2ull * (Kpad / 32); break;
+    case ActFmt::I8_G128:
+    case ActFmt::U8_G128: b = Kpad + 8ull * (Kpad / kI8Group); break;
   }
   return (b + 63) & ~size_t(63);
 }
@@ -29,7 +30,9 @@ KernelTable make_table() {
       KernelTable t = *kernel_table_avx512bf16();  // same activation formats and packed layouts
       t.name = "amx";
       t.packed_i8 = amx_gemm_i8();
+      t.packed_i8_act = ActFmt::I8_G128;  // tdpbssd: signed activations
       t.packed_bf16 = amx_gemm_bf16();
+      t.packed_bf16_act = ActFmt::BF16;   // tdpbf16ps: bf16 activations
       return t;
     }
   }

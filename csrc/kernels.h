@@ -17,10 +17,14 @@ enum class ActFmt : int {
   F32 = 0,     // Kpad floats
   BF16 = 1,    // Kpad bf16 (zero padded beyond K)
   Q8_32 = 2,   // int8 qs[Kpad] | float d[Kpad/32] | int32 sum[Kpad/32]    (per-32 symmetric)
-  Q8_256 = 3,  // int8 qs[Kpad] | float d[Kpad/256] | int16 bsum[Kpad/16]  (per-256 symmetric, Q8_K-like)
+  Q8_256 = 3,  // int8 qs[Kpad] | float d[Kpad/256] | int16 bsum[Kpad/16] | int16 bsum32[Kpad/32]
+               // (per-256 symmetric, Q8_K-like; the VNNI-512 tier stores qs of each 128 as sub-blocks 0,2,1,3)
   I8_G128 = 4, // int8 qs[Kpad] | float d[Kpad/128] | int32 sum[Kpad/128]  (packed-int8 backend)
+  U8_G128 = 5, // uint8 qs[Kpad] (= int8 q + 128) | float d[Kpad/128] | int32 sum[Kpad/128]
+               // (packed-int8 backend on VNNI-512: u8 x s8 vpdpbusd, the +128 is undone by the
+               // per-row/group weight sums stored next to the packed weights)
 };
-constexpr int kNumActFmt = 5;
+constexpr int kNumActFmt = 6;
 
 // Bytes of one activation row with Kpad elements (rounded up to 64).
 size_t act_row_bytes(ActFmt f, int Kpad);
@@ -40,7 +44,10 @@ struct GemmArgs {
   const uint8_t* W = nullptr;        // llamafile: first row; packed: first panel (row 0 of it)
   size_t w_row_bytes = 0;            // llamafile only
   const float* w_scale = nullptr;    // packed int8: per-row scales, indexed from row 0
+  const int32_t* w_corr = nullptr;   // packed int8: -128 * sum of each row's int8 weights per 128-k group,
+                                     // [panel][Kpad/128][16], from the first panel
   int nr = 0;                        // rows (packed: any; whole panels are computed, nr stored)
+  int nr_avail = 0;                  // rows of this matrix from W on (>= nr): kernels may prefetch them
   const uint8_t* const* A = nullptr; // nt activation rows in the format of this weight
   int nt = 0;
   float* C = nullptr;
@@ -56,6 +63,7 @@ struct KernelTable {
   GemmFn lf_gemm[kMaxGgmlType] = {};
   // packed backends
   GemmFn packed_i8 = nullptr;
+  ActFmt packed_i8_act = ActFmt::I8_G128;  // U8_G128 on the VNNI-512 tier
   GemmFn packed_bf16 = nullptr;
   ActFmt packed_bf16_act = ActFmt::F32;  // BF16 with AVX512-BF16/AMX, else F32
   // x[K] fp32 -> one activation row (Kpad >= K, padding is zero)

@@ -1,6 +1,9 @@
 #include "moe.h"
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -8,6 +11,35 @@ namespace kt {
 namespace {
 
 constexpr int kTokBlock = 64;  // tokens of one expert handled by one task
+
+// KT_MOE_PROFILE=N: print the mean time of each forward phase every N calls (development aid).
+struct PhaseProf {
+  int every = 0, calls = 0;
+  double acc[8] = {};
+  std::chrono::steady_clock::time_point t;
+  PhaseProf() {
+    const char* s = std::getenv("KT_MOE_PROFILE");
+    every = s ? std::atoi(s) : 0;
+  }
+  void start() {
+    if (every) t = std::chrono::steady_clock::now();
+  }
+  void mark(int i) {
+    if (!every) return;
+    const auto n = std::chrono::steady_clock::now();
+    acc[i] += std::chrono::duration<double, std::micro>(n - t).count();
+    t = n;
+  }
+  void end() {
+    if (!every || ++calls % every) return;
+    std::fprintf(stderr, "moe phases (us/call): route %.1f quant_x %.1f gate_up %.1f quant_h %.1f down %.1f sum %.1f\n",
+                 acc[0] / calls, acc[1] / calls, acc[2] / calls, acc[3] / calls, acc[4] / calls, acc[5] / calls);
+  }
+};
+PhaseProf& prof() {
+  static PhaseProf p;
+  return p;
+}
 
 std::string shape_str(int a, int b, int c) {
   return "[" + std::to_string(a) + ", " + std::to_string(b) + ", " + std::to_string(c) + "]";
@@ -47,6 +79,8 @@ void MoE::forward(ThreadPool& pool, int T, int k, const void* x, DType xdt, cons
   const KernelTable& kt = kernels();
   const int E = cfg_.num_experts, H = cfg_.hidden, I = cfg_.intermediate;
   const int nth = pool.size();
+  PhaseProf& pp = prof();
+  pp.start();
 
   // 1. Route: group (token, slot) pairs by expert (counting sort, stable in token order).
   counts_.assign(E, 0);
@@ -76,6 +110,7 @@ void MoE::forward(ThreadPool& pool, int T, int k, const void* x, DType xdt, cons
   }
   int active = 0;
   for (int e = 0; e < E; ++e) active += counts_[e] > 0;
+  pp.mark(0);
 
   // Per-thread scratch: gate + up tiles (64 x kTokBlock each) and a dequant row.
   const int Kmax = std::max({gate_.Kpad, up_.Kpad, down_.Kpad, H, I});
@@ -107,10 +142,11 @@ void MoE::forward(ThreadPool& pool, int T, int k, const void* x, DType xdt, cons
     }
   });
 
+  pp.mark(1);
   // 3. gate & up + activation -> hbuf [P, I] fp32, tasks (expert, row block, token block).
   float* hbuf = static_cast<float*>(hbuf_.ensure(sizeof(float) * std::max(P, 1) * static_cast<size_t>(I)));
-  struct Task { int e, r0, t0; };
-  std::vector<Task> tasks;
+  std::vector<Task>& tasks = task_list_;
+  tasks.clear();
   const int rb1 = pick_row_block(I, active, nth);
   for (int e = 0; e < E; ++e)
     for (int t0 = 0; t0 < counts_[e]; t0 += kTokBlock)
@@ -141,6 +177,7 @@ void MoE::forward(ThreadPool& pool, int T, int k, const void* x, DType xdt, cons
       kt.glu(act, G + t * nr, U + t * nr, hbuf + static_cast<size_t>(p0 + t) * I + tk.r0, nr, cfg_.alpha, cfg_.limit);
   });
 
+  pp.mark(2);
   // 4. Quantise the intermediate rows for down.
   const size_t sd = act_row_bytes(down_.act, down_.Kpad);
   uint8_t* hq = static_cast<uint8_t*>(ha_.ensure(sd * std::max(P, 1)));
@@ -149,6 +186,7 @@ void MoE::forward(ThreadPool& pool, int T, int k, const void* x, DType xdt, cons
       kt.quantize_act(down_.act, hbuf + static_cast<size_t>(p) * I, I, down_.Kpad, hq + sd * p);
   });
 
+  pp.mark(3);
   // 5. down -> ybuf [P, H] fp32
   float* ybuf = static_cast<float*>(ybuf_.ensure(sizeof(float) * std::max(P, 1) * static_cast<size_t>(H)));
   tasks.clear();
@@ -169,6 +207,7 @@ void MoE::forward(ThreadPool& pool, int T, int k, const void* x, DType xdt, cons
     down_.gemm(g);
   });
 
+  pp.mark(4);
   // 6. Weighted sum over the k slots of each token.
   pool.parallel_for(n_tok_tasks, [&](int task, int tid) {
     float* acc = thr(tid) + 2 * tile + Kmax + 64;
@@ -182,6 +221,8 @@ void MoE::forward(ThreadPool& pool, int T, int k, const void* x, DType xdt, cons
       if (odt == DType::BF16) kt.f32_to_bf16_row(o, static_cast<uint16_t*>(out) + static_cast<size_t>(t) * H, H);
     }
   });
+  pp.mark(5);
+  pp.end();
 }
 
 }  // namespace kt

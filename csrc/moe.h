@@ -43,6 +43,8 @@ class MoE {
   std::vector<int> counts_, offsets_, pair_tok_, pair_of_, tasks_;
   AlignedBuf xa_g_, xa_u_, hbuf_, ha_, ybuf_;
   std::vector<AlignedBuf> thr_;  // per pool thread: gate/up tiles + dequant scratch
+  struct Task { int e, r0, t0; };
+  std::vector<Task> task_list_;
 };
 
 }  // namespace kt

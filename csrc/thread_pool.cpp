@@ -25,6 +25,8 @@ long now_ns() {
 
 }  // namespace
 
+bool ThreadPool::in_pool_task() { return tl_in_pool_task; }
+
 ThreadPool::ThreadPool(int threads) : nthreads_(threads) {
   if (threads < 1 || threads > 1024) throw std::invalid_argument("threads must be in [1, 1024], got " + std::to_string(threads));
   const char* s = std::getenv("KT_SPIN_US");

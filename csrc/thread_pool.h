@@ -15,6 +15,7 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 namespace kt {
@@ -31,6 +32,19 @@ class ThreadPool {
   // Blocks until all tasks are done; rethrows the first exception a task threw.
   // Calls from different threads are serialised; a call from inside a task runs inline.
   void parallel_for(int ntasks, const std::function<void(int, int)>& fn);
+  // Same, but runs inline without building a std::function (no allocation) when there is
+  // nothing to share: one thread, one task, or a nested call.
+  template <class F, class = std::enable_if_t<!std::is_same<std::decay_t<F>, std::function<void(int, int)>>::value>>
+  void parallel_for(int ntasks, F&& fn) {
+    if (ntasks <= 0) return;
+    if (nthreads_ == 1 || ntasks == 1 || in_pool_task()) {
+      for (int i = 0; i < ntasks; ++i) fn(i, 0);
+      return;
+    }
+    const std::function<void(int, int)> f(std::ref(fn));
+    parallel_for(ntasks, f);
+  }
+  static bool in_pool_task();
 
  private:
   void worker_loop(int tid);

@@ -62,7 +62,7 @@ ProjWeights describe_weights(Backend b, const void* src, int src_type, int count
     p.Kpad = round_up(cols, kI8Group);
     p.rows_pad = round_up(rows, kPanelRows);
     p.mat_bytes = static_cast<size_t>(p.rows_pad) * p.Kpad;
-    p.act = ActFmt::I8_G128;
+    p.act = kt.packed_i8_act;
     p.gemm = kt.packed_i8;
   } else {
     p.Kpad = round_up(cols, kBf16KAlign);
@@ -77,7 +77,10 @@ ProjWeights describe_weights(Backend b, const void* src, int src_type, int count
 size_t packed_bytes(const ProjWeights& p) {
   if (p.backend == Backend::Llamafile) return 0;
   size_t b = p.mat_bytes * p.count;
-  if (p.backend == Backend::AMXInt8) b += sizeof(float) * p.rows_pad * static_cast<size_t>(p.count);
+  if (p.backend == Backend::AMXInt8) {
+    b += sizeof(float) * p.rows_pad * static_cast<size_t>(p.count);
+    b += sizeof(int32_t) * p.rows_pad * static_cast<size_t>(p.count) * (p.Kpad / kI8Group);
+  }
   return (b + 63) & ~size_t(63);
 }
 
@@ -85,6 +88,7 @@ void ProjWeights::setup(GemmArgs& g, int e, int r0, int nr) const {
   g.K = cols;
   g.Kpad = Kpad;
   g.nr = nr;
+  g.nr_avail = rows_pad - r0;
   if (backend == Backend::Llamafile) {
     g.W = base + e * mat_bytes + static_cast<size_t>(r0) * row_bytes;
     g.w_row_bytes = row_bytes;
@@ -92,6 +96,7 @@ void ProjWeights::setup(GemmArgs& g, int e, int r0, int nr) const {
     const size_t panel = mat_bytes / (rows_pad / kPanelRows);
     g.W = base + e * mat_bytes + static_cast<size_t>(r0 / kPanelRows) * panel;
     g.w_scale = scales ? scales + static_cast<size_t>(e) * rows_pad + r0 : nullptr;
+    g.w_corr = corr ? corr + (static_cast<size_t>(e) * rows_pad + r0) * (Kpad / kI8Group) : nullptr;
   }
 }
 
@@ -102,6 +107,8 @@ void pack_weights(ProjWeights& p, const void* src, uint8_t* dst, ThreadPool& poo
   const int ntasks = p.count * panels;
   const bool i8 = p.backend == Backend::AMXInt8;
   float* scales = i8 ? reinterpret_cast<float*>(dst + p.mat_bytes * p.count) : nullptr;
+  int32_t* corr = i8 ? reinterpret_cast<int32_t*>(scales + static_cast<size_t>(p.rows_pad) * p.count) : nullptr;
+  const int ng = p.Kpad / kI8Group;
   const uint8_t* s = static_cast<const uint8_t*>(src);
   std::vector<std::vector<float>> scratch(pool.size());
   pool.parallel_for(ntasks, [&](int task, int tid) {
@@ -119,10 +126,15 @@ void pack_weights(ProjWeights& p, const void* src, uint8_t* dst, ThreadPool& poo
       for (int r = 0; r < kPanelRows; ++r) {
         float amax = 0.f;
         const float* wr = &w[static_cast<size_t>(r) * p.Kpad];
-        for (int k = 0; k < p.Kpad; ++k) amax = std::fmax(amax, std::fabs(wr[k]));
+        for (int k = 0; k < p.Kpad; ++k) {
+          const float v = std::fabs(wr[k]);
+          amax = v > amax ? v : amax;
+        }
         scales[static_cast<size_t>(e) * p.rows_pad + pn * kPanelRows + r] = amax / 127.f;
         inv[r] = amax > 0.f ? 127.f / amax : 0.f;
       }
+      int32_t* cr = corr + (static_cast<size_t>(e) * p.rows_pad + pn * kPanelRows) * ng;  // [ng][16]
+      for (int i = 0; i < ng * kPanelRows; ++i) cr[i] = 0;
       for (int kq = 0; kq < p.Kpad / 4; ++kq)
         for (int r = 0; r < kPanelRows; ++r)
           for (int j = 0; j < 4; ++j) {
@@ -130,6 +142,7 @@ void pack_weights(ProjWeights& p, const void* src, uint8_t* dst, ThreadPool& poo
             int q = static_cast<int>(std::nearbyint(v));
             q = q > 127 ? 127 : (q < -127 ? -127 : q);
             P[64 * static_cast<size_t>(kq) + 4 * r + j] = static_cast<uint8_t>(static_cast<int8_t>(q));
+            cr[(4 * kq / kI8Group) * kPanelRows + r] -= 128 * q;
           }
     } else {
       uint16_t* Q = reinterpret_cast<uint16_t*>(P);
@@ -141,6 +154,7 @@ void pack_weights(ProjWeights& p, const void* src, uint8_t* dst, ThreadPool& poo
   });
   p.base = dst;
   p.scales = scales;
+  p.corr = corr;
 }
 
 }  // namespace kt

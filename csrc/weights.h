@@ -40,6 +40,7 @@ struct ProjWeights {
   size_t mat_bytes = 0;    // bytes per matrix
   size_t row_bytes = 0;    // llamafile: bytes per source row
   const float* scales = nullptr;  // packed int8: [count][rows_pad]
+  const int32_t* corr = nullptr;  // packed int8: [count][rows_pad/16][Kpad/128][16] = -128 * group row sums
   ActFmt act = ActFmt::F32;
   GemmFn gemm = nullptr;
 

@@ -281,6 +281,36 @@ def _backend(b: Any) -> int:
     return BACKENDS[b]
 
 
+_fast_types: tuple | None = None
+
+
+def _fast_moe_args(x, ids, w, out, H: int):
+    """Decode fast path (a few attribute reads instead of the full validation): torch CPU tensors,
+    contiguous, x/out [T, H] float32|bfloat16, ids [T, k] int64, weights [T, k] float32.  Returns
+    the extension arguments, or None to fall back to the checked path (which raises the errors)."""
+    global _fast_types
+    if _fast_types is None:
+        torch = _torch()
+        if torch is None:
+            return None
+        _fast_types = (torch.Tensor, torch.float32, torch.bfloat16, torch.int64)
+    TT, f32, bf16, i64 = _fast_types
+    if not (type(x) is TT and type(ids) is TT and type(w) is TT and type(out) is TT):
+        return None
+    xd, od = x.dtype, out.dtype
+    if ids.dtype is not i64 or w.dtype is not f32 or (xd is not f32 and xd is not bf16) or (od is not f32 and od is not bf16):
+        return None
+    xs, ishp = x.shape, ids.shape
+    if len(xs) != 2 or xs[1] != H or len(ishp) != 2 or ishp[0] != xs[0] or w.shape != ishp or out.shape != xs:
+        return None
+    if not (x.is_contiguous() and ids.is_contiguous() and w.is_contiguous() and out.is_contiguous()):
+        return None
+    if not (x.is_cpu and ids.is_cpu and w.is_cpu and out.is_cpu):
+        return None
+    return (xs[0], ishp[1], x.data_ptr(), _F32 if xd is f32 else _BF16, ids.data_ptr(), w.data_ptr(),
+            out.data_ptr(), _F32 if od is f32 else _BF16)
+
+
 class MoEKernel:
     """Routed experts of one MoE layer; see the module docstring."""
 
@@ -307,6 +337,9 @@ class MoEKernel:
                            ACTIVATIONS[activation], float(alpha), float(limit))
 
     def _args(self, x, ids, weights, out):
+        fast = _fast_moe_args(x, ids, weights, out, self.hidden)
+        if fast is not None:
+            return fast, (x, ids, weights, out)
         px, xdt, T = _act(x, "x", self.hidden)
         ids, weights, k = _routing(ids, weights, T)
         po, odt = _out(out, "out", T, self.hidden)

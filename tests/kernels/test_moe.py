@@ -192,3 +192,30 @@ def test_torch_float_weights(pool):
     out = moe.forward(x, torch.from_numpy(ids), torch.from_numpy(w))
     ref = moe_ref(x.numpy(), ids, w, g.float().numpy(), u.float().numpy(), d.float().numpy())
     assert rel_err(out.numpy(), ref) < 2e-2
+
+
+def test_torch_fast_path_matches_checked_path(pool):
+    """MoEKernel takes a short validation path for contiguous torch CPU tensors of the exact
+    dtypes; anything else goes through the full checks (conversions and errors unchanged)."""
+    H, I, (gr, gd), (ur, ud), (dr, dd) = layer(QT.Q4_K, "H256_I512")
+    moe = K.MoEKernel(pool, "llamafile", E, H, I, gr, ur, dr, "Q4_K", "Q4_K", "Q4_K")
+    rng = np.random.default_rng(5)
+    x = torch.from_numpy(rng.standard_normal((3, H)).astype(np.float32))
+    ids_np, w_np = routing(3, rng)
+    ids, w = torch.from_numpy(ids_np), torch.from_numpy(w_np)
+    ref = moe_ref(x.numpy(), ids_np, w_np, gd, ud, dd)
+    fast = moe.forward(x, ids, w, torch.empty(3, H))                      # fast path
+    slow = moe.forward(x.numpy(), ids_np, w_np)                            # numpy: checked path
+    conv = moe.forward(x, ids.to(torch.int32), w.double(), torch.empty(3, H))  # converted ids / weights
+    for o in (fast, slow, conv):
+        assert rel_err(np.asarray(o), ref) < 3e-2
+    np.testing.assert_array_equal(fast.numpy(), slow)
+    np.testing.assert_array_equal(fast.numpy(), conv.numpy())
+    with pytest.raises(ValueError, match="x: must be contiguous"):
+        moe.forward(torch.zeros(H, 3).T, ids, w, torch.empty(3, H))
+    with pytest.raises(ValueError, match=r"out: expected shape \[3, 256\]"):
+        moe.forward(x, ids, w, torch.empty(3, H + 1))
+    with pytest.raises(ValueError, match="weights: expected shape"):
+        moe.forward(x, ids, w[:, :2].contiguous(), torch.empty(3, H))
+    with pytest.raises(TypeError, match="x: expected float32 or bfloat16"):
+        moe.forward(x.double(), ids, w, torch.empty(3, H))
