@@ -40,6 +40,15 @@ def tiny_model_dir(tmp_path_factory):
     return get
 
 
+@pytest.fixture
+def one_torch_thread():
+    """For files of small models: one intra-op thread beats two on a shared 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)

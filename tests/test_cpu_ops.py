@@ -91,7 +91,6 @@ def test_llamacpp_gguf_through_cpu_kernels(quant, fixtures_dir):
     import numpy as np
 
     d = fixtures_dir / "qwen3moe-tiny"
-    pytest.importorskip("ktransformers.weights.gguf_source")
     ids = torch.tensor([json.loads((d / "tokens.json").read_text())["token_ids"]])
     model = load_model(d / f"{quant}.gguf", rules=RULES_DIR / "Qwen3Moe-cpu.yaml", allow_unmatched=False)
     assert model.model.layers[0].mlp.experts.generate_op.name == "KExpertsCPU"

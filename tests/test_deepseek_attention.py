@@ -32,13 +32,7 @@ CASES = {
                                topk_group=2, routed_scaling_factor=16.0)),
 }
 
-
-@pytest.fixture(autouse=True)
-def _threads():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 _MODELS: dict[str, tuple] = {}

@@ -19,15 +19,9 @@ RULES = Path(ktransformers.__file__).parent / "optimize_rules"
 RULE = RULES / "DeepSeek-V3-Chat-cpu.yaml"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-pytestmark = pytest.mark.skipif(not (FIX / "hf" / "config.json").is_file(),
-                                reason=f"fixture {FIX} not present")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.skipif(not (FIX / "hf" / "config.json").is_file(),
+                                reason=f"fixture {FIX} not present")]
 
 
 def _tokens():
@@ -58,20 +52,9 @@ def test_hf_checkpoint_matches_transformers():
     assert np.abs(step - want).max() <= 1e-4
 
 
-def _gguf_source_usable():
-    try:
-        from ktransformers.weights.gguf_source import GGUFSource  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - another team's module may be mid-change
-        return f"ktransformers.weights.gguf_source is not importable ({type(e).__name__}: {e})"
-    return None
-
-
 @pytest.mark.parametrize("quant", ["Q8_0", "Q4_K_M"])
 def test_gguf_matches_llama_cpp(quant):
     """Shipped -cpu rules (experts on the C++ kernels, which quantize activations like llama.cpp)."""
-    why = _gguf_source_usable()
-    if why:
-        pytest.skip(why)
     model = ktransformers.load_model(FIX / f"{quant}.gguf", model_path=FIX / "hf", rules=RULE, allow_unmatched=False)
     assert isinstance(model.model.layers[0].self_attn, KDeepseekV2Attention)
     got = _logits(model)
@@ -86,9 +69,6 @@ def test_gguf_matches_llama_cpp(quant):
 def test_gguf_exact_with_torch_experts(quant):
     """The sharp check: GGUF dequantization (split attn_k_b/attn_v_b rebuilt into kv_b_proj) +
     absorbed MLA, all in fp32, against transformers on gguf-py-dequantized weights."""
-    why = _gguf_source_usable()
-    if why:
-        pytest.skip(why)
     text = RULE.read_text()
     text = text[:text.index("generate_op: KExpertsCPU")] + "generate_op: KExpertsTorch\n  recursive: false\n" + \
         text[text.index("- match:", text.index("generate_op: KExpertsCPU")):]

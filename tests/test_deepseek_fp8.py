@@ -24,13 +24,7 @@ from ktransformers.util.tiny_models import write_tiny_model
 
 RULES = Path(ktransformers.__file__).parent / "optimize_rules"
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def naive_dequant(w, s, b=128):

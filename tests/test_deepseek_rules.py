@@ -20,13 +20,8 @@ from ktransformers.util.tiny_models import tiny_config
 
 RULES = Path(ktransformers.__file__).parent / "optimize_rules"
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 # family -> (arch, overrides giving the real layer count and structure at tiny width, split layer)
 FAMILIES = {

@@ -49,10 +49,6 @@ def reference():
 
 @pytest.fixture(scope="module")
 def gemma(reference):
-    try:
-        import ktransformers.weights.gguf_source  # noqa: F401
-    except ImportError as e:
-        pytest.skip(f"GGUF weight source not available yet ({e})")
     from ktransformers import load_model
     from ktransformers.generation import Generator
 

@@ -96,7 +96,6 @@ def test_long_context_runs_for_llama(tiny_model_dir):
 
 
 def test_gguf_without_tokenizer_needs_model_path(fixtures_dir):
-    pytest.importorskip("ktransformers.weights.gguf_source")
     gguf = fixtures_dir / "qwen3moe-tiny" / "Q8_0.gguf"
     if not gguf.is_file():
         pytest.skip(f"{gguf} not present")

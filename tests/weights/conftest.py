@@ -1,11 +1,7 @@
 import pytest
-import torch
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    """These tests are small: one intra-op thread is faster than two on a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_torch_thread):
+    """These tests are small: one intra-op thread (see tests/conftest.py)."""
     yield
-    torch.set_num_threads(n)
