@@ -52,9 +52,13 @@ struct GemmArgs {
   int nt = 0;
   float* C = nullptr;
   size_t ldc = 0;
-  float* tmp = nullptr;              // scratch, >= Kpad floats (+64) per call
+  float* tmp = nullptr;              // scratch, >= Kpad floats (+64) per call, 64-byte aligned
+  size_t tmp_bytes = 0;              // bytes at tmp; >= kGemmPrefillTmp(Kpad) enables the
+                                     // llamafile prefill paths (unpacked weight panels)
 };
 using GemmFn = void (*)(const GemmArgs&);
+// Scratch (GemmArgs::tmp_bytes) that enables every prefill path for rows of Kpad elements.
+inline size_t kGemmPrefillTmp(int Kpad) { return 80ull * Kpad + 256; }
 
 struct KernelTable {
   const char* name = nullptr;

@@ -20,9 +20,10 @@ void Linear::forward(ThreadPool& pool, int T, const void* x, DType xdt, void* ou
   if (T == 0) return;
   const KernelTable& kt = kernels();
   const int K = w_.cols, N = w_.rows, nth = pool.size();
-  constexpr int kTB = 64;
+  constexpr int kTB = 256;  // tokens per task: the prefill paths unpack a row block once per task
+  const size_t tmp_bytes = std::max(sizeof(float) * (2 * static_cast<size_t>(w_.Kpad) + 128), kGemmPrefillTmp(w_.Kpad));
   if (static_cast<int>(thr_.size()) < nth) thr_ = std::vector<AlignedBuf>(nth);
-  for (int i = 0; i < nth; ++i) thr_[i].ensure(sizeof(float) * (2 * static_cast<size_t>(w_.Kpad) + 128));
+  for (int i = 0; i < nth; ++i) thr_[i].ensure(tmp_bytes);
   const size_t sa = act_row_bytes(w_.act, w_.Kpad);
   uint8_t* xa = static_cast<uint8_t*>(xa_.ensure(sa * T));
   const int chunk = 8;
@@ -41,7 +42,7 @@ void Linear::forward(ThreadPool& pool, int T, const void* x, DType xdt, void* ou
                                : static_cast<float*>(ybuf_.ensure(sizeof(float) * static_cast<size_t>(T) * N));
   int rb = 64;
   const int ntb = (T + kTB - 1) / kTB;
-  while (rb > 16 && static_cast<long>(ntb) * ((N + rb - 1) / rb) < 8L * nth) rb /= 2;
+  while (rb > (T >= 8 ? 32 : 16) && static_cast<long>(ntb) * ((N + rb - 1) / rb) < 8L * nth) rb /= 2;
   const int nrb = (N + rb - 1) / rb;
   pool.parallel_for(nrb * ntb, [&](int task, int tid) {
     const int r0 = (task % nrb) * rb, t0 = (task / nrb) * kTB;
@@ -51,6 +52,7 @@ void Linear::forward(ThreadPool& pool, int T, const void* x, DType xdt, void* ou
     GemmArgs g;
     g.A = A; g.nt = nt; g.C = y + static_cast<size_t>(t0) * N + r0; g.ldc = N;
     g.tmp = static_cast<float*>(thr_[tid].data());
+    g.tmp_bytes = tmp_bytes;
     w_.setup(g, 0, r0, nr);
     w_.gemm(g);
   });

@@ -51,7 +51,9 @@ up_type, down_type, activation="silu", alpha=1.702, limit=7.0)``
 
 ``LinearKernel(pool, backend, in_features, out_features, weight, weight_type)``
     ``y[T, out] = x[T, in] @ W^T``, ``W [out, in]`` as for MoEKernel.  ``.forward(x, out=None,
-    out_dtype=None)``, ``.submit(x, out)``.
+    out_dtype=None)``, ``.submit(x, out)``.  Contiguous torch CPU tensors take a decode fast path
+    (no validation beyond dtype/shape/contiguity checks; anything else falls back to the checked
+    path, which raises the errors).
 
 ``row_bytes(type, cols)``, ``type_info(type)``, ``dequantize(raw, type, n)`` (ggml reference
 values, used by tests).
@@ -311,6 +313,29 @@ def _fast_moe_args(x, ids, w, out, H: int):
             out.data_ptr(), _F32 if od is f32 else _BF16)
 
 
+def _fast_linear_args(x, out, n_in: int, n_out: int):
+    """Decode fast path of LinearKernel: torch CPU tensors, contiguous, x [T, in] / out [T, out]
+    float32|bfloat16.  Returns the extension arguments or None (checked path raises the errors)."""
+    global _fast_types
+    if _fast_types is None:
+        torch = _torch()
+        if torch is None:
+            return None
+        _fast_types = (torch.Tensor, torch.float32, torch.bfloat16, torch.int64)
+    TT, f32, bf16, _ = _fast_types
+    if type(x) is not TT or type(out) is not TT:
+        return None
+    xd, od = x.dtype, out.dtype
+    if (xd is not f32 and xd is not bf16) or (od is not f32 and od is not bf16):
+        return None
+    xs, os_ = x.shape, out.shape
+    if len(xs) != 2 or xs[1] != n_in or len(os_) != 2 or os_[0] != xs[0] or os_[1] != n_out:
+        return None
+    if not (x.is_contiguous() and out.is_contiguous() and x.is_cpu and out.is_cpu):
+        return None
+    return (xs[0], x.data_ptr(), _F32 if xd is f32 else _BF16, out.data_ptr(), _F32 if od is f32 else _BF16)
+
+
 class MoEKernel:
     """Routed experts of one MoE layer; see the module docstring."""
 
@@ -383,6 +408,9 @@ class LinearKernel:
         self._l = _ext.Linear(pool._c, self.in_features, self.out_features, _backend(backend), p, t)
 
     def _args(self, x, out):
+        fast = _fast_linear_args(x, out, self.in_features, self.out_features)
+        if fast is not None:
+            return fast
         px, xdt, T = _act(x, "x", self.in_features)
         po, odt = _out(out, "out", T, self.out_features)
         return (T, px, xdt, po, odt)

@@ -14,7 +14,9 @@ from ref import rel_err
 
 import ktransformers.kernels as K
 
-SHAPES = [(512, 40), (96, 33)]  # (in, out); 96 is not a multiple of 256, 33 not of 16
+# (in, out); 96 is not a multiple of 256, 33 not of 16; 800 = 25 blocks of 32 (a partial, odd
+# 16-block chunk in the Q8_32 kernels), 768 = 3 superblocks (IQ4_XS: one full + one half chunk)
+SHAPES = [(512, 40), (96, 33), (800, 7), (768, 21)]
 TS = (1, 64) if QUICK else (1, 3, 64, 300)
 
 
@@ -85,3 +87,26 @@ def test_dequantize_matches_gguf():
     for t in ALL_TYPES:
         raw, deq = make_weights(t, (2, 512), rng)
         np.testing.assert_array_equal(K.dequantize(raw, t), deq.ravel())
+
+
+def test_linear_torch_fast_path(pool):
+    """The torch decode fast path (no validation) gives the same result as the checked path and
+    leaves the errors to the checked path."""
+    rng = np.random.default_rng(3)
+    for t in (QT.Q8_0, QT.Q5_0, QT.Q4_K):
+        raw, deq = make_weights(t, (37, 512), rng)
+        lin = K.LinearKernel(pool, "llamafile", 512, 37, raw, t)
+        for T in (1, 2, 4, 20):
+            x = torch.randn(T, 512)
+            out = torch.empty(T, 37)
+            lin.forward(x, out)  # fast path
+            ref = lin.forward(x.numpy())  # checked path (numpy)
+            np.testing.assert_array_equal(out.numpy(), ref)
+            yb = lin.forward(x.to(torch.bfloat16), torch.empty(T, 37, dtype=torch.bfloat16))
+            assert rel_err(yb.float().numpy(), ref) < 2e-2
+    with pytest.raises(ValueError, match=r"out: expected shape \[1, 37\]"):
+        lin.forward(torch.zeros(1, 512), torch.empty(1, 36))
+    with pytest.raises(ValueError, match="must be contiguous"):
+        lin.forward(torch.zeros(512, 2).t(), torch.empty(2, 37))
+    with pytest.raises(TypeError, match="x: expected float32 or bfloat16"):
+        lin.forward(torch.zeros(1, 512, dtype=torch.float64), torch.empty(1, 37))

@@ -1,0 +1,119 @@
+"""Benchmark the dense CPU linear (``ktransformers.kernels.LinearKernel``, llamafile backend) per
+weight type, side by side with torch ``F.linear`` on the dequantised fp32 weight (not a test).
+
+Per (shape, type, T): median ms of the kernel, median ms of torch fp32 F.linear on the same
+weight dequantised once (``K.dequantize``), the ratio torch/kernel (> 1: the kernel is faster),
+effective weight GB/s (bytes of the ggml weight / time) and the fraction of the DRAM read
+bandwidth that ``CPUInfer.probe_read_bw`` measures at start-up with the same thread count.
+
+    .venv/bin/python bench/linear.py                                  # full grid, 1 and 2 threads
+    .venv/bin/python bench/linear.py --types Q8_0 --shapes lm_head --tokens 1 --threads 1,2
+    .venv/bin/python bench/linear.py --quick                          # fewer reps, no lm_head prefill
+
+Shapes (out x in, as the weight is stored): 640x2048 (Gemma-3-270M down), 2048x640 (gate/up),
+262144x640 (Gemma-3 lm_head / token_embd, Q8_0 in the Q4_K_M file) and 2048x768 (Qwen3 expert
+down).  Types: Q4_K Q5_K Q6_K Q8_0 Q4_0 Q5_0 Q5_1 IQ4_NL IQ4_XS (random valid blocks; the
+K-quants and IQ4_XS need in % 256 == 0, so they skip 640-column shapes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import ktransformers.kernels as K  # noqa: E402
+
+SHAPES = {"640x2048": (640, 2048), "2048x640": (2048, 640), "lm_head": (262144, 640), "2048x768": (2048, 768)}
+# (block elems, block bytes, byte offsets of fp16 scales)
+BLOCK = {"Q4_K": (256, 144, (0, 2)), "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,)),
+         "Q8_0": (32, 34, (0,)), "Q4_0": (32, 18, (0,)), "Q4_1": (32, 20, (0, 2)), "Q5_0": (32, 22, (0,)),
+         "Q5_1": (32, 24, (0, 2)), "IQ4_NL": (32, 18, (0,)), "IQ4_XS": (256, 136, (0,))}
+
+
+def rand_weights(t: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    be, bb, offs = BLOCK[t]
+    nb = rows * cols // be
+    raw = rng.integers(0, 256, size=(nb, bb), dtype=np.uint8)
+    d = np.full(nb, 2e-4, np.float16).view(np.uint8).reshape(nb, 2)
+    for off in offs:
+        raw[:, off:off + 2] = d
+    return raw.reshape(-1)
+
+
+def median_ms(fn, n: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q8_0,Q4_0,Q5_0,Q5_1,IQ4_NL,IQ4_XS")
+    ap.add_argument("--tokens", default="1,128")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--no-torch", action="store_true", help="skip the torch column")
+    ap.add_argument("--quick", action="store_true", help="reps 7, lm_head decode only")
+    args = ap.parse_args()
+    reps = 7 if args.quick else args.reps
+    tokens = [int(v) for v in args.tokens.split(",")]
+    threads_l = [int(v) for v in args.threads.split(",")]
+    print(f"ISA tier: {K.isa_tier()}; torch {torch.__version__}")
+    bw = {}
+    for th in threads_l:
+        bw[th] = max(K.cpu_infer(th).probe_read_bw(1 << 29, 3) for _ in range(2))
+        print(f"probe {th} thread(s): DRAM read {bw[th]:.1f} GB/s")
+    print(f"{'shape':10s} {'type':7s} {'thr':>3s} {'T':>4s} {'kernel ms':>10s} {'torch ms':>9s} {'ratio':>6s} "
+          f"{'GB/s':>6s} {'%DRAM':>6s}")
+    for sk in args.shapes.split(","):
+        N, Kin = SHAPES[sk]
+        for t in args.types.split(","):
+            be = BLOCK[t][0]
+            if Kin % be:
+                continue
+            rng = np.random.default_rng(0)
+            raw = rand_weights(t, N, Kin, rng)
+            wf = None
+            if not args.no_torch:
+                wf = torch.from_numpy(K.dequantize(raw, t).reshape(N, Kin))
+            for th in threads_l:
+                pool = K.cpu_infer(th)
+                torch.set_num_threads(th)
+                lin = K.LinearKernel(pool, "llamafile", Kin, N, raw, t)
+                for T in tokens:
+                    if sk == "lm_head" and T > 16 and args.quick:
+                        continue
+                    x = torch.randn(T, Kin, generator=torch.Generator().manual_seed(T))
+                    out = torch.empty(T, N)
+                    n = reps if (sk != "lm_head" or T <= 16) else 3
+                    ms = median_ms(lambda: lin.forward(x, out), n)
+                    tms = float("nan")
+                    if wf is not None:
+                        tout = torch.empty(T, N)
+                        tms = median_ms(lambda: torch.matmul(x, wf.t(), out=tout), n)
+                        ref = F.linear(x, wf)
+                        err = (out - ref).norm() / ref.norm()
+                        if err > 3e-2:
+                            print(f"  !! {sk} {t} T={T}: rel err {err:.3g} vs torch")
+                    gbs = raw.nbytes / ms / 1e6
+                    print(f"{sk:10s} {t:7s} {th:3d} {T:4d} {ms:10.3f} {tms:9.3f} {tms / ms:6.2f} {gbs:6.1f} "
+                          f"{100 * gbs / bw[th]:5.0f}%", flush=True)
+                del lin
+
+
+if __name__ == "__main__":
+    main()
