@@ -69,10 +69,19 @@ def test_fixture_qwen3moe_matches_recorded_hf_logits(fixtures_dir):
     assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
 
 
-def test_tied_embeddings_share_one_copy(tiny_model_dir):
+@pytest.mark.parametrize("rules", ["Dense-cpu.yaml", "plain-head"])
+def test_tied_embeddings_share_one_copy(rules, tiny_model_dir):
+    """Tied lm_head: one copy in memory, whether the head is an injected op or a plain Linear."""
+    from ktransformers.optimize_rules import RULES_DIR
+
     d = tiny_model_dir("gemma3_text")
-    model = load_model(d, model_path=d)
-    assert model.lm_head.weight is model.model.embed_tokens.weight
+    if rules == "plain-head":
+        model = load_model(d, model_path=d, rules="- match: {name: '^model$'}\n  replace: {class: default, device: cpu}\n")
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    else:
+        model = load_model(d, model_path=d, rules=RULES_DIR / rules)
+        head = model.lm_head.generate_op._weight_array
+        assert head.data_ptr() == model.model.embed_tokens.weight.data_ptr()
 
 
 def test_inject_into_own_script(tiny_model_dir):

@@ -50,6 +50,7 @@ class ModelWeights:
 
     def __init__(self, source: WeightSource, model: nn.Module):
         self.source = source
+        self.model = model
         self.path = source.path
         self.aliases: dict[str, str] = {}
         text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -73,7 +74,17 @@ class ModelWeights:
         return self.source.shape(self._name(name))
 
     def tensor(self, name, dtype=None, device=None):
-        return self.source.tensor(self._name(name), dtype=dtype, device=device)
+        resolved = self._name(name)
+        if resolved != name:  # a tied weight: reuse the copy already loaded, when it fits
+            try:
+                loaded = self.model.get_parameter(resolved)
+            except AttributeError:
+                loaded = None
+            if loaded is not None and loaded.device.type != "meta" \
+                    and (dtype is None or loaded.dtype == dtype) \
+                    and (device is None or loaded.device == torch.device(device)):
+                return loaded.detach()
+        return self.source.tensor(resolved, dtype=dtype, device=device)
 
     def raw(self, name):
         return self.source.raw(self._name(name))
