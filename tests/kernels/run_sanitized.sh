@@ -15,6 +15,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
+export PATH="$(dirname "$PY"):$PATH"   # cmake and ninja from the venv (the [test] extra) when the system has none
 B="$ROOT/build/sanitize"
 mkdir -p "$B/pkg/ktransformers"
 PYBIND11_DIR="$("$PY" -c 'import pybind11; print(pybind11.get_cmake_dir())')"
