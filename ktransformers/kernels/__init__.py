@@ -286,16 +286,23 @@ def _backend(b: Any) -> int:
 _fast_types: tuple | None = None
 
 
-def _fast_moe_args(x, ids, w, out, H: int):
-    """Decode fast path (a few attribute reads instead of the full validation): torch CPU tensors,
-    contiguous, x/out [T, H] float32|bfloat16, ids [T, k] int64, weights [T, k] float32.  Returns
-    the extension arguments, or None to fall back to the checked path (which raises the errors)."""
+def _tensor_types() -> tuple | None:
+    """(torch.Tensor, float32, bfloat16, int64), looked up once for the fast paths; None without torch."""
     global _fast_types
     if _fast_types is None:
         torch = _torch()
         if torch is None:
             return None
         _fast_types = (torch.Tensor, torch.float32, torch.bfloat16, torch.int64)
+    return _fast_types
+
+
+def _fast_moe_args(x, ids, w, out, H: int):
+    """Decode fast path (a few attribute reads instead of the full validation): torch CPU tensors,
+    contiguous, x/out [T, H] float32|bfloat16, ids [T, k] int64, weights [T, k] float32.  Returns
+    the extension arguments, or None to fall back to the checked path (which raises the errors)."""
+    if _tensor_types() is None:
+        return None
     TT, f32, bf16, i64 = _fast_types
     if not (type(x) is TT and type(ids) is TT and type(w) is TT and type(out) is TT):
         return None
@@ -316,12 +323,8 @@ def _fast_moe_args(x, ids, w, out, H: int):
 def _fast_linear_args(x, out, n_in: int, n_out: int):
     """Decode fast path of LinearKernel: torch CPU tensors, contiguous, x [T, in] / out [T, out]
     float32|bfloat16.  Returns the extension arguments or None (checked path raises the errors)."""
-    global _fast_types
-    if _fast_types is None:
-        torch = _torch()
-        if torch is None:
-            return None
-        _fast_types = (torch.Tensor, torch.float32, torch.bfloat16, torch.int64)
+    if _tensor_types() is None:
+        return None
     TT, f32, bf16, _ = _fast_types
     if type(x) is not TT or type(out) is not TT:
         return None
