@@ -2,8 +2,10 @@
 
 fp32: max |Δlogits| ≤ 1e-4 × max|logits| and 16 greedy tokens identical.
 bf16: both models in bf16; max |Δlogits| ≤ 2e-2 × max|logits| (bf16 has 8 mantissa bits and
-the reference operators group expert tokens in another order), greedy tokens identical for
-at least the first 8 steps.
+the reference operators group expert tokens in another order). Greedy tokens are compared
+teacher-forced on the reference's 8-token continuation, at every step where the reference's
+top-1 margin exceeds that tolerance: a near tie may go either way on another ISA tier (the
+kernels sum in another order), a clear winner may not.
 """
 
 from __future__ import annotations
@@ -50,10 +52,25 @@ def test_bf16_close_to_hf_bf16(arch, tiny_model_dir):
     with torch.no_grad():
         ref = hf(ids).logits.float()
         got = model(ids).logits.float()
-    assert (got - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
-    a = model.generate(ids[:, :4], max_new_tokens=8, do_sample=False)
-    b = hf.generate(ids[:, :4], max_new_tokens=8, do_sample=False)
-    assert torch.equal(a, b)
+    tol = 2e-2 * ref.abs().max().item()
+    assert (got - ref).abs().max().item() <= tol
+    _assert_greedy_agrees_where_clear(model, hf, ids[:, :4], steps=8, tol=tol)
+
+
+def _assert_greedy_agrees_where_clear(model, hf, prompt, steps, tol):
+    """Teacher-forced on the reference's greedy continuation: top-1 agrees wherever the
+    reference's margin over its runner-up exceeds ``tol``; at least half the steps must be
+    clear, so the check cannot pass vacuously."""
+    seq = hf.generate(prompt, max_new_tokens=steps, do_sample=False)
+    with torch.no_grad():
+        ref = hf(seq).logits[0, prompt.shape[1] - 1 : -1].float()
+        got = model(seq).logits[0, prompt.shape[1] - 1 : -1].float()
+    top2 = ref.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > tol
+    assert clear.sum().item() >= steps // 2, f"only {clear.sum().item()} of {steps} steps have a clear winner"
+    want = seq[0, prompt.shape[1]:]
+    bad = [i for i in range(steps) if clear[i] and got[i].argmax().item() != want[i].item()]
+    assert not bad, f"greedy token differs at clear steps {bad}"
 
 
 def test_fixture_qwen3moe_matches_recorded_hf_logits(fixtures_dir):
