@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .base import KwargSpec
-from .cpu_threads import cpu_infer_threads
+from .cpu_threads import kernel_pool
 from .experts import ExpertsOp, register_experts_op
 
 BACKEND_NAMES = ("llamafile", "AMXInt8", "AMXBF16")
@@ -75,7 +75,7 @@ class KExpertsCPU(ExpertsOp):
         types = {}
         for proj in ("gate_proj", "up_proj", "down_proj"):
             arrays[proj], types[proj] = _weights_for_kernel(weights, self.key, proj, dtype)
-        self.pool = K.cpu_infer(cpu_infer_threads())
+        self.pool = kernel_pool()
         try:
             self.kernel = K.MoEKernel(
                 self.pool, self.backend, self.num_experts, self.hidden, self.intermediate,

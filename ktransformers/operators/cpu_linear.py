@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .cpu_experts import _kernels
-from .cpu_threads import cpu_infer_threads
+from .cpu_threads import kernel_pool
 from .linear import LinearOp, register_linear_op
 
 
@@ -30,7 +30,7 @@ class KLinearCPU(LinearOp):
             fd = torch.float32 if dtype == torch.float32 else torch.bfloat16
             w = weights.tensor(f"{self.key}.weight", dtype=fd).contiguous()
             t = "F32" if fd == torch.float32 else "BF16"
-        self.pool = K.cpu_infer(cpu_infer_threads())
+        self.pool = kernel_pool()
         try:
             self.kernel = K.LinearKernel(self.pool, "llamafile", self.in_features, self.out_features, w, t)
         except (ValueError, TypeError) as e:
@@ -55,7 +55,9 @@ class KLinearCPU(LinearOp):
         x2 = x.reshape(-1, shape[-1])
         if x2.dtype not in (torch.float32, torch.bfloat16):
             x2 = x2.float()
-        y = self.kernel.forward(x2.contiguous())
+        x2 = x2.contiguous()
+        y = torch.empty((x2.shape[0], self.out_features), dtype=x2.dtype)  # not forward()'s checked allocation
+        self.kernel.forward(x2, y)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*shape[:-1], self.out_features)
