@@ -13,8 +13,17 @@ Rows:
   expert intermediate 768, 32 heads / 4 KV heads, head_dim 128, vocab --vocab): Q4_K experts, Q8_0
   attention/embeddings/output, F32 norms and routers, written with ``ktransformers.convert``'s
   planner and writer (expert bytes repeated, see ``qwen3moe_path``); built once into .cache/models.
+* ``qwen3moe-llama``: the same shape written as F16 with gguf-py and quantized by llama.cpp's own
+  ``llama-quantize`` into Q4_K_M, Q2_K and IQ4_XS (``--llama_quants``); needs ``--llama_cpp_bin``.
 For each model: prefill of 128 and 512 tokens and decode of 64 tokens, and the same through
-llama.cpp (``llama_cpp`` bindings) when importable, printed side by side as ratios.
+llama.cpp's ``llama-bench`` on the same file with the same threads, in the same run, printed side
+by side as ratios; then the peak RSS of a short generation (prefill 16 + 8 new tokens) in a fresh
+process, ours next to ``llama-bench``'s.
+
+llama.cpp is a bench-only peer: build it from the ``llama-cpp-python`` sdist (its vendored
+``llama.cpp`` tree, ``cmake -B build -DLLAMA_BUILD_TOOLS=ON && ninja -C build llama-bench
+llama-quantize``; see bench/README.md) and pass ``--llama_cpp_bin DIR`` (or set
+``KT_LLAMA_CPP_BIN``) to the folder holding ``llama-bench`` and ``llama-quantize``.
 """
 
 from __future__ import annotations
@@ -117,7 +126,7 @@ def gemma_path() -> Path:
     return p
 
 
-def qwen3moe_path(args) -> Path | None:
+def qwen3moe_path(args, experts="Q4_K", attention="Q8_0", default="Q8_0", tag="q4k") -> Path | None:
     """The Qwen3-MoE-shaped GGUF, written once with ``ktransformers.convert``'s planner and writer.
 
     Quantizing 2.4 G random expert weights with our numpy/torch K-quantizer takes hours on a small
@@ -126,7 +135,7 @@ def qwen3moe_path(args) -> Path | None:
     goes through ``convert.plan`` unchanged (attention Q8_0, token_embd/output Q8_0, norms and
     routers F32), so names, metadata and layout are exactly what the converter writes.
     """
-    p = MODELS / f"bench-qwen3moe-4l-h2048-e128-v{args.vocab}-q4k.gguf"
+    p = MODELS / f"bench-qwen3moe-4l-h2048-e128-v{args.vocab}-{tag}.gguf"
     if p.is_file():
         return p
     try:
@@ -144,7 +153,8 @@ def qwen3moe_path(args) -> Path | None:
     )
     cfg.architectures = ["Qwen3MoeForCausalLM"]
     ckpt = _RandomCheckpoint(cfg)
-    policy = kc.TypePolicy(experts="Q4_K", attention="Q8_0", default="Q8_0", embeddings="Q8_0", output="Q8_0")
+    policy = kc.TypePolicy(experts=experts, attention=attention, default=default, embeddings=default,
+                           output=default)
     arch, outs = kc.plan(cfg, ckpt, policy)
     tiled: dict = {}
     for o in outs:
@@ -226,12 +236,97 @@ def bench_model(name: str, path: Path, args) -> list[tuple]:
         gen.generate(ids, SamplingParams(max_new_tokens=args.decode))
         rates.append(gen.last_stats.decode_tps)
     kt[f"decode {args.decode}"] = max(rates)
+    if args.breakdown:
+        print(f"  decode step of {name}: " + decode_breakdown(gen, ids, args.decode), flush=True)
     del gen, model
     gc.collect()
-    ref = bench_llama_cpp(path, args) if args.llama_cpp else {}
+    ref = bench_llama_bench(path, args) if args.llama_bin else {}
     for phase, v in kt.items():
         rows.append((name, phase, v, ref.get(phase)))
+    if args.rss:
+        ours = peak_rss_mib([sys.executable, __file__, "--rss-child", str(path), "--threads", str(args.threads)])
+        theirs = (peak_rss_mib([str(args.llama_bin / "llama-bench"), "-m", str(path), "-p", "16", "-n", "8",
+                                "-r", "1", "-t", str(args.threads)]) if args.llama_bin else None)
+        rows.append((name, "peak RSS MiB (lower wins)", ours, theirs))
     return rows
+
+
+def decode_breakdown(gen, ids, n: int) -> str:
+    """Where a decode token's time goes: CPU-kernel calls (linears and experts, incl. waiting for
+    submitted expert work), sampling, and the rest (Python/dispatch, attention, norms, RoPE).
+    Kernel entry points are wrapped with timers for one generation only."""
+    import ktransformers.kernels as K
+    from ktransformers.generation import SamplingParams
+    from ktransformers.generation import engine as E
+
+    spent = {"kernels": 0.0, "sampling": 0.0}
+
+    def timed(fn, key):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[key] += time.perf_counter() - t0
+        return wrapper
+
+    patches = [(K.LinearKernel, "forward"), (K.MoEKernel, "forward"), (K.MoEKernel, "submit"), (K.CPUInfer, "sync"),
+               (E.Sampler, "__call__")]
+    saved = [(cls, attr, getattr(cls, attr)) for cls, attr in patches]
+    try:
+        for cls, attr, fn in saved:
+            setattr(cls, attr, timed(fn, "sampling" if cls is E.Sampler else "kernels"))
+        gen.generate(ids, SamplingParams(max_new_tokens=n))
+    finally:
+        for cls, attr, fn in saved:
+            setattr(cls, attr, fn)
+    st = gen.last_stats
+    steps = max(st.generated_tokens - 1, 1)
+    total = (st.decode_seconds + st.prefill_seconds) / (steps + 1) * 1e3
+    # the prefill's kernel share is excluded by scaling with the decode fraction of the run
+    frac = st.decode_seconds / max(st.decode_seconds + st.prefill_seconds, 1e-9)
+    k = spent["kernels"] * frac / steps * 1e3
+    smp = spent["sampling"] / (steps + 1) * 1e3
+    per = st.decode_seconds / steps * 1e3
+    return (f"{per:.2f} ms/token = kernels {k:.2f} + sampling {smp:.2f} + rest (Python/dispatch, attention, "
+            f"norms) {max(per - k - smp, 0.0):.2f} (approx.; run total {total:.2f} ms/token)")
+
+
+def peak_rss_mib(cmd: list[str]) -> float | None:
+    """Peak resident set of ``cmd`` (file pages it touched included), MiB.
+
+    Measured through a small intermediate Python: a child forked straight from this process
+    would inherit this process's own high-water mark (Linux keeps ``ru_maxrss`` across fork and
+    exec), and this process has a model loaded."""
+    import subprocess
+
+    probe = ("import os, subprocess, sys\n"
+             "p = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+             "_, st, ru = os.wait4(p.pid, 0)\n"
+             "print(os.waitstatus_to_exitcode(st), ru.ru_maxrss)\n")
+    r = subprocess.run([sys.executable, "-c", probe, *cmd], capture_output=True, text=True)
+    try:
+        code, kib = map(int, r.stdout.split())
+    except ValueError:
+        print(f"note: could not measure the RSS of {cmd[0]}: {r.stderr.strip()[-200:]}")
+        return None
+    if code != 0:
+        print(f"note: {' '.join(cmd[:3])} ... exited with {code}; no RSS figure")
+        return None
+    return kib / 1024
+
+
+def rss_child(path: str, threads: int) -> int:
+    """What the RSS row measures on our side: load, prefill 16 tokens, 8 new tokens."""
+    from ktransformers import load_model
+    from ktransformers.generation import Generator, SamplingParams
+    from ktransformers.local_chat import _set_threads
+
+    _set_threads(threads)
+    gen = Generator(load_model(path), _NullTokenizer())
+    gen.eos_ids = set()
+    gen.generate(list(range(100, 116)), SamplingParams(max_new_tokens=8))
+    return 0
 
 
 class _NullTokenizer:
@@ -244,34 +339,46 @@ class _NullTokenizer:
         return ""
 
 
-def bench_llama_cpp(path: Path, args) -> dict:
-    try:
-        import llama_cpp
-    except ImportError:
+def bench_llama_bench(path: Path, args) -> dict:
+    """llama.cpp's own benchmark on the same file and thread count: prefill (pp) and decode (tg)."""
+    import json
+    import subprocess
+
+    cmd = [str(args.llama_bin / "llama-bench"), "-m", str(path), "-p", ",".join(map(str, args.prefill)),
+           "-n", str(args.decode), "-t", str(args.threads), "-r", str(max(args.repeats, 2)), "-o", "json"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        print(f"note: llama-bench failed on {path.name}: {r.stderr.strip().splitlines()[-1:]}")
         return {}
-    llm = llama_cpp.Llama(str(path), n_ctx=1024, n_batch=512, n_threads=args.threads, verbose=False)
-    rng = np.random.default_rng(0)
     out = {}
-    vocab = llm.n_vocab()
-    for p_len in args.prefill:
-        ids = [int(i) for i in rng.integers(100, min(vocab, 30000), p_len)]
+    for row in json.loads(r.stdout):
+        if row.get("n_gen", 0) > 0:
+            out[f"decode {args.decode}"] = row["avg_ts"]
+        else:
+            out[f"prefill {row['n_prompt']}"] = row["avg_ts"]
+    return out
 
-        def run():
-            llm.reset()
-            llm.eval(ids)
 
-        out[f"prefill {p_len}"] = p_len / best(run, args.repeats)
-    ids = [int(i) for i in rng.integers(100, min(vocab, 30000), 16)]
-    rates = []
-    for _ in range(args.repeats):
-        llm.reset()
-        llm.eval(ids)
-        t0 = time.perf_counter()
-        for _ in range(args.decode - 1):
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-            llm.eval([tok])
-        rates.append((args.decode - 1) / (time.perf_counter() - t0))
-    out[f"decode {args.decode}"] = max(rates)
+def llama_quantized_qwen3moe(args, quant: str) -> Path | None:
+    """The Qwen3-MoE-shaped model written as F16 by gguf-py (through ktransformers.convert's
+    planner and writer) and quantized by llama.cpp's own ``llama-quantize`` into ``quant``."""
+    import subprocess
+
+    out = MODELS / f"bench-qwen3moe-4l-h2048-e128-v{args.vocab}-llama-{quant}.gguf"
+    if out.is_file():
+        return out
+    f16 = qwen3moe_path(args, experts="F16", attention="F16", default="F16", tag="f16")
+    if f16 is None:
+        return None
+    print(f"llama-quantize {f16.name} -> {quant} ...", flush=True)
+    t0 = time.perf_counter()
+    r = subprocess.run([str(args.llama_bin / "llama-quantize"), str(f16), str(out), quant, str(args.threads)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        print(f"note: llama-quantize {quant} failed: {r.stderr.strip().splitlines()[-1:]}")
+        out.unlink(missing_ok=True)
+        return None
+    print(f"quantized in {time.perf_counter() - t0:.0f} s", flush=True)
     return out
 
 
@@ -280,27 +387,37 @@ def bench_llama_cpp(path: Path, args) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default="overhead,gemma,qwen3moe", help="comma list of: overhead, gemma, qwen3moe")
+    ap.add_argument("--only", default="overhead,gemma,qwen3moe,qwen3moe-llama",
+                    help="comma list of: overhead, gemma, qwen3moe, qwen3moe-llama")
     ap.add_argument("--threads", type=int, default=None, help="torch / kernel threads (default: physical cores)")
     ap.add_argument("--prefill", default="128,512", help="prompt lengths for prefill rows")
     ap.add_argument("--decode", type=int, default=64, help="tokens for the decode row")
     ap.add_argument("--repeats", type=int, default=2, help="best of N")
     ap.add_argument("--vocab", type=int, default=32768, help="vocab of the Qwen3-MoE-shaped model")
+    ap.add_argument("--llama_cpp_bin", default=os.environ.get("KT_LLAMA_CPP_BIN"),
+                    help="folder with llama.cpp's llama-bench and llama-quantize (default: $KT_LLAMA_CPP_BIN)")
+    ap.add_argument("--llama_quants", default="Q4_K_M,Q2_K,IQ4_XS", help="llama-quantize presets of qwen3moe-llama")
+    ap.add_argument("--no-rss", dest="rss", action="store_false", help="skip the peak-RSS rows")
+    ap.add_argument("--breakdown", action="store_true", help="print where a decode token's time goes")
+    ap.add_argument("--rss-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    args.prefill = [int(x) for x in args.prefill.split(",") if x]
-    only = set(args.only.split(","))
     from ktransformers.local_chat import _set_threads, physical_cores
 
     args.threads = args.threads or physical_cores()
+    if args.rss_child:
+        return rss_child(args.rss_child, args.threads)
+    args.prefill = [int(x) for x in args.prefill.split(",") if x]
+    only = set(args.only.split(","))
     _set_threads(args.threads)
-    try:
-        import llama_cpp  # noqa: F401
+    args.llama_bin = Path(args.llama_cpp_bin) if args.llama_cpp_bin else None
+    if args.llama_bin is not None and not (args.llama_bin / "llama-bench").is_file():
+        print(f"error: {args.llama_bin}/llama-bench not found (--llama_cpp_bin)", file=sys.stderr)
+        return 2
+    if args.llama_bin is None:
+        print("note: no --llama_cpp_bin / KT_LLAMA_CPP_BIN: llama.cpp columns are skipped")
+    import ktransformers.kernels as K
 
-        args.llama_cpp = True
-    except ImportError:
-        args.llama_cpp = False
-        print("note: llama_cpp (llama-cpp-python) is not importable; llama.cpp columns are skipped")
-    print(f"threads: {args.threads}, torch {torch.__version__}")
+    print(f"threads: {args.threads}, torch {torch.__version__}, kernel tier {K.isa_tier()}")
 
     if "overhead" in only:
         rows = bench_overhead(args)
@@ -316,13 +433,20 @@ def main(argv=None) -> int:
     if "qwen3moe" in only:
         p = qwen3moe_path(args)
         if p is not None:
-            table += bench_model("qwen3moe-shaped 4L (Q4_K experts)", p, args)
+            table += bench_model("qwen3moe-shaped 4L (our Q4_K experts)", p, args)
+    if "qwen3moe-llama" in only and args.llama_bin is not None:
+        for q in [q for q in args.llama_quants.split(",") if q]:
+            p = llama_quantized_qwen3moe(args, q)
+            if p is not None:
+                table += bench_model(f"qwen3moe-shaped 4L (llama-quantize {q})", p, args)
     if table:
-        print("\n| model | phase | ktransformers tok/s | llama.cpp tok/s | ratio kt/llama.cpp |\n|---|---|---|---|---|")
+        print("\n| model | phase | ktransformers | llama.cpp | ratio kt/llama.cpp |\n|---|---|---|---|---|")
         for m, phase, kt, ref in table:
-            r = f"{ref:.1f}" if ref else "n/a"
-            ratio = f"{kt / ref:.2f}" if ref else "n/a"
-            print(f"| {m} | {phase} | {kt:.1f} | {r} | {ratio} |")
+            unit = "" if "RSS" in phase else " tok/s"
+            r = f"{ref:.1f}{unit}" if ref else "n/a"
+            ratio = f"{kt / ref:.2f}" if ref and kt else "n/a"
+            k = f"{kt:.1f}{unit}" if kt else "n/a"
+            print(f"| {m} | {phase} | {k} | {r} | {ratio} |")
     return 0
 
 

@@ -12,6 +12,7 @@ _OPTIONAL_OP_MODULES = ("cpu_experts", "cpu_linear", "fp8_linear", "attention")
 
 
 def all_operators() -> dict[str, type]:
+    from .embedding import KTransformersEmbedding
     from .experts import KTransformersExperts
     from .gate import KMoEGate
     from .layernorm import KRMSNorm
@@ -29,6 +30,7 @@ def all_operators() -> dict[str, type]:
                 raise
     ops: dict[str, type] = {
         "KTransformersLinear": KTransformersLinear,
+        "KTransformersEmbedding": KTransformersEmbedding,
         "KTransformersExperts": KTransformersExperts,
         "KTransformersExpertsV2": KTransformersExperts,
         "KMoEBlock": KMoEBlock,

@@ -1,0 +1,131 @@
+"""Token embeddings: ``KTransformersEmbedding`` and its ops.
+
+``KEmbeddingQuant`` keeps the table in its stored GGUF type and dequantizes only the rows a
+call asks for: Gemma-3's 262144 x 640 table is 178 MB as Q8_0 and 671 MB expanded to fp32, and a
+decode step needs one row.  ``KEmbeddingTorch`` is the plain dequantized table.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from .base import BaseInjectedModule, Op
+
+EMBEDDING_OPS: dict[str, type[Op]] = {}
+
+
+def register_embedding_op(cls: type[Op]) -> type[Op]:
+    EMBEDDING_OPS[cls.name] = cls
+    return cls
+
+
+class EmbeddingOp(Op):
+    """``forward(ids[...]) -> [..., dim]`` in the model dtype, ids on ``self.device``."""
+
+    def __init__(self, key, config, orig_module, device, **kwargs):
+        super().__init__(key, config, orig_module, device, **kwargs)
+        self.num_embeddings = int(orig_module.num_embeddings)
+        self.embedding_dim = int(orig_module.embedding_dim)
+        self.padding_idx = orig_module.padding_idx
+
+    def check_shape(self, weights, name: str) -> None:
+        shape = tuple(weights.shape(name))
+        if shape != (self.num_embeddings, self.embedding_dim):
+            from ..errors import WeightError
+
+            raise WeightError(f"{weights.path}: tensor '{name}' has shape {list(shape)}, the model expects "
+                              f"{[self.num_embeddings, self.embedding_dim]}")
+
+
+@register_embedding_op
+class KEmbeddingTorch(EmbeddingOp):
+    """The whole table dequantized once into the model dtype (any device)."""
+
+    name = "KEmbeddingTorch"
+
+    def load(self, weights, dtype):
+        self.check_shape(weights, f"{self.key}.weight")
+        self.weight = weights.tensor(f"{self.key}.weight", dtype=dtype, device=self.device)
+
+    def forward(self, ids):
+        return F.embedding(ids, self.weight, self.padding_idx)
+
+
+@register_embedding_op
+class KEmbeddingQuant(EmbeddingOp):
+    """Rows gathered from the stored blocks (zero-copy view of the file) and dequantized per call.
+    Float sources (safetensors) have nothing to keep quantized: the table is held as loaded."""
+
+    name = "KEmbeddingQuant"
+    device_kinds = ("cpu",)
+    keeps_raw_weights = True
+
+    def load(self, weights, dtype):
+        from ..weights.dequant import block_dequantizer
+        from ..weights.ggml_types import ggml_type_info
+
+        name = f"{self.key}.weight"
+        self.check_shape(weights, name)
+        self.dtype = dtype
+        raw = weights.raw(name)
+        self.weight = None
+        self._rows = None
+        if raw is None:
+            self.weight = weights.tensor(name, dtype=dtype, device=self.device)
+            return
+        info = ggml_type_info(raw.ggml_type)
+        self._block = (info.block_bytes, info.block_elems)
+        self._dequant = block_dequantizer(info.id)
+        with warnings.catch_warnings():  # the mapped file is read-only; the view is never written
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.from_numpy(raw.data)
+        self._rows = flat.view(self.num_embeddings, -1)
+        self._raw = raw.data  # keeps the mapping alive
+
+    def forward(self, ids):
+        if self._rows is None:
+            return F.embedding(ids, self.weight, self.padding_idx)
+        bb, be = self._block
+        picked = self._rows.index_select(0, ids.reshape(-1))
+        vals = self._dequant(picked.reshape(-1, bb)).reshape(*ids.shape, self.embedding_dim)
+        return vals.to(self.dtype)
+
+    def nbytes(self) -> int:
+        if self._rows is not None:
+            return int(self._rows.numel())
+        return super().nbytes()
+
+    def unload(self):
+        self._rows = None
+        self._raw = None
+        self.weight = None
+        self.loaded = False
+
+
+class KTransformersEmbedding(BaseInjectedModule):
+    """Drop-in for ``nn.Embedding`` (incl. scaled variants such as Gemma-3's, whose
+    ``embed_scale`` multiplies the rows).  kwargs: ``generate_op`` (``KEmbeddingQuant``,
+    ``KEmbeddingTorch``), devices."""
+
+    OPS = EMBEDDING_OPS
+    DEFAULT_OP = "KEmbeddingTorch"
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        op = self.generate_op
+        y = op.forward(input_ids.to(op.device))
+        scale = getattr(self.orig_module, "embed_scale", None)
+        if scale is not None:
+            if scale.is_meta:  # model built under torch.device("meta"): every such class uses sqrt(hidden)
+                scale = torch.tensor(float(self.config.hidden_size) ** 0.5)
+            y = y * scale.to(device=y.device, dtype=y.dtype)
+        return y
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The table where one is held; a quantized table has no float copy, so code that
+        inspects ``.weight`` (dtype, shape) sees the original's meta placeholder."""
+        w = getattr(self.generate_op, "weight", None)
+        return w if w is not None else self.orig_module.weight
