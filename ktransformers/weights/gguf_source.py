@@ -67,9 +67,11 @@ def _reader_class():
                 end = offs + n * size
                 if end > len(base):
                     raise ValueError(f"metadata array at offset {orig_offs} runs past the end of the file")
-                arr = base[offs:end].view(nptype)
-                parts.extend(arr[i : i + 1] for i in range(n))
-                return end - orig_offs, parts, list(range(2, 2 + n)), [GGUFValueType.ARRAY, itype]
+                # one part for the whole array (a 262k-entry vocab's scores as 262k one-element
+                # views cost ~30 MB of Python objects); field.data still lists it, and both
+                # field_value() and gguf-py's contents() flatten the parts it names
+                parts.append(base[offs:end].view(nptype))
+                return end - orig_offs, parts, [2], [GGUFValueType.ARRAY, itype]
             if itype == GGUFValueType.STRING:
                 mv = memoryview(base)
                 from_bytes = int.from_bytes
@@ -81,8 +83,7 @@ def _reader_class():
                     slen = from_bytes(mv[offs : offs + 8], "little")
                     if offs + 8 + slen > total:
                         raise ValueError(f"metadata string at offset {offs} runs past the end of the file")
-                    parts.append(base[offs : offs + 8].view(np.uint64))
-                    idxs.append(len(parts))
+                    idxs.append(len(parts))  # the string's bytes only; its length is their size
                     parts.append(base[offs + 8 : offs + 8 + slen])
                     offs += 8 + slen
                 return offs - orig_offs, parts, idxs, [GGUFValueType.ARRAY, GGUFValueType.STRING]
