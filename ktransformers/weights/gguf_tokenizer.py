@@ -2,7 +2,7 @@
 
 Converting a large vocabulary is slow (Gemma-3's 262k SentencePiece tokens: ~30 s, most of it
 rebuilding merges), so the converted tokenizer is saved once under the cache directory, keyed
-by a hash of the file's tokenizer metadata, and later starts load that (~1 s).
+by a hash of the file's tokenizer metadata, and later starts load that (~1 s on an idle machine).
 
 The cache directory is ``$KT_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/ktransformers`` (default
 ``~/.cache/ktransformers``); ``KT_CACHE_DIR=off`` disables it.  An unwritable cache is only a
@@ -16,6 +16,7 @@ merges) are built from the same transformers builders on the metadata read here.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -28,7 +29,7 @@ from ..errors import WeightError
 log = logging.getLogger("ktransformers")
 
 #: bump when the way tokenizers are built changes, so old cache entries are not reused
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 _NO_VOCAB = (None, "", "none", "no_vocab")
 
 
@@ -65,7 +66,7 @@ def tokenizer_from_gguf(path, meta: Mapping[str, Any]):
         return None
     root = cache_root()
     entry = root / "tokenizers" / tokenizer_key(meta) if root is not None else None
-    if entry is not None and (entry / "tokenizer.json").is_file():
+    if entry is not None and (entry / "kt_tokenizer.json").is_file():
         try:
             return _load_cached(entry)
         except Exception as e:  # a damaged entry: rebuild it
@@ -76,17 +77,43 @@ def tokenizer_from_gguf(path, meta: Mapping[str, Any]):
     return tok
 
 
-def _load_cached(entry: Path):
-    from transformers import AutoTokenizer
+_SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "mask_token")
 
-    return AutoTokenizer.from_pretrained(str(entry), local_files_only=True)
+
+def _load_cached(entry: Path):
+    """Rebuild the saved tokenizer fast: the backend without its added tokens (parsing thousands of
+    them from JSON takes seconds; adding them afterwards, milliseconds), then those tokens."""
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+
+    meta = json.loads((entry / "kt_tokenizer.json").read_text(encoding="utf-8"))
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(entry / "tokenizer.json"), **meta["special_tokens"])
+    added = [AddedToken(a["content"], single_word=a["single_word"], lstrip=a["lstrip"], rstrip=a["rstrip"],
+                        normalized=a["normalized"], special=a["special"]) for a in meta["added_tokens"]]
+    tok._tokenizer.add_special_tokens([a for a in added if a.special])
+    tok._tokenizer.add_tokens([a for a in added if not a.special])
+    if meta.get("chat_template"):
+        tok.chat_template = meta["chat_template"]
+    for flag in ("add_bos_token", "add_eos_token"):
+        if meta.get(flag) is not None and hasattr(tok, flag):
+            setattr(tok, flag, meta[flag])
+    return tok
 
 
 def _save(tok, entry: Path) -> None:
+    """Write the cache entry atomically: ``tokenizer.json`` without added tokens + ``kt_tokenizer.json``."""
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=entry.parent))
-        tok.save_pretrained(str(tmp))
+        backend = json.loads(tok.backend_tokenizer.to_str())
+        added = backend.pop("added_tokens", [])
+        (tmp / "tokenizer.json").write_text(json.dumps(backend, ensure_ascii=False), encoding="utf-8")
+        meta = {"special_tokens": {k: str(getattr(tok, k)) for k in _SPECIAL_NAMES if getattr(tok, k, None)},
+                "added_tokens": sorted(added, key=lambda a: a["id"]),
+                "chat_template": getattr(tok, "chat_template", None) or None,
+                "add_bos_token": getattr(tok, "add_bos_token", None),
+                "add_eos_token": getattr(tok, "add_eos_token", None)}
+        (tmp / "kt_tokenizer.json").write_text(json.dumps(meta, ensure_ascii=False), encoding="utf-8")
         try:
             os.replace(tmp, entry)
         except OSError:  # another process got there first
