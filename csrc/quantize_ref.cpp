@@ -18,8 +18,15 @@ constexpr int QK = 256;
 constexpr float GROUP_EPS = 1e-15f;
 constexpr int T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14;
 
-// round half to even (the default FP rounding mode), like ggml's nearest_int
-inline int nearest(float v) { return static_cast<int>(std::nearbyint(v)); }
+// round half to even, like ggml's nearest_int: adding 1.5 * 2^23 leaves the rounded integer in the
+// low mantissa bits (exact for |v| < 2^22; larger values saturate, then clamp as before); inline, so the
+// candidate loops vectorise instead of calling libm per value
+inline int nearest(float v) {
+  const float t = std::min(std::max(v, -4194303.f), 4194303.f) + 12582912.f;  // huge ratios still clamp
+  int32_t i;
+  std::memcpy(&i, &t, 4);
+  return (i & 0x007fffff) - 0x00400000;
+}
 
 // float -> IEEE half bits, round to nearest even
 uint16_t to_half(float f) {
@@ -163,19 +170,115 @@ float search_scale_sym(int n, int nmax, const float* x, int8_t* L) {
   return scale;
 }
 
+inline float rnd(float v) { return (v + 12582912.f) - 12582912.f; }  // half to even, |v| < 2^22
+
+// search_scale_min for the 8 sub-blocks of 32 of one block at once: lane j is sub-block j, each
+// lane does exactly the scalar search's arithmetic in the same order (so the bytes are the same),
+// and the loops over lanes vectorise without reassociating any sum.
+void search_scale_min8(int nmax, const float* x, const float* w, uint8_t* L, float* scale, float* the_min,
+                       float rmin, float rdelta, int nstep) {
+  constexpr int J = 8, N = 32;
+  float xt[N][J], wt[N][J], Lf[N][J], La[N][J];
+  for (int j = 0; j < J; ++j)
+    for (int i = 0; i < N; ++i) { xt[i][j] = x[N * j + i]; wt[i][j] = w[N * j + i]; }
+  float mn[J], mx[J], sw[J], sx[J], sc[J], best[J];
+  bool flat[J];
+  for (int j = 0; j < J; ++j) { mn[j] = mx[j] = xt[0][j]; sw[j] = wt[0][j]; sx[j] = wt[0][j] * xt[0][j]; }
+  for (int i = 1; i < N; ++i)
+    for (int j = 0; j < J; ++j) {
+      mn[j] = std::min(mn[j], xt[i][j]);
+      mx[j] = std::max(mx[j], xt[i][j]);
+      sw[j] += wt[i][j];
+      sx[j] += wt[i][j] * xt[i][j];
+    }
+  const float fmax_q = static_cast<float>(nmax);
+  float is0[J];
+  for (int j = 0; j < J; ++j) {
+    if (mn[j] > 0) mn[j] = 0;
+    flat[j] = mx[j] == mn[j];
+    is0[j] = flat[j] ? 0.f : fmax_q / (mx[j] - mn[j]);
+    sc[j] = flat[j] ? 0.f : 1.f / is0[j];
+    best[j] = 0;
+  }
+  for (int i = 0; i < N; ++i)
+    for (int j = 0; j < J; ++j) {
+      const float l = rnd(std::min(std::max(is0[j] * (xt[i][j] - mn[j]), 0.f), fmax_q));
+      Lf[i][j] = l;
+      float d = sc[j] * l + mn[j] - xt[i][j];
+      d = d * d;
+      best[j] += wt[i][j] * d;
+    }
+  for (int s = 0; s <= nstep; ++s) {
+    float isc[J], sl[J], sl2[J], sxl[J], ts[J], tm[J], err[J];
+    bool upd[J];
+    for (int j = 0; j < J; ++j) {
+      isc[j] = flat[j] ? 0.f : (rmin + rdelta * s + fmax_q) / (mx[j] - mn[j]);
+      sl[j] = sl2[j] = sxl[j] = 0;
+    }
+    for (int i = 0; i < N; ++i)
+      for (int j = 0; j < J; ++j) {
+        const float l = rnd(std::min(std::max(isc[j] * (xt[i][j] - mn[j]), 0.f), fmax_q));
+        La[i][j] = l;
+        const float wl = wt[i][j] * l;
+        sl[j] += wl;
+        sl2[j] += wl * l;
+        sxl[j] += wl * xt[i][j];
+      }
+    for (int j = 0; j < J; ++j) {
+      const float D = sw[j] * sl2[j] - sl[j] * sl[j];
+      const bool ok = D > 0 && !flat[j];
+      const float Ds = ok ? D : 1.f;
+      float a = (sw[j] * sxl[j] - sx[j] * sl[j]) / Ds, b = (sl2[j] * sx[j] - sl[j] * sxl[j]) / Ds;
+      if (b > 0) {
+        b = 0;
+        a = sxl[j] / (sl2[j] > 0 ? sl2[j] : 1.f);
+      }
+      ts[j] = a;
+      tm[j] = b;
+      err[j] = 0;
+      upd[j] = ok;
+    }
+    for (int i = 0; i < N; ++i)
+      for (int j = 0; j < J; ++j) {
+        float d = ts[j] * La[i][j] + tm[j] - xt[i][j];
+        d = d * d;
+        err[j] += wt[i][j] * d;
+      }
+    bool any = false;
+    for (int j = 0; j < J; ++j) {
+      upd[j] = upd[j] && err[j] < best[j];
+      any |= upd[j];
+    }
+    if (!any) continue;
+    for (int i = 0; i < N; ++i)
+      for (int j = 0; j < J; ++j) Lf[i][j] = upd[j] ? La[i][j] : Lf[i][j];
+    for (int j = 0; j < J; ++j)
+      if (upd[j]) { best[j] = err[j]; sc[j] = ts[j]; mn[j] = tm[j]; }
+  }
+  for (int j = 0; j < J; ++j) {
+    scale[j] = sc[j];
+    the_min[j] = -mn[j];
+    for (int i = 0; i < N; ++i) L[N * j + i] = flat[j] ? 0 : static_cast<uint8_t>(Lf[i][j]);
+  }
+}
+
 // Q4_K (nmax 15) / Q5_K (nmax 31): 8 sub-blocks of 32, 6-bit scales and mins
 void block_q45(const float* x, uint8_t* out, bool five) {
   const int nmax = five ? 31 : 15;
   uint8_t L[QK], Laux[32], sc6[12] = {0};
   float w[32], mins[8], scales[8], max_scale = 0, max_min = 0;
+  float wall[QK];
   for (int j = 0; j < 8; ++j) {
     const float* xs = x + 32 * j;
     float s2 = 0;
     for (int l = 0; l < 32; ++l) s2 += xs[l] * xs[l];
     const float av = std::sqrt(s2 / 32);
-    for (int l = 0; l < 32; ++l) w[l] = av + std::fabs(xs[l]);
-    scales[j] = search_scale_min(32, nmax, xs, w, L + 32 * j, &mins[j], Laux, five ? -0.5f : -1.f, 0.1f,
-                                 five ? 15 : 20);
+    for (int l = 0; l < 32; ++l) wall[32 * j + l] = av + std::fabs(xs[l]);
+  }
+  (void)w;
+  (void)Laux;
+  search_scale_min8(nmax, x, wall, L, scales, mins, five ? -0.5f : -1.f, 0.1f, five ? 15 : 20);
+  for (int j = 0; j < 8; ++j) {
     max_scale = std::max(max_scale, scales[j]);
     max_min = std::max(max_min, mins[j]);
   }
