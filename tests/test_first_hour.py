@@ -225,3 +225,15 @@ def test_gguf_tokenizer_is_cached_by_metadata_hash(tmp_path, monkeypatch):
     assert tokenizer_key(changed) != tokenizer_key(src.metadata)
     monkeypatch.setenv("KT_CACHE_DIR", "off")
     assert src.tokenizer().encode(text) == first.encode(text)
+
+
+def test_server_engine_takes_device_map(tiny_model_dir, one_torch_thread):
+    """The server loads through the same loader: a GPU rule file with device_map cuda=cpu."""
+    from ktransformers.server.main import build_engine, parse_settings
+
+    d = tiny_model_dir("qwen3_moe")
+    settings = parse_settings(["--model_path", str(d), "--optimize_config_path", str(RULES / "Qwen3Moe.yaml"),
+                               "--device_map", "cuda=cpu", "--device", "cpu"])
+    engine = build_engine(settings)
+    model = engine.generator.model
+    assert {str(x) for x in model.kt_plan.devices()} == {"cpu"}
