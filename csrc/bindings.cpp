@@ -12,6 +12,7 @@
 #include "kernels.h"
 #include "linear.h"
 #include "moe.h"
+#include "quantize_ref.h"
 #include "thread_pool.h"
 #include "weights.h"
 
@@ -92,6 +93,11 @@ PYBIND11_MODULE(KT_EXT_NAME, m) {
   }, "(name, block_elems, block_bytes, supported) for a ggml type id");
   m.def("row_bytes", [](int type, int64_t cols) { return kt::row_bytes(type, cols); });
   m.def("check_row_len", [](int type, int64_t cols, const std::string& what) { kt::check_row_len(type, cols, what); });
+  m.def("quantize_rows", [](int type, uintptr_t src, int64_t nrows, int64_t n_per_row, uintptr_t dst, int threads) {
+    py::gil_scoped_release nogil;
+    quantize_rows(type, cptr<float>(src), reinterpret_cast<void*>(dst), nrows, n_per_row, threads);
+  }, "quantize nrows x n_per_row float32 at src into ggml blocks at dst (Q4_K/Q5_K/Q6_K; converter)");
+  m.def("quantize_rows_supported", &quantize_rows_supported);
   m.def("dequantize", [](int type, uintptr_t src, int64_t n, uintptr_t dst) {
     check_row_len(type, n, "dequantize");
     py::gil_scoped_release nogil;

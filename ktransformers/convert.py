@@ -15,8 +15,13 @@ llama-quantize: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0 (Q2_K / Q3_K -> Q4_0, s
 write llama.cpp's IQ4_NL); rows not a multiple of 32 -> F16.
 
 Tensors are streamed: each one is read, transformed, quantized and written before the next is
-read (stacked experts one expert at a time), so memory stays near one tensor's size.  No
-tokenizer is written (``tokenizer.ggml.model = "no_vocab"``).
+read (stacked experts one expert at a time), so memory stays near one tensor's size.  A byte-level
+BPE ``tokenizer.json`` in the folder is written as llama.cpp's ``gpt2`` vocabulary; otherwise the
+file says ``tokenizer.ggml.model = "no_vocab"``.
+
+``--preset Q4_K_M`` (or Q2_K, Q3_K_S/M/L, Q4_K_S, Q5_K_S/M, Q6_K, Q8_0, Q4_0, ...) replaces the
+per-role types with llama-quantize's own per-tensor mix for that preset (see :class:`PresetPolicy`).
+Q4_K/Q5_K/Q6_K are quantized in C++ on all cores (``KT_QUANT_THREADS``), with a progress bar.
 """
 
 from __future__ import annotations
@@ -75,6 +80,122 @@ class TypePolicy:
         else:
             t = self.default
         return fit_type(t, shape[-1])
+
+
+#: llama-quantize's presets we can write: preset -> base type of the mix
+PRESETS = {"Q2_K": "Q2_K", "Q3_K_S": "Q3_K", "Q3_K_M": "Q3_K", "Q3_K_L": "Q3_K", "Q4_0": "Q4_0", "Q4_1": "Q4_1",
+           "Q5_0": "Q5_0", "Q5_1": "Q5_1", "Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K", "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K",
+           "Q6_K": "Q6_K", "Q8_0": "Q8_0", "F16": "F16", "BF16": "BF16", "F32": "F32"}
+#: presets of llama-quantize whose types (IQ*) we have no quantizer for
+UNWRITABLE_PRESETS = ("IQ4_XS", "IQ4_NL", "IQ3_M", "IQ3_S", "IQ3_XS", "IQ3_XXS", "IQ2_M", "IQ2_S", "IQ2_XS",
+                      "IQ2_XXS", "IQ1_M", "IQ1_S", "Q2_K_S", "TQ1_0", "TQ2_0", "MXFP4_MOE")
+
+
+def _more_bits(i: int, n: int) -> bool:
+    """llama-quantize's choice of layers that get a bigger type: the first and last eighth, and
+    every third layer in between."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+@dataclass
+class PresetPolicy:
+    """The per-tensor type mix llama-quantize chooses for a preset (no importance matrix).
+
+    Facts it follows: the output matrix (and tied embeddings) get Q6_K unless the preset is Q8_0;
+    ``attn_v`` gets more bits in Q2_K / Q3_K_* / Q4_K_* / Q5_K_M (layer-dependent), Q8_0 with 8
+    experts, ``attn_k`` too; ``ffn_down*`` (experts and shared experts included) more bits in
+    Q2_K / Q3_K_* / Q4_K_* / Q5_K_M by layer; ``attn_output`` Q5_K with 8 experts for the
+    lower presets; rows that do not fit a type's block fall back as :func:`fit_type` says.
+    """
+
+    preset: str
+    n_layer: int
+    n_expert: int = 0
+    n_gqa: int = 1
+    n_attn_v: int = 0
+    tied: bool = False
+
+    def __post_init__(self):
+        p = self.preset.upper()
+        if p in UNWRITABLE_PRESETS:
+            raise ConfigError(f"--preset {self.preset}: its types have no quantizer here "
+                              f"(writable presets: {', '.join(PRESETS)})")
+        if p not in PRESETS:
+            raise ConfigError(f"--preset {self.preset}: unknown preset (choose from {', '.join(PRESETS)})")
+        self.preset = p
+
+    @property
+    def base(self) -> str:
+        return PRESETS[self.preset]
+
+    def choose(self, gguf_name: str, shape: tuple[int, ...]) -> str:
+        leaf = gguf_name.split(".")[-2] if gguf_name.startswith("blk.") else gguf_name.split(".")[0]
+        if len(shape) == 1 or leaf in ("ffn_gate_inp", "ffn_gate_inp_shexp", "exp_probs_b"):
+            return "F32"
+        t = self.base
+        if t in ("F32", "F16", "BF16"):
+            return t
+        m = re.match(r"^blk\.(\d+)\.", gguf_name)
+        layer = int(m.group(1)) if m else 0
+        p, n, eight = self.preset, self.n_layer, self.n_expert == 8
+        if leaf == "output" or (leaf == "token_embd" and self.tied):
+            if shape[-1] % ggml_type_info(t).block_elems:
+                return "Q8_0"
+            return "Q8_0" if t == "Q8_0" else "Q6_K"
+        if leaf in ("attn_v", "attn_qkv", "attn_kv_b"):
+            i = layer
+            if p == "Q2_K":
+                t = "Q4_K" if self.n_gqa >= 4 else "Q3_K"
+            elif p == "Q3_K_M":
+                t = "Q5_K" if i < 2 else "Q4_K"
+            elif p == "Q3_K_L":
+                t = "Q5_K"
+            elif p in ("Q4_K_M", "Q5_K_M") and _more_bits(i, self.n_attn_v):
+                t = "Q6_K"
+            elif p == "Q4_K_S" and i < 4:
+                t = "Q5_K"
+            if eight:
+                t = "Q8_0"
+            if leaf == "attn_qkv":
+                t = {"Q3_K_M": "Q4_K", "Q3_K_L": "Q4_K", "Q4_K_M": "Q5_K", "Q5_K_M": "Q6_K"}.get(p, t)
+        elif leaf == "attn_k" and eight:
+            t = "Q8_0"
+        elif leaf.startswith("ffn_down"):
+            i = layer
+            if p == "Q2_K":
+                t = "Q3_K"
+            elif p == "Q3_K_M":
+                t = "Q5_K" if i < n // 16 else "Q4_K"
+            elif p == "Q3_K_L":
+                t = "Q5_K"
+            elif p in ("Q4_K_M", "Q5_K_M") and _more_bits(i, n):
+                t = "Q6_K"
+            elif p == "Q4_K_S" and i < n // 8:
+                t = "Q5_K"
+        elif leaf == "attn_output":
+            if eight and p in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M"):
+                t = "Q5_K"
+            elif not eight:
+                t = {"Q2_K": "Q3_K", "Q3_K_M": "Q4_K", "Q3_K_L": "Q5_K"}.get(p, t)
+        return fit_type(t, shape[-1])
+
+    @classmethod
+    def for_config(cls, preset: str, config, arch: str) -> "PresetPolicy":
+        c = config
+        n_expert = int(getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None)
+                       or getattr(c, "n_routed_experts", None) or 0)
+        heads = c.num_attention_heads
+        kv = getattr(c, "num_key_value_heads", None) or heads
+        # one attn_v per layer, except split-MLA deepseek2 (attn_k_b / attn_v_b count as other tensors)
+        n_attn_v = 0 if arch == "deepseek2" else c.num_hidden_layers
+        return cls(preset, n_layer=c.num_hidden_layers, n_expert=n_expert, n_gqa=heads // max(1, kv),
+                   n_attn_v=n_attn_v, tied=bool(getattr(c, "tie_word_embeddings", False)))
+
+
+#: llama.cpp's ``general.file_type`` (LLAMA_FTYPE_*) of each preset
+FILE_TYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_S": 11,
+             "Q3_K_M": 12, "Q3_K_L": 13, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18,
+             "BF16": 32}
 
 
 def fit_type(t: str, row: int) -> str:
@@ -348,7 +469,8 @@ def _expert_producer(ckpt: Checkpoint, base: str, proj: str, E: int, n_inter: in
 # ------------------------------------------------------------------------------ writing
 
 
-def write_gguf(output: Path, metadata: dict, outs: list[_Out], log: Callable[[str], None] | None = None) -> None:
+def write_gguf(output: Path, metadata: dict, outs: list[_Out], log: Callable[[str], None] | None = None,
+               progress: bool = False) -> None:
     """Stream ``outs`` into a GGUF file with gguf-py's writer (header, metadata, tensor infos, data)."""
     import gguf
 
@@ -358,6 +480,12 @@ def write_gguf(output: Path, metadata: dict, outs: list[_Out], log: Callable[[st
     w = gguf.GGUFWriter(str(tmp), arch=arch)
     for k, (kind, v) in metadata.items():
         if k == "general.architecture":
+            continue
+        if kind == "arr":
+            w.add_array(k, v)
+            continue
+        if kind == "i32arr":
+            w.add_key_value(k, v, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
             continue
         {"str": w.add_string, "u32": w.add_uint32, "f32": w.add_float32, "bool": w.add_bool}[kind](k, v)
     for o in outs:
@@ -372,13 +500,24 @@ def write_gguf(output: Path, metadata: dict, outs: list[_Out], log: Callable[[st
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     t0 = time.time()
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        total = sum(int(np.prod(o.shape)) for o in outs)
+        bar = tqdm(total=total, unit="param", unit_scale=True, desc=f"quantizing {output.name}", file=sys.stderr)
     for i, o in enumerate(outs):
         data = o.produce()
         if data.nbytes != o.nbytes:
             raise AssertionError(f"{o.name}: produced {data.nbytes} bytes, expected {o.nbytes}")
         w.write_tensor_data(data)
-        if log:
+        if bar is not None:
+            bar.update(int(np.prod(o.shape)))
+            bar.set_postfix_str(f"{o.name} {o.ggml_type}", refresh=False)
+        elif log:
             log(f"[{i + 1}/{len(outs)}] {o.name} {o.ggml_type} {list(o.shape)} ({time.time() - t0:.1f}s)")
+    if bar is not None:
+        bar.close()
     w.close()
     tmp.replace(output)
 
@@ -393,8 +532,15 @@ def convert(
     output_type: str | None = None,
     norms: str = "F32",
     log: Callable[[str], None] | None = None,
+    preset: str | None = None,
+    progress: bool = False,
+    tokenizer: bool = True,
 ) -> Path:
-    """Convert an HF safetensors model folder into one GGUF file; returns the output path."""
+    """Convert an HF safetensors model folder into one GGUF file; returns the output path.
+
+    ``preset`` (``Q4_K_M``, ``Q6_K``, ...) picks every tensor's type the way llama-quantize does
+    for that preset and replaces the per-role types; ``tokenizer`` writes the folder's tokenizer.
+    """
     from transformers import AutoConfig
 
     mp = Path(model_path)
@@ -407,14 +553,27 @@ def convert(
     raw_cfg = json.loads((mp / "config.json").read_text())
     if "scoring_func" in raw_cfg and not hasattr(config, "scoring_func"):
         config.scoring_func = raw_cfg["scoring_func"]
-    policy = TypePolicy(experts, attention, default, embeddings, output_type, norms)
+    text_cfg = config.get_text_config() if config.model_type == "gemma3" else config
+    if preset:
+        policy = PresetPolicy.for_config(preset, text_cfg, _arch_of(config))
+    else:
+        policy = TypePolicy(experts, attention, default, embeddings, output_type, norms)
     ckpt = Checkpoint(mp)
     arch, outs = plan(config, ckpt, policy)
-    text_cfg = config.get_text_config() if config.model_type == "gemma3" else config
     md = metadata_for(text_cfg, arch, [o.name for o in outs])
     md["general.name"] = ("str", raw_cfg.get("_name_or_path") or mp.name)
+    if preset:
+        md["general.file_type"] = ("u32", FILE_TYPE[policy.preset])
+    if tokenizer:
+        from .weights.gguf_vocab import tokenizer_metadata
+
+        vocab = tokenizer_metadata(mp, text_cfg.vocab_size)
+        if vocab is not None:
+            md.update(vocab)
+        elif log:
+            log(f"note: {mp} has no byte-level BPE tokenizer.json; writing no vocabulary (no_vocab)")
     out = Path(output)
-    write_gguf(out, md, outs, log)
+    write_gguf(out, md, outs, log, progress=progress)
     return out
 
 
@@ -429,11 +588,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-type", "--output_type", dest="output_type", default=None,
                     help="type of the output (lm_head) tensor (default: --default)")
     ap.add_argument("--norms", default="F32", help="type of 1-D tensors and routers (default F32)")
+    ap.add_argument("--preset", default=None,
+                    help=f"llama-quantize's type mix for a preset, replacing the per-role types ({', '.join(PRESETS)})")
+    ap.add_argument("--no-tokenizer", dest="tokenizer", action="store_false",
+                    help="do not write the model folder's tokenizer into the file")
     ap.add_argument("-q", "--quiet", action="store_true")
     a = ap.parse_args(argv)
     try:
         out = convert(a.model_path, a.output, a.experts, a.attention, a.default, a.embeddings, a.output_type,
-                      a.norms, log=None if a.quiet else (lambda s: print(s, file=sys.stderr)))
+                      a.norms, log=None if a.quiet else (lambda s: print(s, file=sys.stderr)), preset=a.preset,
+                      progress=not a.quiet, tokenizer=a.tokenizer)
     except KTError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

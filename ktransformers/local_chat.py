@@ -21,7 +21,16 @@ from .errors import ConfigError, KTError  # noqa: E402
 
 BLOCK = '"""'
 BANNER = ('Type a message and press Enter.  A line of """ opens/closes a multi-line block; '
-          "Ctrl-C stops an answer; Ctrl-D (or Ctrl-C twice) exits.")
+          "Ctrl-C stops an answer; Ctrl-D (or Ctrl-C twice) exits; /help lists commands.")
+COMMANDS = {
+    "/help": "this list",
+    "/clear": "forget the conversation so far (start a new one)",
+    "/stats": "token counts and rates of the last answer; '/stats on' / '/stats off' after every answer",
+    "/exit": "leave (also Ctrl-D)",
+}
+HELP = "\n".join([f"  {c:<8} {what}" for c, what in COMMANDS.items()]
+                 + ["  //text   sends '/text' to the model", '  """      opens/closes a multi-line block',
+                    "  a path   sends that file's text"])
 
 
 def physical_cores() -> int:
@@ -57,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--force_think", action="store_true", help="start every answer with '<think>\\n' (reasoning models)")
     a("--chunk_size", type=int, default=8192, help="prompt tokens per prefill step (default 8192)")
     a("--device", default=None, help="device for modules no rule places (default cuda:0 if available, else cpu)")
+    a("--device_map", default=None, metavar="FROM=TO[,...]",
+      help="rewrite the devices the rule file names, e.g. cuda=cpu to try a GPU rule file on a CPU-only machine")
+    a("--progress", action=argparse.BooleanOptionalAction, default=None,
+      help="print each loading step as it starts, on stderr (default: on when stderr is a terminal)")
     a("--prompt", help="one-shot: answer this prompt, print the answer and exit")
     a("--temperature", type=float, default=None,
       help="sampling temperature; 0 = greedy (default: the model's generation_config, else greedy)")
@@ -84,26 +97,11 @@ def _set_threads(n: int) -> None:
     set_cpu_infer_threads(n)
 
 
-def _has_tokenizer_files(folder: Path) -> bool:
-    return any((folder / f).is_file() for f in
-               ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"))
+def load_tokenizer(model_path, source):
+    """The tokenizer for ``model_path`` / ``source`` (see :func:`ktransformers.util.loading.load_tokenizer`)."""
+    from .util.loading import load_tokenizer as load
 
-
-def load_tokenizer(model_path: str | None, source):
-    """The tokenizer from ``--model_path`` when it has one, else from the GGUF metadata."""
-    if model_path and Path(model_path).is_dir() and _has_tokenizer_files(Path(model_path)):
-        from transformers import AutoTokenizer
-
-        try:
-            return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"{model_path}: cannot load its tokenizer: {str(e).splitlines()[0]}") from None
-    get = getattr(source, "tokenizer", None)
-    tok = get() if callable(get) else None
-    if tok is None:
-        where = f"{model_path} has no tokenizer files and " if model_path else ""
-        raise ConfigError(f"{where}{source.path} carries no tokenizer; pass --model_path with a tokenizer")
-    return tok
+    return load(model_path, source)
 
 
 def default_sampling(args, model):
@@ -137,37 +135,30 @@ def _check_args(args) -> None:
         raise ConfigError(f"--cpu_infer must be at least 1 (got {args.cpu_infer})")
 
 
-def load(args, log=print):
-    """(model, tokenizer, generator) for parsed ``args``."""
+def load(args, log=print, progress=None):
+    """(model, tokenizer, generator) for parsed ``args``, through the loader the server uses too."""
     import torch
 
     from .generation import Generator
-    from .optimize_rules import architecture, default_rule_file
-    from .util.loading import load_config, load_model
-    from .weights import open_weights
+    from .optimize_rules import architecture
+    from .util.loading import load_for_generation
 
-    source = open_weights(args.gguf_path or args.model_path)
-    config = load_config(args.model_path, source)
-    arch = architecture(config)
-    if args.mode == "long_context" and arch != "LlamaForCausalLM":
-        raise ConfigError(f"--mode long_context is only supported for LlamaForCausalLM, not {arch}")
     device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
     if not device.startswith("cuda") and args.use_cuda_graph:
         log("note: --use_cuda_graph applies only on CUDA; decoding without CUDA graphs")
     elif device.startswith("cuda") and args.use_cuda_graph:
         log("note: CUDA graph capture is not implemented yet; decoding eagerly")
-    tokenizer = load_tokenizer(args.model_path, source)
-    rules = args.optimize_config_path
-    user_rules = rules is not None
-    if rules is None:
-        rules = default_rule_file(config, cuda=device.startswith("cuda"))
-    model = load_model(source, args.model_path, rules, device=device, allow_unmatched=not user_rules,
-                       progress=True)
-    if args.model_path and (Path(args.model_path) / "generation_config.json").is_file():
-        from transformers import GenerationConfig
 
-        model.generation_config = GenerationConfig.from_pretrained(args.model_path, local_files_only=True)
-    log(f"{model.kt_load_report.summary()}; rules: {rules}")
+    def check_config(config):
+        arch = architecture(config)
+        if args.mode == "long_context" and arch != "LlamaForCausalLM":
+            raise ConfigError(f"--mode long_context is only supported for LlamaForCausalLM, not {arch}")
+
+    loaded = load_for_generation(args.gguf_path or args.model_path, args.model_path, args.optimize_config_path,
+                                 device=device, device_map=args.device_map, progress=True,
+                                 log=progress, check_config=check_config)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    log(f"{model.kt_load_report.summary()}; rules: {loaded.rules}")
     gen = Generator(model, tokenizer, chunk_size=args.chunk_size, offload_cache=args.mode == "long_context")
     return model, tokenizer, gen
 
@@ -262,6 +253,29 @@ def interactive(gen, params, args) -> int:
             interrupted = True
             continue
         interrupted = False
+        if line.strip().startswith("/") and not line.strip().startswith("//"):
+            word, _, rest = line.strip().partition(" ")
+            if word == "/exit":
+                return 0
+            if word == "/help":
+                print(HELP, flush=True)
+            elif word == "/clear":
+                history = []
+                print("[conversation cleared]", flush=True)
+            elif word == "/stats":
+                if rest.strip() in ("on", "off"):
+                    stats = rest.strip() == "on"
+                    print(f"[stats after each answer: {rest.strip()}]", flush=True)
+                elif gen.last_stats is None:
+                    print("[no answer yet]", flush=True)
+                else:
+                    print(gen.last_stats.line(), flush=True)
+            else:
+                print(f"[unknown command {word}; /help lists them, //text sends text starting with '/']",
+                      flush=True)
+            continue
+        if line.strip().startswith("//"):
+            line = line.strip()[1:]
         try:
             if line.strip().startswith(BLOCK):
                 content = _read_block(line)
@@ -312,10 +326,14 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
+    show = args.progress if args.progress is not None else sys.stderr.isatty()
+    progress = log if show else None
     try:
         _check_args(args)
+        if progress:
+            progress("starting (torch, CPU kernels) ...")
         _set_threads(args.cpu_infer or physical_cores())
-        model, tokenizer, gen = load(args, log)
+        model, tokenizer, gen = load(args, log, progress)
         params = default_sampling(args, model)
         if args.prompt is not None:
             return one_shot(gen, params, args)

@@ -8,7 +8,7 @@ from .base import BaseInjectedModule, Op
 
 # modules whose import registers more ops (CPU kernels, FP8, attention); optional ones may
 # be absent in a build and are skipped
-_OPTIONAL_OP_MODULES = ("cpu_experts", "cpu_linear", "fp8_linear", "attention")
+_OPTIONAL_OP_MODULES = ("cpu_experts", "cpu_linear", "fp8_linear", "gpu_quant_linear", "attention")
 
 
 def all_operators() -> dict[str, type]:

@@ -21,6 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--model_path", help="folder with config.json (optional when --gguf_path has metadata)")
     e.add_argument("--gguf_path", help="weights (GGUF or safetensors); counts stored bytes, config from metadata")
     e.add_argument("--device", default="cpu", help="device of modules no rule places (default cpu)")
+    e.add_argument("--device_map", metavar="FROM=TO[,...]",
+                   help="rewrite the devices the rules name, e.g. cuda=cpu (a GPU rule file on a CPU-only machine)")
     e.add_argument("--allow-unmatched", action="store_true", help="do not fail on rules that match nothing")
     e.add_argument("--compact", action="store_true", help="fold rows that differ only in layer numbers")
     args = ap.parse_args(argv)
@@ -47,7 +49,9 @@ def _explain(args) -> int:
     source = open_weights(args.gguf_path) if args.gguf_path else None
     config = load_config(args.model_path, source)
     model = build_model(config)
-    plan = plan_model(model, args.rules, args.device)
+    from ..util.device_map import load_rules_mapped
+
+    plan = plan_model(model, load_rules_mapped(args.rules, args.device_map), args.device)
     ex = explain_plan(model, plan, source)
     print(format_explanation(ex, compact=args.compact))
     if ex.unmatched and not args.allow_unmatched:

@@ -109,7 +109,7 @@ def inject(
     weights,
     *,
     default_device: str | torch.device = "cpu",
-    allow_unmatched: bool = True,
+    allow_unmatched: bool = False,
     progress: bool = False,
 ) -> nn.Module:
     """Replace modules of ``model`` as ``rules`` say, then load ``weights`` onto their devices.
@@ -117,7 +117,8 @@ def inject(
     ``model`` is an unmodified transformers model built on the meta device (see
     ``build_model``); ``rules`` a rule-file path, YAML string or list of rule dicts;
     ``weights`` a path (GGUF or safetensors) or a ``WeightSource``.  Returns the same model,
-    with ``model.kt_plan`` (the placement) and ``model.kt_load_report`` attached.
+    with ``model.kt_plan`` (the placement) and ``model.kt_load_report`` attached.  A rule that
+    matches no module is an error unless ``allow_unmatched=True``.
     """
     source = weights if isinstance(weights, WeightSource) else open_weights(weights)
     plan = plan_model(model, rules, default_device)
@@ -138,8 +139,9 @@ def inject(
 
 
 def optimize_and_load_gguf(model, rule_file, gguf_path, config=None, default_device="cpu"):
-    """The reference system's entry point, kept for existing scripts: same as ``inject``."""
-    return inject(model, rule_file, gguf_path, default_device=default_device)
+    """The reference system's entry point, kept for existing scripts: ``inject`` that, like the
+    reference system, lets rules match nothing."""
+    return inject(model, rule_file, gguf_path, default_device=default_device, allow_unmatched=True)
 
 
 def check_transfer_maps(plan: Plan) -> None:

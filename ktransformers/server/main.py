@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--optimize_config_path", help="YAML rule file (default: the shipped rules for the architecture)")
     g.add_argument("--model_name", help="name clients use for the model (default: from the folder/file name)")
     g.add_argument("--device", help="device for modules no rule places (default: cuda:0 if available, else cpu)")
+    g.add_argument("--device_map", help="rewrite the rule file's devices, e.g. cuda=cpu (a GPU rule file on a CPU)")
     g.add_argument("--cpu_infer", type=int, help="CPU threads for inference (default: torch's choice)")
     g.add_argument("--cache_lens", type=int,
                    help="context length in tokens, prompt + answer (default: the model's max positions)")
@@ -90,11 +91,6 @@ def _check_port(host: str, port: int) -> None:
             s.bind(addr)
         except OSError as e:
             raise ConfigError(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
-
-
-def _has_tokenizer(path: Path) -> bool:
-    return path.is_dir() and any((path / f).is_file() for f in
-                                 ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"))
 
 
 def _model_info(settings: Settings, model, source, load_seconds: float) -> dict:
@@ -156,37 +152,16 @@ def build_engine(settings: Settings):
     import torch
 
     from ..generation import Generator
-    from ..util.loading import load_model
-    from ..weights import open_weights
+    from ..util.loading import load_for_generation
     from .engine import Engine
 
     if settings.cpu_infer:
         torch.set_num_threads(settings.cpu_infer)
     t0 = time.perf_counter()
-    source = open_weights(settings.gguf_path or settings.model_path)
-    model_path = settings.model_path
-    if model_path and not Path(model_path).is_dir():
-        model_path = str(Path(model_path).parent)
-    if model_path and _has_tokenizer(Path(model_path)):
-        from transformers import AutoTokenizer
-
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-        except Exception as e:
-            raise ConfigError(f"--model_path {model_path}: cannot load its tokenizer "
-                              f"({type(e).__name__}: {e})") from None
-    elif hasattr(source, "tokenizer"):
-        tokenizer = source.tokenizer()
-        if tokenizer is None:
-            raise ConfigError(f"{settings.gguf_path}: holds no vocabulary; pass --model_path with the tokenizer files")
-    else:
-        raise ConfigError(f"{model_path or settings.model_path}: no tokenizer files (tokenizer.json / "
-                          "tokenizer_config.json) here")
-    if not getattr(tokenizer, "chat_template", None):  # GGUF files usually carry the template
-        tpl = (getattr(source, "metadata", None) or {}).get("tokenizer.chat_template")
-        if isinstance(tpl, str) and tpl.strip():
-            tokenizer.chat_template = tpl
-    model = load_model(source, model_path, rules=settings.optimize_config_path, device=settings.device)
+    loaded = load_for_generation(settings.gguf_path or settings.model_path, settings.model_path,
+                                 settings.optimize_config_path, device=settings.device,
+                                 device_map=settings.device_map, allow_unmatched=True, log=log.info)
+    model, tokenizer, source = loaded.model, loaded.tokenizer, loaded.source
     load_s = time.perf_counter() - t0
     max_pos = getattr(model.config, "max_position_embeddings", None) or 4096
     max_context = settings.cache_lens or int(max_pos)

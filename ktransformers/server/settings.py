@@ -34,6 +34,7 @@ class Settings:
     max_queue: int = 16
     max_body_mb: float = 16.0
     device: str | None = None
+    device_map: str | None = None
     log_level: str = "info"
 
     @classmethod

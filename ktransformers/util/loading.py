@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, RuleError
 
 
 def load_config(model_path: str | os.PathLike | None, source=None):
@@ -35,8 +36,22 @@ def load_config(model_path: str | os.PathLike | None, source=None):
         cfg = source.config()
         if cfg is not None:
             return cfg
-        raise ConfigError(f"{source.path}: no model config in these weights; pass --model_path with a config.json")
+        folder = weights_folder(source)
+        if folder is not None and (folder / "config.json").is_file():
+            return load_config(folder)
+        raise ConfigError(f"{source.path}: no model config in these weights and no config.json beside them; "
+                          "pass model_path (a folder with config.json)")
     raise ConfigError("no model config: pass --model_path (a folder with config.json) or GGUF weights")
+
+
+def weights_folder(source) -> Path | None:
+    """The folder holding non-GGUF weights (a safetensors folder, or a file's folder), or None."""
+    from ..weights.gguf_source import GGUFSource
+
+    if source is None or isinstance(source, GGUFSource) or not getattr(source, "path", None):
+        return None
+    p = Path(source.path)
+    return p if p.is_dir() else p.parent
 
 
 def load_model(
@@ -48,22 +63,147 @@ def load_model(
     dtype: torch.dtype | None = None,
     allow_unmatched: bool = True,
     progress: bool = False,
+    device_map: dict[str, str] | str | None = None,
+    config=None,
 ):
     """Build the model for ``weights`` (+ optional config folder), inject ``rules``, load.
 
-    ``rules`` defaults to the shipped rule file for the architecture (the CPU variant when
-    there is no CUDA device).  ``device`` is where modules no rule places go.
+    ``weights`` is a GGUF file/folder, a safetensors file/folder (its ``config.json`` is used when
+    ``model_path`` is not given) or a ``WeightSource``.  ``rules`` defaults to the shipped rule
+    file for the architecture (the CPU variant when there is no CUDA device).  ``device`` is
+    where modules no rule places go; ``device_map`` (``{"cuda": "cpu"}`` or ``"cuda=cpu"``)
+    rewrites the devices the rules name (see :mod:`.device_map`).
     """
     from ..optimize.inject import build_model, inject
     from ..optimize_rules import default_rule_file
     from ..weights import WeightSource, open_weights
+    from .device_map import load_rules_mapped, parse_device_map
 
     source = weights if isinstance(weights, WeightSource) else open_weights(weights)
-    config = load_config(model_path, source)
+    if config is None:
+        config = load_config(model_path, source)
     if dtype is not None:
         config.dtype = dtype
+    dmap = parse_device_map(device_map) if isinstance(device_map, str) else (device_map or {})
     if rules is None:
-        rules = default_rule_file(config)
+        rules = default_rule_file(config, cuda=None if not dmap else _cuda_after_map(dmap))
     device = device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    rule_list = load_rules_mapped(rules, dmap)
     model = build_model(config, dtype)
-    return inject(model, rules, source, default_device=device, allow_unmatched=allow_unmatched, progress=progress)
+    return inject(model, rule_list, source, default_device=device, allow_unmatched=allow_unmatched,
+                  progress=progress)
+
+
+def _cuda_after_map(dmap: dict[str, str]) -> bool | None:
+    """With ``cuda`` mapped away, the default rules need not be the CPU variant: the GPU file runs."""
+    return True if any(k.startswith("cuda") for k in dmap) else None
+
+
+@dataclass
+class LoadedModel:
+    """Everything a chat front end needs, from :func:`load_for_generation`."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    source: object
+    config: object
+    rules: object  # the rule file (path) or text used
+    seconds: float
+
+
+def _has_tokenizer_files(folder: Path) -> bool:
+    return folder.is_dir() and any((folder / f).is_file() for f in
+                                   ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"))
+
+
+def load_tokenizer(model_path: str | os.PathLike | None, source):
+    """The tokenizer from ``model_path`` when it has one, else the weights' folder, else the GGUF metadata.
+
+    A GGUF chat template fills in for a tokenizer folder without one."""
+    folder = Path(model_path) if model_path else weights_folder(source)
+    if folder is not None and _has_tokenizer_files(folder):
+        from transformers import AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{folder}: cannot load its tokenizer: {str(e).splitlines()[0]}") from None
+    else:
+        get = getattr(source, "tokenizer", None)
+        tok = get() if callable(get) else None
+        if tok is None:
+            where = f"{model_path} has no tokenizer files and " if model_path else ""
+            raise ConfigError(f"{where}{source.path} carries no tokenizer; pass --model_path with a tokenizer")
+    if not getattr(tok, "chat_template", None):  # GGUF files usually carry the template
+        tpl = (getattr(source, "metadata", None) or {}).get("tokenizer.chat_template")
+        if isinstance(tpl, str) and tpl.strip():
+            tok.chat_template = tpl
+    return tok
+
+
+def load_for_generation(
+    weights,
+    model_path: str | os.PathLike | None = None,
+    rules=None,
+    *,
+    device: str | None = None,
+    device_map: dict[str, str] | str | None = None,
+    allow_unmatched: bool | None = None,
+    progress: bool = False,
+    log=None,
+    check_config=None,
+) -> LoadedModel:
+    """The one load sequence of ``local_chat`` and the server: weights header, config (read once),
+    rules parsed and the plan checked on the meta model *before* any weight or the tokenizer is
+    read, then the tokenizer, then the weights.  ``log(msg)`` hears each step as it starts;
+    ``check_config(config)`` may refuse the config (e.g. a mode for another architecture).
+
+    ``allow_unmatched`` defaults to True for the shipped rule file (a family file may cover
+    modules a given model lacks) and False for rules the caller names.
+    """
+    import time
+
+    from ..optimize.inject import build_model, check_transfer_maps, inject
+    from ..optimize.plan import check_devices_available, plan_model
+    from ..optimize_rules import default_rule_file
+    from ..weights import open_weights
+    from .device_map import load_rules_mapped, parse_device_map
+
+    say = log or (lambda msg: None)
+    t0 = time.perf_counter()
+    if model_path and Path(model_path).is_file():
+        model_path = str(Path(model_path).parent)
+    say(f"reading {weights} ...")
+    source = open_weights(weights)
+    config = load_config(model_path, source)
+    if check_config is not None:
+        check_config(config)
+    dmap = parse_device_map(device_map) if isinstance(device_map, str) else (device_map or {})
+    device = device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    if rules is None:
+        cuda = device.startswith("cuda") or (bool(dmap) and _cuda_after_map(dmap))
+        rules = default_rule_file(config, cuda=bool(cuda))
+        if allow_unmatched is None:
+            allow_unmatched = True
+    elif allow_unmatched is None:
+        allow_unmatched = False
+    rule_list = load_rules_mapped(rules, dmap)
+    model = build_model(config)
+    plan = plan_model(model, rule_list, device)
+    unmatched = plan.unmatched_rules()
+    if unmatched and not allow_unmatched:
+        r = unmatched[0]
+        raise RuleError(f"{r.where()}: matches no module of {type(model).__name__} ({r.describe_match()})")
+    check_devices_available(plan)
+    check_transfer_maps(plan)
+    say("building the tokenizer ...")
+    tokenizer = load_tokenizer(model_path, source)
+    n = len(source.names()) if hasattr(source, "names") else 0
+    say(f"loading {n} tensors onto {', '.join(sorted(str(d) for d in plan.devices()))} ...")
+    inject(model, rule_list, source, default_device=device, allow_unmatched=True, progress=progress)
+    gen_cfg = Path(model_path) / "generation_config.json" if model_path else None
+    if gen_cfg is not None and gen_cfg.is_file():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(str(model_path), local_files_only=True)
+    return LoadedModel(model, tokenizer, source, config, rules, time.perf_counter() - t0)

@@ -284,21 +284,8 @@ _ARCH_CLASS = {
 
 
 def tokenizer_from_gguf(path, meta: Mapping[str, Any]):
-    """A transformers tokenizer from the file's ``tokenizer.ggml.*`` metadata, or None.
+    """A transformers tokenizer from the file's ``tokenizer.ggml.*`` metadata, or None for
+    ``no_vocab`` files (built once, then cached: see :mod:`.gguf_tokenizer`)."""
+    from .gguf_tokenizer import tokenizer_from_gguf as build
 
-    None when the file has no vocabulary (``tokenizer.ggml.model`` absent or ``no_vocab``).
-    Built by transformers itself (``AutoTokenizer.from_pretrained(dir, gguf_file=name)``);
-    a tokenizer kind transformers cannot convert raises WeightError naming the file.
-    """
-    from pathlib import Path
-
-    model = meta.get("tokenizer.ggml.model")
-    if model in (None, "", "none", "no_vocab"):
-        return None
-    p = Path(path)
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
-    except Exception as e:  # transformers raises assorted errors for tokenizers it cannot convert
-        raise WeightError(f"{p}: cannot build a tokenizer from its '{model}' vocabulary ({type(e).__name__}: {e})") from e
+    return build(path, meta)

@@ -211,3 +211,15 @@ def split_kv_b(kv_b: torch.Tensor, n_head: int, nope: int, v: int) -> tuple[torc
 
 def is_gemma_norm(gguf_name: str) -> bool:
     return gguf_name.endswith("norm.weight")
+
+
+#: GGUF tensors some writers store 1-D although HF holds a one-row matrix (qwen2moe's shared-expert
+#: gate: llama.cpp reads it as ``[n_embd]`` and converters write either ``[n_embd]`` or ``[1, n_embd]``)
+_ONE_ROW = re.compile(r"\.ffn_gate_inp_shexp\.weight$")
+
+
+def hf_shape(gguf_name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The torch shape the HF model gives a stored GGUF tensor (usually the stored one)."""
+    if len(shape) == 1 and _ONE_ROW.search(gguf_name):
+        return (1, *shape)
+    return tuple(shape)

@@ -306,7 +306,7 @@ class GGUFSource(WeightSource):
                     raise WeightError(f"{t.file}: GGUF metadata lacks '{arch}.attention.head_count'")
             elif arch == "gemma3" and gn.is_gemma_norm(gname):
                 tr = "gemma_norm"
-            self._entries[hf] = _Entry("plain", [gname], t.shape, tr, {"n_head": n_head, "n_head_kv": n_head_kv})
+            self._entries[hf] = _Entry("plain", [gname], gn.hf_shape(gname, t.shape), tr, {"n_head": n_head, "n_head_kv": n_head_kv})
         for virt, experts in per_expert.items():
             idx = sorted(experts)
             if idx != list(range(len(idx))):
@@ -515,7 +515,7 @@ class GGUFSource(WeightSource):
             if e.transform == "gemma_norm":
                 w = self._deq(t, t.data, t.shape, torch.float32, device) - 1.0
                 return w.to(dt)
-            w = self._deq(t, t.data, t.shape, dt, device)
+            w = self._deq(t, t.data, e.shape, dt, device)
             if e.transform in ("unpermute_q", "unpermute_k"):
                 w = w[self._qk_index(e, e.shape[0]).to(w.device)]
             return w

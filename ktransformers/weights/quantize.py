@@ -277,10 +277,38 @@ _K_QUANTS = {"Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K":
 CHUNK_ELEMS = 1 << 18
 
 
-def quantize(x, ggml_type, chunk_elems: int = CHUNK_ELEMS) -> np.ndarray:
+def _native_quantizer():
+    """The C++ row quantizer (Q4_K/Q5_K/Q6_K on all cores), or None in a build without it."""
+    global _NATIVE
+    if _NATIVE is False:
+        try:
+            from .. import cpuinfer_ext as ext
+
+            _NATIVE = ext if hasattr(ext, "quantize_rows") else None
+        except ImportError:
+            _NATIVE = None
+    return _NATIVE
+
+
+_NATIVE = False
+
+
+def quantize_threads() -> int:
+    """Threads of the C++ quantizer: ``KT_QUANT_THREADS``, else the CPUs this process may use."""
+    import os
+
+    env = os.environ.get("KT_QUANT_THREADS")
+    if env:
+        return max(1, int(env))
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def quantize(x, ggml_type, chunk_elems: int = CHUNK_ELEMS, native: bool = True) -> np.ndarray:
     """Quantize a float tensor/array (last dim = rows, a multiple of the block size) to ggml bytes.
 
     Returns a flat ``uint8`` numpy array of ``rows * row_bytes`` bytes (the GGUF tensor data).
+    Q4_K/Q5_K/Q6_K run in C++ on all cores when the extension has the quantizer (``native=False``:
+    the torch code below, which is the reference it is tested against).
     """
     info = ggml_type_info(ggml_type)
     t = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x))
@@ -296,6 +324,12 @@ def quantize(x, ggml_type, chunk_elems: int = CHUNK_ELEMS) -> np.ndarray:
         dt = torch.float16 if info.name == "F16" else torch.bfloat16
         return t.to(dt).contiguous().cpu().view(torch.int16).numpy().reshape(-1).view(np.uint8)
     flat = t.contiguous().reshape(-1)
+    ext = _native_quantizer() if native else None
+    if ext is not None and ext.quantize_rows_supported(info.id):
+        src = flat.cpu()
+        out = np.empty(src.numel() // info.block_elems * info.block_bytes, dtype=np.uint8)
+        ext.quantize_rows(info.id, src.data_ptr(), src.numel() // n, n, out.ctypes.data, quantize_threads())
+        return out
     fn = _K_QUANTS.get(info.name)
     if fn is None:
         import gguf

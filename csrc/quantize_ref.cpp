@@ -1,0 +1,413 @@
+// K-quant row quantizers (see quantize_ref.h).  The searches follow llama.cpp's published
+// reference algorithms (weighted least-squares scale/min search over a few candidate grids),
+// block layouts are ggml's; the Python twin is ktransformers/weights/quantize.py.
+#include "quantize_ref.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace kt {
+namespace {
+
+constexpr int QK = 256;
+constexpr float GROUP_EPS = 1e-15f;
+constexpr int T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14;
+
+// round half to even, like ggml's nearest_int: adding 1.5 * 2^23 leaves the rounded integer in the
+// low mantissa bits (exact for |v| < 2^22; larger values saturate, then clamp as before); inline, so the
+// candidate loops vectorise instead of calling libm per value
+inline int nearest(float v) {
+  const float t = std::min(std::max(v, -4194303.f), 4194303.f) + 12582912.f;  // huge ratios still clamp
+  int32_t i;
+  std::memcpy(&i, &t, 4);
+  return (i & 0x007fffff) - 0x00400000;
+}
+
+// float -> IEEE half bits, round to nearest even
+uint16_t to_half(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  x &= 0x7fffffffu;
+  if (x >= 0x7f800000u) return static_cast<uint16_t>(sign | (x > 0x7f800000u ? 0x7e00u : 0x7c00u));
+  if (x >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to infinity
+  if (x < 0x38800000u) {                                                // subnormal or zero half
+    if (x < 0x33000000u) return static_cast<uint16_t>(sign);
+    const uint32_t e = x >> 23, m = (x & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 126 - e;  // value / 2^-24 = mantissa(24 bits) * 2^(e - 126)
+    uint32_t h = m >> shift;
+    const uint32_t rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (h & 1u))) ++h;
+    return static_cast<uint16_t>(sign | h);
+  }
+  uint32_t h = ((x - 0x38000000u) >> 13);
+  const uint32_t rem = x & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;
+  return static_cast<uint16_t>(sign | h);
+}
+
+float from_half(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16;
+  uint32_t e = (h >> 10) & 0x1f, m = h & 0x3ffu, x;
+  if (e == 0) {
+    if (m == 0) {
+      x = sign;
+    } else {  // subnormal
+      e = 127 - 15 + 1;
+      while (!(m & 0x400u)) { m <<= 1; --e; }
+      x = sign | (e << 23) | ((m & 0x3ffu) << 13);
+    }
+  } else if (e == 31) {
+    x = sign | 0x7f800000u | (m << 13);
+  } else {
+    x = sign | ((e + 127 - 15) << 23) | (m << 13);
+  }
+  float f;
+  std::memcpy(&f, &x, 4);
+  return f;
+}
+
+inline float round_half(float v) { return from_half(to_half(v)); }
+
+// scale and min (dequant = scale * q - min, min >= 0) of n values with weights w, q in [0, nmax]
+float search_scale_min(int n, int nmax, const float* x, const float* w, uint8_t* L, float* the_min,
+                       uint8_t* Laux, float rmin, float rdelta, int nstep) {
+  float mn = x[0], mx = x[0], sum_w = w[0], sum_x = w[0] * x[0];
+  for (int i = 1; i < n; ++i) {
+    mn = std::min(mn, x[i]);
+    mx = std::max(mx, x[i]);
+    sum_w += w[i];
+    sum_x += w[i] * x[i];
+  }
+  if (mn > 0) mn = 0;
+  if (mx == mn) {
+    std::memset(L, 0, n);
+    *the_min = -mn;
+    return 0.f;
+  }
+  float iscale = nmax / (mx - mn), scale = 1.f / iscale, best = 0.f;
+  for (int i = 0; i < n; ++i) {
+    const int l = std::clamp(nearest(iscale * (x[i] - mn)), 0, nmax);
+    L[i] = static_cast<uint8_t>(l);
+    const float d = scale * l + mn - x[i];
+    best += w[i] * d * d;
+  }
+  for (int s = 0; s <= nstep; ++s) {
+    iscale = (rmin + rdelta * s + nmax) / (mx - mn);
+    float sl = 0, sl2 = 0, sxl = 0;
+    for (int i = 0; i < n; ++i) {
+      const int l = std::clamp(nearest(iscale * (x[i] - mn)), 0, nmax);
+      Laux[i] = static_cast<uint8_t>(l);
+      sl += w[i] * l;
+      sl2 += w[i] * l * l;
+      sxl += w[i] * l * x[i];
+    }
+    const float D = sum_w * sl2 - sl * sl;
+    if (D <= 0) continue;
+    float ts = (sum_w * sxl - sum_x * sl) / D, tm = (sl2 * sum_x - sl * sxl) / D;
+    if (tm > 0) {
+      tm = 0;
+      ts = sxl / sl2;
+    }
+    float err = 0;
+    for (int i = 0; i < n; ++i) {
+      const float d = ts * Laux[i] + tm - x[i];
+      err += w[i] * d * d;
+    }
+    if (err < best) {
+      std::memcpy(L, Laux, n);
+      best = err;
+      scale = ts;
+      mn = tm;
+    }
+  }
+  *the_min = -mn;
+  return scale;
+}
+
+// symmetric scale of n values, q in [-nmax, nmax - 1], x^2-weighted search over 19 grids
+float search_scale_sym(int n, int nmax, const float* x, int8_t* L) {
+  float mx = 0, amax = 0;
+  for (int i = 0; i < n; ++i) {
+    const float a = std::fabs(x[i]);
+    if (a > amax) { amax = a; mx = x[i]; }
+  }
+  if (amax < GROUP_EPS) {
+    std::memset(L, 0, n);
+    return 0.f;
+  }
+  auto sums = [&](float isc, float& sxl, float& sl2) {
+    sxl = sl2 = 0;
+    for (int i = 0; i < n; ++i) {
+      const int l = std::clamp(nearest(isc * x[i]), -nmax, nmax - 1);
+      const float w = x[i] * x[i];
+      sxl += w * x[i] * l;
+      sl2 += w * l * l;
+    }
+  };
+  auto fill = [&](float isc) {
+    for (int i = 0; i < n; ++i) L[i] = static_cast<int8_t>(std::clamp(nearest(isc * x[i]), -nmax, nmax - 1));
+  };
+  float iscale = -nmax / mx, sxl, sl2;
+  sums(iscale, sxl, sl2);
+  fill(iscale);
+  float scale = sl2 > 0 ? sxl / sl2 : 0.f, best = scale * sxl;
+  for (int s = -9; s <= 9; ++s) {
+    if (s == 0) continue;
+    const float isc = -(nmax + 0.1f * s) / mx;
+    sums(isc, sxl, sl2);
+    if (sl2 > 0 && sxl * sxl > best * sl2) {
+      fill(isc);
+      scale = sxl / sl2;
+      best = scale * sxl;
+    }
+  }
+  return scale;
+}
+
+inline float rnd(float v) { return (v + 12582912.f) - 12582912.f; }  // half to even, |v| < 2^22
+
+// search_scale_min for the 8 sub-blocks of 32 of one block at once: lane j is sub-block j, each
+// lane does exactly the scalar search's arithmetic in the same order (so the bytes are the same),
+// and the loops over lanes vectorise without reassociating any sum.
+void search_scale_min8(int nmax, const float* x, const float* w, uint8_t* L, float* scale, float* the_min,
+                       float rmin, float rdelta, int nstep) {
+  constexpr int J = 8, N = 32;
+  float xt[N][J], wt[N][J], Lf[N][J], La[N][J];
+  for (int j = 0; j < J; ++j)
+    for (int i = 0; i < N; ++i) { xt[i][j] = x[N * j + i]; wt[i][j] = w[N * j + i]; }
+  float mn[J], mx[J], sw[J], sx[J], sc[J], best[J];
+  bool flat[J];
+  for (int j = 0; j < J; ++j) { mn[j] = mx[j] = xt[0][j]; sw[j] = wt[0][j]; sx[j] = wt[0][j] * xt[0][j]; }
+  for (int i = 1; i < N; ++i)
+    for (int j = 0; j < J; ++j) {
+      mn[j] = std::min(mn[j], xt[i][j]);
+      mx[j] = std::max(mx[j], xt[i][j]);
+      sw[j] += wt[i][j];
+      sx[j] += wt[i][j] * xt[i][j];
+    }
+  const float fmax_q = static_cast<float>(nmax);
+  float is0[J];
+  for (int j = 0; j < J; ++j) {
+    if (mn[j] > 0) mn[j] = 0;
+    flat[j] = mx[j] == mn[j];
+    is0[j] = flat[j] ? 0.f : fmax_q / (mx[j] - mn[j]);
+    sc[j] = flat[j] ? 0.f : 1.f / is0[j];
+    best[j] = 0;
+  }
+  for (int i = 0; i < N; ++i)
+    for (int j = 0; j < J; ++j) {
+      const float l = rnd(std::min(std::max(is0[j] * (xt[i][j] - mn[j]), 0.f), fmax_q));
+      Lf[i][j] = l;
+      float d = sc[j] * l + mn[j] - xt[i][j];
+      d = d * d;
+      best[j] += wt[i][j] * d;
+    }
+  for (int s = 0; s <= nstep; ++s) {
+    float isc[J], sl[J], sl2[J], sxl[J], ts[J], tm[J], err[J];
+    bool upd[J];
+    for (int j = 0; j < J; ++j) {
+      isc[j] = flat[j] ? 0.f : (rmin + rdelta * s + fmax_q) / (mx[j] - mn[j]);
+      sl[j] = sl2[j] = sxl[j] = 0;
+    }
+    for (int i = 0; i < N; ++i)
+      for (int j = 0; j < J; ++j) {
+        const float l = rnd(std::min(std::max(isc[j] * (xt[i][j] - mn[j]), 0.f), fmax_q));
+        La[i][j] = l;
+        const float wl = wt[i][j] * l;
+        sl[j] += wl;
+        sl2[j] += wl * l;
+        sxl[j] += wl * xt[i][j];
+      }
+    for (int j = 0; j < J; ++j) {
+      const float D = sw[j] * sl2[j] - sl[j] * sl[j];
+      const bool ok = D > 0 && !flat[j];
+      const float Ds = ok ? D : 1.f;
+      float a = (sw[j] * sxl[j] - sx[j] * sl[j]) / Ds, b = (sl2[j] * sx[j] - sl[j] * sxl[j]) / Ds;
+      if (b > 0) {
+        b = 0;
+        a = sxl[j] / (sl2[j] > 0 ? sl2[j] : 1.f);
+      }
+      ts[j] = a;
+      tm[j] = b;
+      err[j] = 0;
+      upd[j] = ok;
+    }
+    for (int i = 0; i < N; ++i)
+      for (int j = 0; j < J; ++j) {
+        float d = ts[j] * La[i][j] + tm[j] - xt[i][j];
+        d = d * d;
+        err[j] += wt[i][j] * d;
+      }
+    bool any = false;
+    for (int j = 0; j < J; ++j) {
+      upd[j] = upd[j] && err[j] < best[j];
+      any |= upd[j];
+    }
+    if (!any) continue;
+    for (int i = 0; i < N; ++i)
+      for (int j = 0; j < J; ++j) Lf[i][j] = upd[j] ? La[i][j] : Lf[i][j];
+    for (int j = 0; j < J; ++j)
+      if (upd[j]) { best[j] = err[j]; sc[j] = ts[j]; mn[j] = tm[j]; }
+  }
+  for (int j = 0; j < J; ++j) {
+    scale[j] = sc[j];
+    the_min[j] = -mn[j];
+    for (int i = 0; i < N; ++i) L[N * j + i] = flat[j] ? 0 : static_cast<uint8_t>(Lf[i][j]);
+  }
+}
+
+// Q4_K (nmax 15) / Q5_K (nmax 31): 8 sub-blocks of 32, 6-bit scales and mins
+void block_q45(const float* x, uint8_t* out, bool five) {
+  const int nmax = five ? 31 : 15;
+  uint8_t L[QK], Laux[32], sc6[12] = {0};
+  float w[32], mins[8], scales[8], max_scale = 0, max_min = 0;
+  float wall[QK];
+  for (int j = 0; j < 8; ++j) {
+    const float* xs = x + 32 * j;
+    float s2 = 0;
+    for (int l = 0; l < 32; ++l) s2 += xs[l] * xs[l];
+    const float av = std::sqrt(s2 / 32);
+    for (int l = 0; l < 32; ++l) wall[32 * j + l] = av + std::fabs(xs[l]);
+  }
+  (void)w;
+  (void)Laux;
+  search_scale_min8(nmax, x, wall, L, scales, mins, five ? -0.5f : -1.f, 0.1f, five ? 15 : 20);
+  for (int j = 0; j < 8; ++j) {
+    max_scale = std::max(max_scale, scales[j]);
+    max_min = std::max(max_min, mins[j]);
+  }
+  const float inv_s = max_scale > 0 ? 63.f / max_scale : 0.f, inv_m = max_min > 0 ? 63.f / max_min : 0.f;
+  uint8_t ls[8], lm[8];
+  for (int j = 0; j < 8; ++j) {
+    ls[j] = static_cast<uint8_t>(std::min(63, nearest(inv_s * scales[j])));
+    lm[j] = static_cast<uint8_t>(std::min(63, nearest(inv_m * mins[j])));
+    if (j < 4) {
+      sc6[j] = ls[j];
+      sc6[j + 4] = lm[j];
+    } else {
+      sc6[j + 4] = static_cast<uint8_t>((ls[j] & 0xF) | ((lm[j] & 0xF) << 4));
+      sc6[j - 4] |= static_cast<uint8_t>((ls[j] >> 4) << 6);
+      sc6[j] |= static_cast<uint8_t>((lm[j] >> 4) << 6);
+    }
+  }
+  const uint16_t dh = to_half(max_scale / 63.f), mh = to_half(max_min / 63.f);
+  const float d = from_half(dh), dm = from_half(mh);
+  for (int j = 0; j < 8; ++j) {
+    const float dd = d * ls[j];
+    if (dd == 0.f) continue;
+    const float m = dm * lm[j];
+    for (int i = 0; i < 32; ++i) L[32 * j + i] = static_cast<uint8_t>(std::clamp(nearest((x[32 * j + i] + m) / dd), 0, nmax));
+  }
+  std::memcpy(out, &dh, 2);
+  std::memcpy(out + 2, &mh, 2);
+  std::memcpy(out + 4, sc6, 12);
+  uint8_t* q = out + 16;
+  if (five) {
+    uint8_t* qh = q;  // 32 bytes of high bits, then 128 of low nibbles
+    uint8_t* ql = q + 32;
+    std::memset(qh, 0, 32);
+    uint8_t m1 = 1, m2 = 2;
+    for (int n = 0; n < QK; n += 64) {
+      for (int j = 0; j < 32; ++j) {
+        int l1 = L[n + j], l2 = L[n + j + 32];
+        if (l1 > 15) { l1 -= 16; qh[j] |= m1; }
+        if (l2 > 15) { l2 -= 16; qh[j] |= m2; }
+        ql[j] = static_cast<uint8_t>(l1 | (l2 << 4));
+      }
+      m1 = static_cast<uint8_t>(m1 << 2);
+      m2 = static_cast<uint8_t>(m2 << 2);
+      ql += 32;
+    }
+  } else {
+    for (int j = 0; j < QK; j += 64, q += 32)
+      for (int l = 0; l < 32; ++l) q[l] = static_cast<uint8_t>(L[j + l] | (L[j + l + 32] << 4));
+  }
+}
+
+// Q6_K: 16 sub-blocks of 16, 8-bit scales; layout ql[128] qh[64] scales[16] d
+void block_q6(const float* x, uint8_t* out) {
+  int8_t Ls[QK];
+  uint8_t L[QK];
+  float scales[16], max_scale = 0, max_abs = 0;
+  for (int ib = 0; ib < 16; ++ib) {
+    scales[ib] = search_scale_sym(16, 32, x + 16 * ib, Ls + 16 * ib);
+    const float a = std::fabs(scales[ib]);
+    if (a > max_abs) { max_abs = a; max_scale = scales[ib]; }
+  }
+  uint8_t* ql = out;
+  uint8_t* qh = out + 128;
+  int8_t* sc = reinterpret_cast<int8_t*>(out + 192);
+  if (max_abs < GROUP_EPS) {
+    std::memset(out, 0, 210);
+    return;
+  }
+  const float iscale = -128.f / max_scale;
+  const uint16_t dh = to_half(1.f / iscale);
+  std::memcpy(out + 208, &dh, 2);
+  const float d = from_half(dh);
+  for (int ib = 0; ib < 16; ++ib) sc[ib] = static_cast<int8_t>(std::min(127, nearest(iscale * scales[ib])));
+  for (int j = 0; j < 16; ++j) {
+    const float dd = d * sc[j];
+    if (dd == 0.f) {
+      for (int i = 0; i < 16; ++i) L[16 * j + i] = 32;
+      continue;
+    }
+    for (int i = 0; i < 16; ++i) L[16 * j + i] = static_cast<uint8_t>(std::clamp(nearest(x[16 * j + i] / dd), -32, 31) + 32);
+  }
+  for (int j = 0; j < QK; j += 128, ql += 64, qh += 32) {
+    for (int l = 0; l < 32; ++l) {
+      const uint8_t a = L[j + l], b = L[j + l + 32], c = L[j + l + 64], e = L[j + l + 96];
+      ql[l] = static_cast<uint8_t>((a & 0xF) | ((c & 0xF) << 4));
+      ql[l + 32] = static_cast<uint8_t>((b & 0xF) | ((e & 0xF) << 4));
+      qh[l] = static_cast<uint8_t>((a >> 4) | ((b >> 4) << 2) | ((c >> 4) << 4) | ((e >> 4) << 6));
+    }
+  }
+}
+
+int block_bytes(int type) {
+  switch (type) {
+    case T_Q4_K: return 144;
+    case T_Q5_K: return 176;
+    case T_Q6_K: return 210;
+    default: return 0;
+  }
+}
+
+}  // namespace
+
+bool quantize_rows_supported(int ggml_type) { return block_bytes(ggml_type) > 0; }
+
+void quantize_rows(int type, const float* src, void* dst, int64_t nrows, int64_t n_per_row, int n_threads) {
+  const int bb = block_bytes(type);
+  if (!bb) throw std::invalid_argument("quantize_rows: ggml type " + std::to_string(type) + " is not supported");
+  if (n_per_row <= 0 || n_per_row % QK) throw std::invalid_argument("quantize_rows: rows must be a multiple of 256");
+  const int64_t blocks = nrows * (n_per_row / QK);
+  auto run = [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* x = src + b * QK;
+      uint8_t* out = static_cast<uint8_t*>(dst) + b * bb;
+      if (type == T_Q6_K) block_q6(x, out);
+      else block_q45(x, out, type == T_Q5_K);
+    }
+  };
+  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(n_threads, blocks / 16)));
+  if (nt <= 1) {
+    run(0, blocks);
+    return;
+  }
+  std::vector<std::thread> pool;
+  const int64_t per = (blocks + nt - 1) / nt;
+  for (int t = 0; t < nt; ++t) {
+    const int64_t b0 = t * per, b1 = std::min(blocks, b0 + per);
+    if (b0 < b1) pool.emplace_back(run, b0, b1);
+  }
+  for (auto& th : pool) th.join();
+}
+
+}  // namespace kt

@@ -1,0 +1,57 @@
+"""``KLinearGPUQ``: a linear op that keeps GGUF weights quantized on its device and dequantizes
+them per call (vectorized torch, ``ktransformers.weights.dequant``), then ``F.linear``.
+
+The device holds the stored bytes (Q4_K: 4.5 bits a weight instead of 16) plus, during one
+call, one dequantized copy of this layer's weight.  It is the same torch code on CUDA and on
+the CPU, which is how the tests check it against ``KLinearTorch``.  Weights with no stored
+quantized form (safetensors, or tensors the GGUF reader computes, like gemma norms) are kept
+dense in the model dtype.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..weights.dequant import dequantize
+from ..weights.ggml_types import ggml_type_info
+from .linear import LinearOp, register_linear_op
+
+
+@register_linear_op
+class KLinearGPUQ(LinearOp):
+    """GGUF-quantized weight resident on the device, dequantized per call (GPU or CPU)."""
+
+    name = "KLinearGPUQ"
+
+    def load(self, weights, dtype):
+        name = f"{self.key}.weight"
+        self.check_shape(weights, name)
+        self.dtype = dtype
+        raw = weights.raw(name) if hasattr(weights, "raw") else None
+        info = ggml_type_info(raw.ggml_type) if raw is not None else None
+        if raw is None or info.name in ("F32", "F16", "BF16"):
+            self.qweight = None
+            self.weight_dense = weights.tensor(name, dtype=dtype, device=self.device)
+        else:
+            self.qweight = torch.from_numpy(np.ascontiguousarray(raw.data)).to(self.device)
+            self.ggml_type = raw.ggml_type
+            self.shape = tuple(raw.shape)
+            self.weight_dense = None
+        self.bias = weights.tensor(f"{self.key}.bias", dtype=dtype, device=self.device) if self.has_bias else None
+
+    def dense_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The weight as the model sees it (dequantized now for quantized storage)."""
+        if self.qweight is None:
+            return self.weight_dense if dtype is None else self.weight_dense.to(dtype)
+        return dequantize(self.qweight, self.ggml_type, self.shape, dtype=dtype or self.dtype, device=self.device)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """Dense weight for code that inspects ``linear.weight`` (dequantizes: not for hot paths)."""
+        return self.dense_weight()
+
+    def forward(self, x):
+        w = self.dense_weight()
+        return F.linear(x.to(w.dtype), w, self.bias)

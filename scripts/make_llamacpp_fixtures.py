@@ -1,0 +1,94 @@
+"""Write the llama.cpp-converted tiny GGUF fixtures in ``tests/fixtures/llamacpp/`` (run once; needs llama.cpp).
+
+    python scripts/make_llamacpp_fixtures.py /path/to/llama.cpp [arch ...]
+
+For every supported architecture: a tiny random HF model (``ktransformers.util.tiny_models``,
+weights rounded to bfloat16 so a BF16 GGUF holds them exactly), its byte-level BPE tokenizer,
+then **llama.cpp's own** ``convert_hf_to_gguf.py --outtype bf16`` (with the gguf-py it ships).
+Beside each ``<arch>.gguf`` the HF fp32 logits for fixed token ids go into ``<arch>.json``.
+
+One thing of llama.cpp's converter is replaced: its BPE pre-tokenizer lookup, which only knows
+published tokenizers by the hash of their output; the tiny tokenizer gets llama.cpp's ``qwen2``
+pre-tokenizer name.  Everything else (tensor names, shapes, types, metadata) is llama.cpp's.
+
+The tests never run this script or need llama.cpp; they read the committed files.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "tests" / "fixtures" / "llamacpp"
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "deepseek_v2", "llama", "qwen2", "qwen3",
+         "gemma3_text")
+TOKEN_IDS = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 257, 200, 17]
+EXTRA_CONFIG = {"deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"},
+                "deepseek_v2": {"scoring_func": "softmax"}}
+
+# runs in a fresh interpreter: llama.cpp's converter with only the pre-tokenizer lookup replaced
+_RUN_CONVERTER = """
+import runpy, sys
+llama_dir = sys.argv[1]
+sys.path[:0] = [llama_dir, llama_dir + '/gguf-py']
+import conversion.base
+conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'qwen2'
+sys.argv = [llama_dir + '/convert_hf_to_gguf.py'] + sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name='__main__')
+"""
+
+
+def make_hf(arch: str, folder: Path) -> None:
+    import torch
+
+    from ktransformers.util.tiny_models import write_tiny_model
+
+    from ktransformers.util.tiny_models import make_tiny_tokenizer
+
+    overrides = {}
+    if arch == "gemma3_text":
+        # llama.cpp drops embedding rows beyond the tokenizer, and scales queries by 1/sqrt(head_dim)
+        overrides = {"vocab_size": len(make_tiny_tokenizer()), "query_pre_attn_scalar": 16}
+    model = write_tiny_model(arch, folder, seed=ARCHS.index(arch), **overrides)
+    with torch.no_grad():  # bf16-representable fp32 weights: the BF16 GGUF is then exact
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(b.to(torch.bfloat16).float())
+    model.save_pretrained(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(EXTRA_CONFIG.get(arch, {}))
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    with torch.no_grad():
+        logits = model(torch.tensor([TOKEN_IDS])).logits[0].float()
+    tok = __import__("transformers").AutoTokenizer.from_pretrained(folder)
+    (OUT / f"{arch}.json").write_text(json.dumps({
+        "arch": arch, "token_ids": TOKEN_IDS, "hf_logits": [[round(float(x), 7) for x in row] for row in logits],
+        "tokenizer_probe": {"text": "Hello <|im_start|>world", "ids": tok.encode("Hello <|im_start|>world")},
+        "made_by": "llama.cpp convert_hf_to_gguf.py --outtype bf16 (scripts/make_llamacpp_fixtures.py)",
+    }))
+
+
+def main(argv: list[str]) -> int:
+    if not argv or not (Path(argv[0]) / "convert_hf_to_gguf.py").is_file():
+        print("usage: python scripts/make_llamacpp_fixtures.py LLAMA_CPP_DIR [arch ...]", file=sys.stderr)
+        return 2
+    llama_dir, archs = argv[0], argv[1:] or list(ARCHS)
+    OUT.mkdir(parents=True, exist_ok=True)
+    for arch in archs:
+        with tempfile.TemporaryDirectory() as tmp:
+            hf = Path(tmp) / arch
+            make_hf(arch, hf)
+            subprocess.run([sys.executable, "-c", _RUN_CONVERTER, llama_dir, str(hf), "--outtype", "bf16",
+                            "--outfile", str(OUT / f"{arch}.gguf")], check=True)
+        print(f"{arch}: {(OUT / f'{arch}.gguf').stat().st_size:,} bytes")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

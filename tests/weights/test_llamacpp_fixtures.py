@@ -1,0 +1,103 @@
+"""GGUF files written by llama.cpp's own converter load, for every supported architecture.
+
+``tests/fixtures/llamacpp/<arch>.gguf`` were made once by ``scripts/make_llamacpp_fixtures.py``
+(llama.cpp's ``convert_hf_to_gguf.py --outtype bf16`` on a tiny model whose weights are
+bf16-exact); ``<arch>.json`` holds the HF fp32 logits of that model and a tokenizer probe.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ktransformers.weights import open_weights
+from ktransformers.weights.gguf_source import GGUFSource
+
+from .test_gguf_source import build_model, logits
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp"
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "deepseek_v2", "llama", "qwen2", "qwen3",
+         "gemma3_text")
+CONFIG = {"qwen3_moe": "Qwen3MoeConfig", "qwen2_moe": "Qwen2MoeConfig", "mixtral": "MixtralConfig",
+          "deepseek_v3": "DeepseekV3Config", "deepseek_v2": "DeepseekV2Config", "llama": "LlamaConfig",
+          "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "gemma3_text": "Gemma3TextConfig"}
+
+
+def reference(arch: str) -> dict:
+    return json.loads((FIXTURES / f"{arch}.json").read_text())
+
+
+def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(got - ref).max() / np.abs(ref).max())
+
+
+@pytest.fixture(autouse=True)
+def _private_tokenizer_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KT_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fixture_matches_hf(arch):
+    """Names, shapes, metadata -> config and dequantization: HF logits within 1e-4 relative."""
+    ref = reference(arch)
+    src = open_weights(FIXTURES / f"{arch}.gguf")
+    assert isinstance(src, GGUFSource)
+    src.validate()
+    cfg = src.config()
+    assert type(cfg).__name__ == CONFIG[arch]
+    got = logits(build_model(src), ref["token_ids"])
+    assert rel_err(got, np.array(ref["hf_logits"], dtype=np.float32)) <= 1e-4
+    tok = src.tokenizer()
+    probe = ref["tokenizer_probe"]
+    assert tok.encode(probe["text"], add_special_tokens=False) == probe["ids"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fixture_through_load_model(arch):
+    """The whole loader (shipped -cpu rules, operators, CPU kernels) on the llama.cpp file: same bar."""
+    from ktransformers import load_model
+
+    ref = reference(arch)
+    model = load_model(FIXTURES / f"{arch}.gguf", device="cpu")
+    with torch.no_grad():
+        got = model(torch.tensor([ref["token_ids"]])).logits[0].float().numpy()
+    assert rel_err(got, np.array(ref["hf_logits"], dtype=np.float32)) <= 1e-4
+
+
+def test_qwen2moe_one_dimensional_shared_expert_gate(tmp_path):
+    """Some writers store ``ffn_gate_inp_shexp`` as ``[n_embd]``, llama.cpp's own reading of it."""
+    import gguf
+
+    src_path = FIXTURES / "qwen2_moe.gguf"
+    reader = gguf.GGUFReader(src_path)
+    out = tmp_path / "shexp-1d.gguf"
+    w = gguf.GGUFWriter(out, arch="qwen2moe")
+    for f in reader.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(f.name, f.contents(), vtype, sub_type=sub)
+    squeezed = 0
+    for t in reader.tensors:
+        data = np.array(t.data)
+        if t.name.endswith("ffn_gate_inp_shexp.weight"):
+            data = data.reshape(-1)
+            squeezed += 1
+        w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert squeezed == 2
+    src = open_weights(out)
+    assert src.gguf_names() and tuple(src._tensors["blk.0.ffn_gate_inp_shexp.weight"].shape) == (64,)
+    src.validate()
+    assert src.shape("model.layers.0.mlp.shared_expert_gate.weight") == (1, 64)
+    ref = reference("qwen2_moe")
+    got = logits(build_model(src), ref["token_ids"])
+    assert rel_err(got, np.array(ref["hf_logits"], dtype=np.float32)) <= 1e-4
