@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import RuleError
 from .base import KwargSpec
+from .compat import PLANNED_BACKENDS
 from .cpu_threads import cpu_infer_threads
-from .experts import ExpertsOp, register_experts_op
+from .experts import ExpertsOp
+from .registry import register
 
 BACKEND_NAMES = ("llamafile", "AMXInt8", "AMXBF16")
 
@@ -43,19 +46,18 @@ def _weights_for_kernel(weights, key: str, proj: str, dtype: torch.dtype):
     return t.contiguous(), ("F32" if float_dtype == torch.float32 else "BF16")
 
 
-@register_experts_op
+@register("KExpertsCPU")
 class KExpertsCPU(ExpertsOp):
-    name = "KExpertsCPU"
     device_kinds = ("cpu",)
     keeps_raw_weights = True
     extra_kwargs = {
         "backend": KwargSpec((str,), "llamafile", "llamafile | AMXInt8 | AMXBF16"),
     }
 
-    @staticmethod
-    def validate_kwargs(kwargs: dict):
+    @classmethod
+    def validate_kwargs(cls, kwargs: dict):
         b = kwargs.get("backend", "llamafile")
-        if b not in BACKEND_NAMES:
+        if b not in BACKEND_NAMES and b not in PLANNED_BACKENDS:
             import difflib
 
             near = difflib.get_close_matches(str(b), BACKEND_NAMES, n=1)
@@ -64,6 +66,9 @@ class KExpertsCPU(ExpertsOp):
         return None
 
     def __init__(self, key, config, orig_module, device, backend: str = "llamafile", **kwargs):
+        if backend in PLANNED_BACKENDS:  # a valid rule, but nothing to run it with yet
+            raise RuleError(f"{key}: KExpertsCPU backend '{backend}' ({PLANNED_BACKENDS[backend]}) is not built yet; "
+                            f"use {' or '.join(BACKEND_NAMES)}")
         super().__init__(key, config, orig_module, device, **kwargs)
         self.backend = backend
         self.kernel = None

@@ -1,5 +1,5 @@
-"""``KLinearCPU`` (also ``KLinearCPUInfer``): dense linear on the C++ CPU kernels, weights kept
-in their GGUF type (read in place) or as F32/BF16 when stored unquantized."""
+"""``KLinearCPU``: dense linear on the C++ CPU kernels, weights kept in their GGUF type (read in
+place) or as F32/BF16 when stored unquantized."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import torch
 
 from .cpu_experts import _kernels
 from .cpu_threads import cpu_infer_threads
-from .linear import LinearOp, register_linear_op
+from .linear import LinearOp
+from .registry import register
 
 
+@register("KLinearCPU")
 class KLinearCPU(LinearOp):
-    name = "KLinearCPU"
     device_kinds = ("cpu",)
     keeps_raw_weights = True
 
@@ -60,14 +61,3 @@ class KLinearCPU(LinearOp):
             y = y + self.bias.to(y.dtype)
         return y.reshape(*shape[:-1], self.out_features)
 
-
-register_linear_op(KLinearCPU)
-
-
-class KLinearCPUInfer(KLinearCPU):
-    """The reference system's name for the same op."""
-
-    name = "KLinearCPUInfer"
-
-
-register_linear_op(KLinearCPUInfer)

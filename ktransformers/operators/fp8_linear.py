@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from ..weights.fp8 import BLOCK, SCALE_SUFFIX, block_dequant, block_quant, is_fp8
 from .base import KwargSpec
-from .linear import LinearOp, register_linear_op
+from .linear import LinearOp
+from .registry import register
 
 
 def _fp8_pair(weights, name: str):
@@ -38,11 +39,9 @@ def _fp8_pair(weights, name: str):
     return None
 
 
-@register_linear_op
+@register("KLinearFP8")
 class KLinearFP8(LinearOp):
     """FP8 weight + 128x128 block scales, dequantized per call (CPU or CUDA)."""
-
-    name = "KLinearFP8"
     extra_kwargs = {
         "block_size": KwargSpec((int,), BLOCK, "FP8 block edge (weights quantized at load use it too)"),
     }
