@@ -30,7 +30,7 @@ _NORM = Alias("KRMSNorm", "RMSNorm, placed")
 _MLP = Alias("KMLP", "dense MLP, placed")
 _MODEL = Alias("KTransformersModel", "decoder backbone; device hops follow the layers' rules")
 _MLA = Alias("KDeepseekV2Attention", "absorbed multi-head latent attention")
-_ATTN = Alias("default", "the transformers attention, placed (no batched-server attention here)")
+_ATTN = Alias("default", "the transformers attention, placed; no batched-server attention here")
 
 #: operator class names (the leaf of ``ktransformers.operators.<module>.<Name>``)
 OPERATORS: dict[str, Alias] = {
@@ -128,20 +128,20 @@ def op_alias(table: str, name: str, known: dict[str, Any]) -> Alias | None:
     the closest existing op (a dequantized linear) does."""
     alias = OPS.get(table, {}).get(name)
     if alias is not None and alias.ours == _GPU_QUANT_LINEAR and _GPU_QUANT_LINEAR not in known:
-        return Alias(_GPU_QUANT_FALLBACK, "dequantized linear (no GPU quantized linear in this build)")
+        return Alias(_GPU_QUANT_FALLBACK, "dequantized linear; this build has no GPU quantized linear")
     return alias
 
 
-def normalize_kwargs(kwargs: dict) -> tuple[dict, list[tuple[str, str]]]:
-    """Rule kwargs with reference spellings replaced by ours; also the (theirs, ours) pairs used."""
+def normalize_kwargs(kwargs: dict) -> tuple[dict, list[tuple[str, str, str]]]:
+    """Rule kwargs with reference spellings replaced by ours; also the (theirs, ours, what) used."""
     out, used = {}, []
     for key, value in kwargs.items():
         ours = KWARGS.get(key)
         if ours is not None:
-            used.append((key, ours))
+            used.append((key, ours, "kwarg spelling"))
             key = ours
         if key == "prefill_op" and value == NULL_OP:
-            used.append((f"prefill_op: {NULL_OP}", "prefill_op: null (the generate op serves every call)"))
+            used.append((f"prefill_op: {NULL_OP}", "prefill_op: null", "the generate op serves every call"))
             value = None
         out[key] = value
     return out, used

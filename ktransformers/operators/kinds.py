@@ -58,7 +58,7 @@ def kinds_of(module: nn.Module) -> frozenset[str]:
 def kind_from_name(text: str) -> str | None:
     """The kind an operator name suggests (``KMoEGateFoo`` -> router), for suggestions only."""
     t = text.lower()
-    for needle, kind in (("gate", ROUTER), ("router", ROUTER), ("attention", ATTENTION), ("attn", ATTENTION),
+    for needle, kind in (("gate", ROUTER), ("router", ROUTER), ("atten", ATTENTION), ("attn", ATTENTION),
                          ("experts", EXPERTS), ("moe", MOE_BLOCK), ("sparse", MOE_BLOCK), ("linear", LINEAR),
                          ("norm", NORM), ("rotary", ROTARY), ("rope", ROTARY), ("mlp", MLP), ("model", BACKBONE)):
         if needle in t:

@@ -66,10 +66,9 @@ class Phases:
 
     def label(self, phase: str, fallback: str) -> str:
         """``device/op`` of a phase for tables (``fallback``: the name shown when there is no op)."""
-        if phase == "prefill":
-            op = self.generate_op if self.prefill_disabled else self.prefill_op
-            dev = self.prefill_device
-        else:
+        if phase == "prefill" and not self.prefill_disabled:
+            op, dev = self.prefill_op, self.prefill_device
+        else:  # generate, or a prefill the generate op serves
             op, dev = self.generate_op, self.generate_device
         return f"{dev}/{op.name if op is not None else fallback}"
 

@@ -232,9 +232,9 @@ def _parse_rule(node, index: int, source: str) -> Rule:
             raise err("replace.kwargs", "must be a mapping", _line(vn))
         klines = {str(_construct(k)): _line(k) for k, _ in vn.value} if isinstance(vn, yaml.MappingNode) else {}
         kwargs, renamed = compat.normalize_kwargs(kwargs)
-        for theirs, ours in renamed:
-            klines.setdefault(ours, klines.get(theirs, 0))
-            aliases.append((theirs, ours, "kwarg"))
+        for theirs, ours, what in renamed:
+            klines.setdefault(ours, klines.get(theirs.partition(":")[0], 0))
+            aliases.append((theirs, ours, what))
         _check_kwargs(rclass, rtext, kwargs, klines, source, index, device)
         aliases += _op_aliases(rclass, kwargs)
         key_lines.update({f"replace.kwargs.{k}": v for k, v in klines.items()})
