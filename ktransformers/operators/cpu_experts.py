@@ -30,19 +30,14 @@ def _kernels():
     return kernels
 
 
-def _weights_for_kernel(weights, key: str, proj: str, dtype: torch.dtype):
-    """(array, ggml type name) for one stacked projection: raw bytes when the source stores a
-    type the kernels read, else a float tensor."""
-    K = _kernels()
-    raw = weights.raw(f"{key}.{proj}") if hasattr(weights, "raw") else None
-    if raw is not None:
-        from gguf import GGMLQuantizationType
-
-        name = GGMLQuantizationType(raw.ggml_type).name
-        if name in K.TYPES:
-            return raw.data, name
+def weight_for_kernel(weights, name: str, dtype: torch.dtype):
+    """(array, ggml type) of one weight for the CPU kernels: the stored bytes when the source
+    stores a type the kernels compute on, else a float tensor (F32 for an fp32 model, else BF16)."""
+    raw = weights.raw(name)
+    if raw is not None and raw.type is not None and raw.type.kernel:
+        return raw.data, raw.type
     float_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
-    t = weights.tensor(f"{key}.{proj}", dtype=float_dtype)
+    t = weights.tensor(name, dtype=float_dtype)
     return t.contiguous(), ("F32" if float_dtype == torch.float32 else "BF16")
 
 
@@ -79,7 +74,7 @@ class KExpertsCPU(ExpertsOp):
         arrays = {}
         types = {}
         for proj in ("gate_proj", "up_proj", "down_proj"):
-            arrays[proj], types[proj] = _weights_for_kernel(weights, self.key, proj, dtype)
+            arrays[proj], types[proj] = weight_for_kernel(weights, f"{self.key}.{proj}", dtype)
         self.pool = K.cpu_infer(cpu_infer_threads())
         try:
             self.kernel = K.MoEKernel(

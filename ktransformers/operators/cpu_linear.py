@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .cpu_experts import _kernels
+from .cpu_experts import _kernels, weight_for_kernel
 from .cpu_threads import cpu_infer_threads
 from .linear import LinearOp
 from .registry import register
@@ -19,18 +19,7 @@ class KLinearCPU(LinearOp):
     def load(self, weights, dtype):
         K = _kernels()
         self.check_shape(weights, f"{self.key}.weight")
-        raw = weights.raw(f"{self.key}.weight") if hasattr(weights, "raw") else None
-        w, t = None, None
-        if raw is not None:
-            from gguf import GGMLQuantizationType
-
-            name = GGMLQuantizationType(raw.ggml_type).name
-            if name in K.TYPES:
-                w, t = raw.data, name
-        if w is None:
-            fd = torch.float32 if dtype == torch.float32 else torch.bfloat16
-            w = weights.tensor(f"{self.key}.weight", dtype=fd).contiguous()
-            t = "F32" if fd == torch.float32 else "BF16"
+        w, t = weight_for_kernel(weights, f"{self.key}.weight", dtype)
         self.pool = K.cpu_infer(cpu_infer_threads())
         try:
             self.kernel = K.LinearKernel(self.pool, "llamafile", self.in_features, self.out_features, w, t)

@@ -89,9 +89,6 @@ class ModelWeights:
     def raw(self, name):
         return self.source.raw(self._name(name))
 
-    def expert_slice(self, name, expert, dtype=None, device=None):
-        return self.source.expert_slice(self._name(name), expert, dtype=dtype, device=device)
-
 
 @dataclass
 class LoadReport:
