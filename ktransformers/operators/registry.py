@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..errors import RuleError
-from . import compat
+from . import compat  # noqa: I001 - the compatibility table of reference names
 from .kinds import ATTENTION, MLA_ATTENTION, kind_from_name
 
 OPERATORS: dict[str, type] = {}
