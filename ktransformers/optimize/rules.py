@@ -176,26 +176,13 @@ def _parse_rule(node, index: int, source: str) -> Rule:
         raise err("match", "needs at least one of 'name' or 'class'", _line(mnode))
     pattern = None
     if "name" in match:
-        kn, vn = match["name"]
-        text = _construct(vn)
-        if not isinstance(text, str):
-            raise err("match.name", f"must be a string (a regular expression), not {type(text).__name__}", _line(vn))
-        try:
-            pattern = re.compile(text)
-        except re.error as e:
-            raise err("match.name", f"regular expression '{text}' does not compile: {e}", _line(vn)) from None
-        key_lines["match.name"] = _line(vn)
+        _, pattern, key_lines["match.name"] = _value(
+            match["name"], "match.name", str, lambda v: f"must be a string (a regular expression), not "
+                                                       f"{type(v).__name__}", _compile, err)
     mclass, mclass_text = None, None
     if "class" in match:
-        kn, vn = match["class"]
-        mclass_text = _construct(vn)
-        if not isinstance(mclass_text, str):
-            raise err("match.class", "must be a class path string", _line(vn))
-        try:
-            mclass = resolve_match_class(mclass_text)
-        except RuleError as e:
-            raise err("match.class", str(e), _line(vn)) from None
-        key_lines["match.class"] = _line(vn)
+        mclass_text, mclass, key_lines["match.class"] = _value(
+            match["class"], "match.class", str, lambda v: "must be a class path string", resolve_match_class, err)
 
     # replace
     _, rnode = items["replace"]
@@ -207,18 +194,12 @@ def _parse_rule(node, index: int, source: str) -> Rule:
     rclass = None
     aliases: list[tuple[str, str, str]] = []
     if "class" in replace:
-        _, vn = replace["class"]
-        rtext = _construct(vn)
-        if not isinstance(rtext, str):
-            raise err("replace.class", "must be a class path string or 'default'", _line(vn))
-        try:
-            resolved = resolve_operator(rtext)
-        except RuleError as e:
-            raise err("replace.class", str(e), _line(vn)) from None
+        rtext, resolved, key_lines["replace.class"] = _value(
+            replace["class"], "replace.class", str, lambda v: "must be a class path string or 'default'",
+            resolve_operator, err)
         rclass = resolved.cls
         if resolved.alias:
             aliases.append(resolved.alias)
-        key_lines["replace.class"] = _line(vn)
     device = None
     if "device" in replace:
         _, vn = replace["device"]
@@ -240,15 +221,32 @@ def _parse_rule(node, index: int, source: str) -> Rule:
         key_lines.update({f"replace.kwargs.{k}": v for k, v in klines.items()})
     recursive = True
     if "recursive" in items:
-        _, vn = items["recursive"]
-        recursive = _construct(vn)
-        if not isinstance(recursive, bool):
-            raise err("recursive", f"must be true or false, not {recursive!r}", _line(vn))
+        recursive = _value(items["recursive"], "recursive", bool, lambda v: f"must be true or false, not {v!r}",
+                           lambda v: v, err)[0]
     return Rule(
         index=index, source=source, line=_line(node), name_pattern=pattern, match_class=mclass,
         match_class_text=mclass_text, replace_text=rtext, replace_class=rclass, device=device,
         kwargs=kwargs, recursive=recursive, key_lines=key_lines, aliases=aliases,
     )
+
+
+def _value(pair, key: str, kind: type, wrong_kind, resolve, err):
+    """(value, resolve(value), line) of a rule value; errors name the key and the value's line."""
+    _, vn = pair
+    value = _construct(vn)
+    if not isinstance(value, kind):
+        raise err(key, wrong_kind(value), _line(vn))
+    try:
+        return value, resolve(value), _line(vn)
+    except RuleError as e:
+        raise err(key, str(e), _line(vn)) from None
+
+
+def _compile(text: str) -> re.Pattern:
+    try:
+        return re.compile(text)
+    except re.error as e:
+        raise RuleError(f"regular expression '{text}' does not compile: {e}") from None
 
 
 def resolve_match_class(text: str) -> tuple[type, ...] | str:
