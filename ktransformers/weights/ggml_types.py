@@ -101,10 +101,3 @@ def ggml_type_info(t) -> GGMLType:
     if info is None:
         raise KeyError(f"unknown ggml type id {int(t)}")
     return info
-
-
-def type_name(t) -> str:
-    try:
-        return ggml_type_info(t).name
-    except KeyError:
-        return f"type{int(t)}"

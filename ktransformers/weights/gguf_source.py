@@ -31,7 +31,7 @@ import torch
 from ..errors import WeightError
 from . import gguf_names as gn
 from .dequant import UnsupportedTypeError, dequantize
-from .ggml_types import ggml_type_info, type_name
+from .ggml_types import GGMLType, ggml_type_info
 from .source import RawTensor, WeightSource, _split_expert
 
 _SHARD_RE = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
@@ -201,7 +201,7 @@ class _Metadata(Mapping[str, Any]):
 class _Tensor:
     name: str  # GGUF name
     file: Path
-    ggml_type: int
+    type: GGMLType  # looked up once, when the file is opened
     shape: tuple[int, ...]  # torch order
     data: np.ndarray  # flat uint8 view into the mapping
 
@@ -255,10 +255,10 @@ class _Plain(_Entry):
 
     def raw(self, src, name):
         t = src._tensors[self.parts[0]]
-        return RawTensor(name, t.data, ggml_type_info(t.ggml_type), self.shape)
+        return RawTensor(name, t.data, t.type, self.shape)
 
     def stored_type(self, src):
-        return src._tensors[self.parts[0]].ggml_type
+        return src._tensors[self.parts[0]].type.id
 
 
 class _Alias(_Plain):
@@ -285,7 +285,7 @@ class _UnpermutedQK(_Plain):
         # whole quantized rows reordered: a copy, but no requantization
         t = src._tensors[self.parts[0]]
         data = t.data.reshape(self.shape[0], -1)[self._order().numpy()].reshape(-1)
-        return RawTensor(name, data, ggml_type_info(t.ggml_type), self.shape)
+        return RawTensor(name, data, t.type, self.shape)
 
 
 class _GemmaNorm(_Plain):
@@ -320,12 +320,12 @@ class _Stack(_Entry):
 
     def raw(self, src, name):
         ts = [src._tensors[p] for p in self.parts]
-        if len({t.ggml_type for t in ts}) != 1:
+        if len({t.type for t in ts}) != 1:
             return None
-        return RawTensor(name, np.concatenate([t.data for t in ts]), ggml_type_info(ts[0].ggml_type), self.shape)
+        return RawTensor(name, np.concatenate([t.data for t in ts]), ts[0].type, self.shape)
 
     def stored_type(self, src):
-        return src._tensors[self.parts[0]].ggml_type
+        return src._tensors[self.parts[0]].type.id
 
 
 class _SplitKvB(_Entry):
@@ -395,7 +395,7 @@ class GGUFSource(WeightSource):
                     raise WeightError(f"{f}: tensor '{t.name}' also appears in {self._tensors[t.name].file}")
                 shape = tuple(int(d) for d in reversed(t.shape.tolist()))
                 data = np.asarray(t.data).reshape(-1).view(np.uint8)
-                self._tensors[t.name] = _Tensor(t.name, f, int(t.tensor_type), shape, data)
+                self._tensors[t.name] = _Tensor(t.name, f, ggml_type_info(int(t.tensor_type)), shape, data)
         self._config = None
         self._entries: dict[str, _Entry] = {}
         self._build_entries()
@@ -507,13 +507,13 @@ class GGUFSource(WeightSource):
         if e is not None:
             return e.raw(self, name)
         t = self._tensors.get(name)
-        return RawTensor(name, t.data, ggml_type_info(t.ggml_type), t.shape) if t is not None else None
+        return RawTensor(name, t.data, t.type, t.shape) if t is not None else None
 
     def ggml_type(self, name: str) -> int | None:
         """Stored ggml type id of the tensor behind a name (None for derived tensors)."""
         e = self._entries.get(name)
         if e is None:
-            return self._tensors[name].ggml_type if name in self._tensors else None
+            return self._tensors[name].type.id if name in self._tensors else None
         return e.stored_type(self)
 
     def config(self, dtype: torch.dtype | str = torch.float32):
@@ -578,14 +578,14 @@ class GGUFSource(WeightSource):
         return e.natural_dtype(self) if e is not None else self._natural_dtype_of(name)
 
     def _natural_dtype_of(self, gguf_name: str) -> torch.dtype:
-        tname = type_name(self._tensors[gguf_name].ggml_type)
+        tname = self._tensors[gguf_name].type.name
         return {"F16": torch.float16, "BF16": torch.bfloat16}.get(tname, torch.float32)
 
     def _deq(self, t: _Tensor, data: np.ndarray, shape, dtype, device, out=None) -> torch.Tensor:
         try:
-            return dequantize(data, t.ggml_type, shape, dtype=dtype, device=device, out=out)
+            return dequantize(data, t.type, shape, dtype=dtype, device=device, out=out)
         except UnsupportedTypeError as err:
-            raise WeightError(f"{t.file}: tensor '{t.name}' has ggml type {type_name(t.ggml_type)}, "
+            raise WeightError(f"{t.file}: tensor '{t.name}' has ggml type {t.type.name}, "
                               "which cannot be dequantized") from err
         except ValueError as err:
             raise WeightError(f"{t.file}: tensor '{t.name}': {err}") from err
@@ -625,4 +625,4 @@ class GGUFSource(WeightSource):
             if e.listed and isinstance(e, (_Plain, _Stack)):
                 for p in e.parts:
                     back[p] = hf
-        return [(n, type_name(t.ggml_type), t.shape, back.get(n, "")) for n, t in self._tensors.items()]
+        return [(n, t.type.name, t.shape, back.get(n, "")) for n, t in self._tensors.items()]
