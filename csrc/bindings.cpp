@@ -91,6 +91,17 @@ PYBIND11_MODULE(KT_EXT_NAME, m) {
     const TypeInfo& t = kt::type_info(type);
     return py::make_tuple(std::string(t.name), t.block_elems, t.block_bytes, t.supported);
   }, "(name, block_elems, block_bytes, supported) for a ggml type id");
+  m.def("type_traits", [] {
+    py::list out;
+    for (int id = 0; id < kt::kMaxGgmlType; ++id) {
+      try {
+        const TypeInfo& t = kt::type_info(id);
+        out.append(py::make_tuple(id, std::string(t.name), t.block_elems, t.block_bytes, t.supported));
+      } catch (const std::invalid_argument&) {
+      }
+    }
+    return out;
+  }, "[(id, name, block_elems, block_bytes, kernels take it as a weight)] for every ggml type the C++ side knows");
   m.def("row_bytes", [](int type, int64_t cols) { return kt::row_bytes(type, cols); });
   m.def("check_row_len", [](int type, int64_t cols, const std::string& what) { kt::check_row_len(type, cols, what); });
   m.def("quantize_rows", [](int type, uintptr_t src, int64_t nrows, int64_t n_per_row, uintptr_t dst, int threads) {

@@ -21,7 +21,7 @@ struct TypeTable {
     t[GGML_Q5_0] = {"Q5_0", 32, 22, true};
     t[GGML_Q5_1] = {"Q5_1", 32, 24, true};
     t[GGML_Q8_0] = {"Q8_0", 32, 34, true};
-    t[GGML_Q8_1] = {"Q8_1", 32, 36, false};
+    t[GGML_Q8_1] = {"Q8_1", 32, 40, false};
     t[GGML_Q2_K] = {"Q2_K", 256, 84, true};
     t[GGML_Q3_K] = {"Q3_K", 256, 110, true};
     t[GGML_Q4_K] = {"Q4_K", 256, 144, true};

@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 nvidia-smi -L || true
-exec "${PYTHON:-python3}" -m pytest -q -ra tests/test_cuda.py tests/test_parity.py tests/test_gpu_quant_linear.py -k "cuda or gpu" "$@"
+exec "${PYTHON:-python3}" -m pytest -q -ra tests/test_cuda.py tests/generation/test_parity.py tests/test_gpu_quant_linear.py -k "cuda or gpu" "$@"

@@ -1,5 +1,5 @@
 """Checks that need a CUDA device; they skip elsewhere.  Run them in one go on a GPU machine:
-``bash scripts/gpu_checks.sh`` (also runs the CUDA cases of test_parity.py)."""
+``bash scripts/gpu_checks.sh`` (also runs the CUDA cases of generation/test_parity.py)."""
 
 from __future__ import annotations
 

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from .base import BaseInjectedModule, KwargSpec
+from .kinds import MLA_ATTENTION
 from .mla import (
     absorbed_attention,
     apply_mla_rope,
@@ -36,6 +37,7 @@ from .mla import (
     latent_cache_bytes_per_token,
     split_kv_b,
 )
+from .registry import register
 
 DEFAULT_CHUNK_SIZE = 1000  # the reference system's default
 
@@ -62,25 +64,25 @@ def _storage_key(linear: nn.Module):
     return (id(op), ts)
 
 
+@register("KDeepseekV2Attention")
 class KDeepseekV2Attention(BaseInjectedModule):
     """Absorbed MLA for DeepSeek V2/V3/R1, Kimi-K2, Moonlight.
 
-    kwargs: devices, ``chunk_size`` (prefill query chunk, default 1000; ``chunck_size`` is an
-    alias), ``absorb_for_prefill`` (default false).
+    kwargs: devices, ``chunk_size`` (prefill query chunk, default 1000), ``absorb_for_prefill``
+    (default false).
     """
 
+    REPLACES = (MLA_ATTENTION,)
     KWARGS = {
         "chunk_size": KwargSpec((int,), DEFAULT_CHUNK_SIZE, "prefill query chunk length"),
-        "chunck_size": KwargSpec((int,), None, "alias of chunk_size (reference-system spelling)"),
         "absorb_for_prefill": KwargSpec((bool,), False, "prefill attends in latent space too"),
     }
 
     def __init__(self, key, gguf_loader=None, config=None, orig_module=None, prefill_device=None,
-                 generate_device=None, chunk_size=None, chunck_size=None, absorb_for_prefill=False, **kwargs):
+                 generate_device=None, chunk_size=None, absorb_for_prefill=False, **kwargs):
         super().__init__(key, gguf_loader, config, orig_module, prefill_device, generate_device, **kwargs)
         o = orig_module
-        size = chunk_size if chunk_size is not None else chunck_size
-        size = int(size) if size is not None else DEFAULT_CHUNK_SIZE
+        size = int(chunk_size) if chunk_size is not None else DEFAULT_CHUNK_SIZE
         if size < 1:
             from ..errors import RuleError
 
@@ -183,10 +185,4 @@ class KDeepseekV2Attention(BaseInjectedModule):
         return mods["o_proj"](o), None
 
 
-ATTENTION_OPERATORS: dict[str, type] = {
-    "KDeepseekV2Attention": KDeepseekV2Attention,
-    # the reference system's V3 rule files name the same class
-    "KDeepseekV3Attention": KDeepseekV2Attention,
-}
-
-__all__ = ["ATTENTION_OPERATORS", "KDeepseekV2Attention", "dense_linear_weight", "latent_cache_bytes_per_token"]
+__all__ = ["KDeepseekV2Attention", "dense_linear_weight", "latent_cache_bytes_per_token"]

@@ -17,7 +17,6 @@ module's dotted name and ``gguf_loader`` the weight source.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -25,6 +24,7 @@ import torch
 from torch import nn
 
 from ..errors import RuleError
+from .phases import PhaseError, Phases, decide_phases
 
 DEFAULT_PREFILL_THRESHOLD = 64
 PHASES = ("prefill", "generate")
@@ -43,15 +43,20 @@ class Op:
     """The computation of one phase of an injected module, on one device.
 
     Ops hold their tensors as plain attributes (not nn.Parameters) so that the module tree —
-    and with it every parameter name — stays exactly that of the original model.
+    and with it every parameter name — stays exactly that of the original model.  A family
+    of ops (linear, experts) is a subclass with its own ``TABLE``; ``@register`` fills it.
     """
 
-    #: short name used in rules (``generate_op: KLinearTorch``)
+    #: short name used in rules (``generate_op: KLinearTorch``); set by ``@register``
     name: ClassVar[str] = ""
+    #: the op table of this family (name -> op class); set on each family's base class
+    TABLE: ClassVar[dict[str, type[Op]]]
     #: devices this op can run on: "cpu", "cuda" or "any"
     device_kinds: ClassVar[tuple[str, ...]] = ("any",)
     #: extra rule kwargs this op accepts beyond the wrapper's own
     extra_kwargs: ClassVar[dict[str, KwargSpec]] = {}
+    #: True when the op computes on the weights as stored (``explain`` counts stored bytes)
+    keeps_raw_weights: ClassVar[bool] = False
 
     def __init__(self, key: str, config, orig_module: nn.Module, device: torch.device, **kwargs):
         self.key = key
@@ -67,6 +72,11 @@ class Op:
         if "any" in cls.device_kinds or device.type in cls.device_kinds:
             return None
         return f"{cls.name} runs only on {' or '.join(cls.device_kinds)}, not {device}"
+
+    @classmethod
+    def validate_kwargs(cls, kwargs: dict) -> tuple[str, str] | None:
+        """Check the values of this op's rule kwargs: ``(key, message)`` for the first bad one."""
+        return None
 
     def load(self, weights, dtype: torch.dtype) -> None:  # pragma: no cover - interface
         raise NotImplementedError
@@ -84,9 +94,13 @@ class Op:
 class BaseInjectedModule(nn.Module):
     """Common base of every operator a rule can inject (see the module docstring)."""
 
-    #: op registry of this operator family: name -> Op subclass (None: the family has no ops)
+    #: op table of this operator family: name -> Op subclass (None: the family has no ops)
     OPS: ClassVar[dict[str, type[Op]] | None] = None
+    #: the family's name in the compatibility table of reference op names
+    OP_TABLE_NAME: ClassVar[str | None] = None
     DEFAULT_OP: ClassVar[str | None] = None
+    #: module kinds (``kinds.py``) this operator can replace; empty: any (third-party operators)
+    REPLACES: ClassVar[tuple[str, ...]] = ()
     #: rule kwargs accepted by the wrapper itself (devices/ops are common to all)
     KWARGS: ClassVar[dict[str, KwargSpec]] = {}
     COMMON_KWARGS: ClassVar[dict[str, KwargSpec]] = {
@@ -97,9 +111,13 @@ class BaseInjectedModule(nn.Module):
         "out_device": KwargSpec((str,), None, "where outputs go (default: where inputs came from)"),
         "prefill_threshold": KwargSpec((int,), DEFAULT_PREFILL_THRESHOLD,
                                        "calls with more tokens than this run the prefill op"),
-        # reference-system spelling, accepted for existing rule files
-        "per_layer_prefill_intput_threshold": KwargSpec((int,), None, "alias of prefill_threshold"),
     }
+
+    @classmethod
+    def can_replace(cls, module: nn.Module) -> bool:
+        from .kinds import kinds_of
+
+        return not cls.REPLACES or bool(set(cls.REPLACES) & kinds_of(module))
 
     def __init__(
         self,
@@ -109,6 +127,7 @@ class BaseInjectedModule(nn.Module):
         orig_module: nn.Module | None = None,
         prefill_device: str | torch.device | None = None,
         generate_device: str | torch.device | None = None,
+        phases: Phases | None = None,
         **kwargs,
     ):
         super().__init__()
@@ -116,14 +135,19 @@ class BaseInjectedModule(nn.Module):
         object.__setattr__(self, "key", key)
         object.__setattr__(self, "gguf_loader", gguf_loader)
         object.__setattr__(self, "config", config)
-        generate_device = torch.device(generate_device or "cpu")
-        prefill_device = torch.device(prefill_device) if prefill_device else generate_device
-        object.__setattr__(self, "generate_device", generate_device)
-        object.__setattr__(self, "prefill_device", prefill_device)
+        if phases is None:  # built outside a plan: decide here, the same way the plan does
+            gen = torch.device(generate_device or prefill_device or "cpu")
+            try:
+                phases = decide_phases(type(self), {**kwargs, "generate_device": str(gen),
+                                                    "prefill_device": str(prefill_device or gen)})
+            except PhaseError as e:
+                raise RuleError(f"{key}: {e}") from None
+        object.__setattr__(self, "phases", phases)
+        object.__setattr__(self, "generate_device", phases.generate_device)
+        object.__setattr__(self, "prefill_device", phases.prefill_device)
         out = kwargs.pop("out_device", None)
         object.__setattr__(self, "out_device", torch.device(out) if out else None)
-        thr = kwargs.pop("per_layer_prefill_intput_threshold", None)
-        thr = kwargs.pop("prefill_threshold", None) if thr is None else thr
+        thr = kwargs.pop("prefill_threshold", None)
         object.__setattr__(self, "prefill_threshold", DEFAULT_PREFILL_THRESHOLD if thr is None else int(thr))
         object.__setattr__(self, "last_phase", None)
         if orig_module is not None:
@@ -140,51 +164,34 @@ class BaseInjectedModule(nn.Module):
                     self._buffers[name] = b
                     if name in orig_module._non_persistent_buffers_set:
                         self._non_persistent_buffers_set.add(name)
-        if self.OPS is None and prefill_device != generate_device:
-            raise RuleError(
-                f"{key}: {type(self).__name__} keeps its weights on one device, but prefill_device "
-                f"{prefill_device} differs from generate_device {generate_device}"
-            )
+        kwargs.pop("generate_op", None)
+        kwargs.pop("prefill_op", None)
+        object.__setattr__(self, "op_kwargs", dict(kwargs))
         self._build_ops(kwargs)
 
     # -- ops --------------------------------------------------------------------------
     def _build_ops(self, kwargs: dict) -> None:
-        gen_name = kwargs.pop("generate_op", None) or self.DEFAULT_OP
-        has_prefill_key = "prefill_op" in kwargs
-        pre_name = kwargs.pop("prefill_op", None)
-        object.__setattr__(self, "op_kwargs", dict(kwargs))
-        if self.OPS is None:
+        ph = self.phases
+        if not ph.has_ops:
             object.__setattr__(self, "generate_op", None)
             object.__setattr__(self, "prefill_op", None)
             return
-        gen = self.make_op(gen_name, self.generate_device, kwargs)
-        if has_prefill_key and pre_name is None:
-            pre = None  # explicitly disabled: the generate op serves every call
+        gen = self._make_op(ph.generate_op, ph.generate_device, kwargs)
+        if ph.prefill_disabled:
+            pre = None  # the generate op serves every call
+        elif ph.shared:
+            pre = gen  # same computation, same place: one copy of the weights
         else:
-            pre_name = pre_name or gen_name
-            if pre_name == gen_name and self.prefill_device == self.generate_device:
-                pre = gen  # same computation, same place: one copy of the weights
-            else:
-                pre = self.make_op(pre_name, self.prefill_device, kwargs)
+            pre = self._make_op(ph.prefill_op, ph.prefill_device, kwargs)
         object.__setattr__(self, "generate_op", gen)
         object.__setattr__(self, "prefill_op", pre)
 
-    def make_op(self, name: str, device: torch.device, kwargs: dict) -> Op:
-        cls = self.resolve_op(name)
-        why = cls.check_device(device)
-        if why:
-            raise RuleError(f"{self.key}: {why}")
+    def _make_op(self, cls: type[Op], device: torch.device, kwargs: dict) -> Op:
         own = {k: v for k, v in kwargs.items() if k in cls.extra_kwargs}
-        return cls(self.key, self.config, self.orig_module, device, **own)
-
-    @classmethod
-    def resolve_op(cls, name: str) -> type[Op]:
-        assert cls.OPS is not None
-        if name in cls.OPS:
-            return cls.OPS[name]
-        from ..optimize.registry import suggest_op
-
-        raise RuleError(suggest_op(cls.__name__, name, sorted(cls.OPS)))
+        try:
+            return cls(self.key, self.config, self.orig_module, device, **own)
+        except PhaseError as e:
+            raise RuleError(f"{self.key}: {e}") from None
 
     @classmethod
     def accepted_kwargs(cls) -> dict[str, KwargSpec]:
@@ -267,5 +274,3 @@ def move_to(obj, device: torch.device):
     return obj
 
 
-def constructor_params(cls) -> set[str]:
-    return set(inspect.signature(cls.__init__).parameters)

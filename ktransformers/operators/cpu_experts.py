@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import RuleError
 from .base import KwargSpec
+from .compat import PLANNED_BACKENDS
 from .cpu_threads import kernel_pool
-from .experts import ExpertsOp, register_experts_op
+from .experts import ExpertsOp
+from .registry import register
 
 BACKEND_NAMES = ("llamafile", "AMXInt8", "AMXBF16")
 
@@ -27,35 +30,29 @@ def _kernels():
     return kernels
 
 
-def _weights_for_kernel(weights, key: str, proj: str, dtype: torch.dtype):
-    """(array, ggml type name) for one stacked projection: raw bytes when the source stores a
-    type the kernels read, else a float tensor."""
-    K = _kernels()
-    raw = weights.raw(f"{key}.{proj}") if hasattr(weights, "raw") else None
-    if raw is not None:
-        from gguf import GGMLQuantizationType
-
-        name = GGMLQuantizationType(raw.ggml_type).name
-        if name in K.TYPES:
-            return raw.data, name
+def weight_for_kernel(weights, name: str, dtype: torch.dtype):
+    """(array, ggml type) of one weight for the CPU kernels: the stored bytes when the source
+    stores a type the kernels compute on, else a float tensor (F32 for an fp32 model, else BF16)."""
+    raw = weights.raw(name)
+    if raw is not None and raw.type is not None and raw.type.kernel:
+        return raw.data, raw.type
     float_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
-    t = weights.tensor(f"{key}.{proj}", dtype=float_dtype)
+    t = weights.tensor(name, dtype=float_dtype)
     return t.contiguous(), ("F32" if float_dtype == torch.float32 else "BF16")
 
 
-@register_experts_op
+@register("KExpertsCPU")
 class KExpertsCPU(ExpertsOp):
-    name = "KExpertsCPU"
     device_kinds = ("cpu",)
     keeps_raw_weights = True
     extra_kwargs = {
         "backend": KwargSpec((str,), "llamafile", "llamafile | AMXInt8 | AMXBF16"),
     }
 
-    @staticmethod
-    def validate_kwargs(kwargs: dict):
+    @classmethod
+    def validate_kwargs(cls, kwargs: dict):
         b = kwargs.get("backend", "llamafile")
-        if b not in BACKEND_NAMES:
+        if b not in BACKEND_NAMES and b not in PLANNED_BACKENDS:
             import difflib
 
             near = difflib.get_close_matches(str(b), BACKEND_NAMES, n=1)
@@ -64,6 +61,9 @@ class KExpertsCPU(ExpertsOp):
         return None
 
     def __init__(self, key, config, orig_module, device, backend: str = "llamafile", **kwargs):
+        if backend in PLANNED_BACKENDS:  # a valid rule, but nothing to run it with yet
+            raise RuleError(f"{key}: KExpertsCPU backend '{backend}' ({PLANNED_BACKENDS[backend]}) is not built yet; "
+                            f"use {' or '.join(BACKEND_NAMES)}")
         super().__init__(key, config, orig_module, device, **kwargs)
         self.backend = backend
         self.kernel = None
@@ -74,7 +74,7 @@ class KExpertsCPU(ExpertsOp):
         arrays = {}
         types = {}
         for proj in ("gate_proj", "up_proj", "down_proj"):
-            arrays[proj], types[proj] = _weights_for_kernel(weights, self.key, proj, dtype)
+            arrays[proj], types[proj] = weight_for_kernel(weights, f"{self.key}.{proj}", dtype)
         self.pool = kernel_pool()
         try:
             self.kernel = K.MoEKernel(

@@ -1,35 +1,25 @@
-"""``KLinearCPU`` (also ``KLinearCPUInfer``): dense linear on the C++ CPU kernels, weights kept
-in their GGUF type (read in place) or as F32/BF16 when stored unquantized."""
+"""``KLinearCPU``: dense linear on the C++ CPU kernels, weights kept in their GGUF type (read in
+place) or as F32/BF16 when stored unquantized."""
 
 from __future__ import annotations
 
 import torch
 
-from .cpu_experts import _kernels
+from .cpu_experts import _kernels, weight_for_kernel
 from .cpu_threads import kernel_pool
-from .linear import LinearOp, register_linear_op
+from .linear import LinearOp
+from .registry import register
 
 
+@register("KLinearCPU")
 class KLinearCPU(LinearOp):
-    name = "KLinearCPU"
     device_kinds = ("cpu",)
     keeps_raw_weights = True
 
     def load(self, weights, dtype):
         K = _kernels()
         self.check_shape(weights, f"{self.key}.weight")
-        raw = weights.raw(f"{self.key}.weight") if hasattr(weights, "raw") else None
-        w, t = None, None
-        if raw is not None:
-            from gguf import GGMLQuantizationType
-
-            name = GGMLQuantizationType(raw.ggml_type).name
-            if name in K.TYPES:
-                w, t = raw.data, name
-        if w is None:
-            fd = torch.float32 if dtype == torch.float32 else torch.bfloat16
-            w = weights.tensor(f"{self.key}.weight", dtype=fd).contiguous()
-            t = "F32" if fd == torch.float32 else "BF16"
+        w, t = weight_for_kernel(weights, f"{self.key}.weight", dtype)
         self.pool = kernel_pool()
         try:
             self.kernel = K.LinearKernel(self.pool, "llamafile", self.in_features, self.out_features, w, t)
@@ -62,14 +52,3 @@ class KLinearCPU(LinearOp):
             y = y + self.bias.to(y.dtype)
         return y.reshape(*shape[:-1], self.out_features)
 
-
-register_linear_op(KLinearCPU)
-
-
-class KLinearCPUInfer(KLinearCPU):
-    """The reference system's name for the same op."""
-
-    name = "KLinearCPUInfer"
-
-
-register_linear_op(KLinearCPUInfer)

@@ -13,17 +13,16 @@ import torch
 import torch.nn.functional as F
 
 from .base import BaseInjectedModule, Op
+from .kinds import EMBEDDING
+from .registry import register
 
 EMBEDDING_OPS: dict[str, type[Op]] = {}
 
 
-def register_embedding_op(cls: type[Op]) -> type[Op]:
-    EMBEDDING_OPS[cls.name] = cls
-    return cls
-
-
 class EmbeddingOp(Op):
     """``forward(ids[...]) -> [..., dim]`` in the model dtype, ids on ``self.device``."""
+
+    TABLE = EMBEDDING_OPS
 
     def __init__(self, key, config, orig_module, device, **kwargs):
         super().__init__(key, config, orig_module, device, **kwargs)
@@ -40,11 +39,9 @@ class EmbeddingOp(Op):
                               f"{[self.num_embeddings, self.embedding_dim]}")
 
 
-@register_embedding_op
+@register("KEmbeddingTorch")
 class KEmbeddingTorch(EmbeddingOp):
     """The whole table dequantized once into the model dtype (any device)."""
-
-    name = "KEmbeddingTorch"
 
     def load(self, weights, dtype):
         self.check_shape(weights, f"{self.key}.weight")
@@ -54,12 +51,11 @@ class KEmbeddingTorch(EmbeddingOp):
         return F.embedding(ids, self.weight, self.padding_idx)
 
 
-@register_embedding_op
+@register("KEmbeddingQuant")
 class KEmbeddingQuant(EmbeddingOp):
     """Rows gathered from the stored blocks (zero-copy view of the file) and dequantized per call.
     Float sources (safetensors) have nothing to keep quantized: the table is held as loaded."""
 
-    name = "KEmbeddingQuant"
     device_kinds = ("cpu",)
     keeps_raw_weights = True
 
@@ -105,13 +101,16 @@ class KEmbeddingQuant(EmbeddingOp):
         self.loaded = False
 
 
+@register("KTransformersEmbedding")
 class KTransformersEmbedding(BaseInjectedModule):
     """Drop-in for ``nn.Embedding`` (incl. scaled variants such as Gemma-3's, whose
     ``embed_scale`` multiplies the rows).  kwargs: ``generate_op`` (``KEmbeddingQuant``,
     ``KEmbeddingTorch``), devices."""
 
     OPS = EMBEDDING_OPS
+    OP_TABLE_NAME = "embedding"
     DEFAULT_OP = "KEmbeddingTorch"
+    REPLACES = (EMBEDDING,)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         op = self.generate_op

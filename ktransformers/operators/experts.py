@@ -19,13 +19,10 @@ from torch import nn
 
 from ..errors import WeightError
 from .base import BaseInjectedModule, Op
+from .kinds import EXPERTS
+from .registry import register
 
 EXPERTS_OPS: dict[str, type[Op]] = {}
-
-
-def register_experts_op(cls: type[Op]) -> type[Op]:
-    EXPERTS_OPS[cls.name] = cls
-    return cls
 
 
 def experts_geometry(orig: nn.Module, config) -> tuple[int, int, int]:
@@ -41,6 +38,8 @@ def experts_geometry(orig: nn.Module, config) -> tuple[int, int, int]:
 
 class ExpertsOp(Op):
     """Base of experts ops: knows the geometry and the activation."""
+
+    TABLE = EXPERTS_OPS
 
     def __init__(self, key, config, orig_module, device, **kwargs):
         super().__init__(key, config, orig_module, device, **kwargs)
@@ -83,11 +82,9 @@ def _activation_name(act) -> str:
     return n
 
 
-@register_experts_op
+@register("KExpertsTorch")
 class KExpertsTorch(ExpertsOp):
     """Reference experts in torch: tokens grouped by expert, one GEMM per expert hit."""
-
-    name = "KExpertsTorch"
 
     def load(self, weights, dtype):
         self.check_shapes(weights)
@@ -117,6 +114,7 @@ class KExpertsTorch(ExpertsOp):
         return out.to(x.dtype)
 
 
+@register("KTransformersExperts")
 class KTransformersExperts(BaseInjectedModule):
     """Replaces a transformers 5 experts module; runs its routed experts with per-phase ops.
 
@@ -126,7 +124,9 @@ class KTransformersExperts(BaseInjectedModule):
     """
 
     OPS = EXPERTS_OPS
+    OP_TABLE_NAME = "experts"
     DEFAULT_OP = "KExpertsTorch"
+    REPLACES = (EXPERTS,)
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         return self.collect(self.submit(hidden_states, top_k_index, top_k_weights))
@@ -143,23 +143,3 @@ class KTransformersExperts(BaseInjectedModule):
     def collect(self, token) -> torch.Tensor:
         op, handle, out_device, dtype = token
         return op.collect(handle).to(device=out_device, dtype=dtype)
-
-
-# The reference system defines its MoE-block operators in this module; rule files name them
-# as ``ktransformers.operators.experts.KDeepseekV3MoE`` and so on.  They all map to the one
-# generic block operator in moe.py.
-_MOE_BLOCK_NAMES = (
-    "KDeepseekV2MoE", "KDeepseekV3MoE", "KDeepseekV3MoEV2", "KQwen2MoeSparseMoeBlock",
-    "KQwen2MoeSparseMoeBlockV2", "KQwen3MoeSparseMoeBlock", "KQwen3MoeSparseMoeBlockV2",
-    "KMistralSparseMoEBlock", "KGlm4MoeMoE",
-)
-
-
-def __getattr__(name: str):
-    if name in _MOE_BLOCK_NAMES:
-        from .moe import KMoEBlock
-
-        return KMoEBlock
-    if name == "KTransformersExpertsV2":
-        return KTransformersExperts
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

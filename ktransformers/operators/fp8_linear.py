@@ -9,9 +9,9 @@ linears, which are a small part of a DeepSeek-V3 token, while routed experts go 
 weight source's load-time dequantization (``weights/fp8.py``) to the CPU expert kernels.
 Rules that prefer speed over memory use ``KLinearTorch`` (dequantized once at load).
 
-Weights: from the source's ``fp8_raw(name)`` (``FP8DequantSource``), or an FP8 ``<name>``
-next to ``<name>_scale_inv``; a weight stored in any other precision is block-quantized at
-load with ``block_size`` (so the op always holds FP8).
+Weights: the source's ``raw(name)`` when it is FP8 with its scales (``FP8DequantSource``); a
+weight stored in any other precision is block-quantized at load with ``block_size`` (so the op
+always holds FP8).
 """
 
 from __future__ import annotations
@@ -19,30 +19,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..weights.fp8 import BLOCK, SCALE_SUFFIX, block_dequant, block_quant, is_fp8
+from ..weights.fp8 import BLOCK, block_dequant, block_quant
 from .base import KwargSpec
-from .linear import LinearOp, register_linear_op
+from .linear import LinearOp
+from .registry import register
 
 
-def _fp8_pair(weights, name: str):
-    src = getattr(weights, "source", weights)
-    getter = getattr(src, "fp8_raw", None)
-    if callable(getter):
-        pair = getter(name)
-        if pair is not None:
-            return pair
-    if weights.has(name + SCALE_SUFFIX):
-        t = weights.tensor(name)
-        if is_fp8(t):
-            return t, weights.tensor(name + SCALE_SUFFIX, dtype=torch.float32)
-    return None
-
-
-@register_linear_op
+@register("KLinearFP8")
 class KLinearFP8(LinearOp):
     """FP8 weight + 128x128 block scales, dequantized per call (CPU or CUDA)."""
-
-    name = "KLinearFP8"
     extra_kwargs = {
         "block_size": KwargSpec((int,), BLOCK, "FP8 block edge (weights quantized at load use it too)"),
     }
@@ -54,10 +39,11 @@ class KLinearFP8(LinearOp):
     def load(self, weights, dtype):
         name = f"{self.key}.weight"
         self.check_shape(weights, name)
-        pair = _fp8_pair(weights, name)
-        if pair is None:  # not stored as FP8: quantize once here
-            pair = block_quant(weights.tensor(name, dtype=torch.float32), self.block_size)
-        w, s = pair
+        raw = weights.raw(name)
+        if raw is not None and raw.is_fp8:
+            w, s = raw.data, raw.scale_inv
+        else:  # not stored as FP8: quantize once here
+            w, s = block_quant(weights.tensor(name, dtype=torch.float32), self.block_size)
         self.weight_fp8 = w.to(self.device)
         self.scale_inv = s.to(device=self.device, dtype=torch.float32)
         self.compute_dtype = dtype

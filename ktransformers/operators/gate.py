@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from .base import BaseInjectedModule
+from .kinds import ROUTER
+from .registry import register
 
 
 def _group_keep(choice: torch.Tensor, n_group: int, topk_group: int, group_scores: torch.Tensor) -> torch.Tensor:
@@ -68,8 +70,11 @@ def deepseek_v2_route(logits: torch.Tensor, top_k: int, topk_method: str, n_grou
     return weights * routed_scaling_factor, idx
 
 
+@register("KMoEGate")
 class KMoEGate(BaseInjectedModule):
-    """DeepSeek-V2/V3 / Kimi-K2 / Moonlight / GLM-4-MoE router.  kwargs: devices."""
+    """DeepSeek-V2/V3 / Kimi-K2 / Moonlight / GLM-4-MoE router (others are placed).  kwargs: devices."""
+
+    REPLACES = (ROUTER,)
 
     def forward(self, hidden_states: torch.Tensor):
         orig = self.orig_module

@@ -16,14 +16,13 @@ import torch.nn.functional as F
 
 from ..weights.dequant import dequantize
 from ..weights.ggml_types import ggml_type_info
-from .linear import LinearOp, register_linear_op
+from .linear import LinearOp
+from .registry import register
 
 
-@register_linear_op
+@register("KLinearGPUQ")
 class KLinearGPUQ(LinearOp):
     """GGUF-quantized weight resident on the device, dequantized per call (GPU or CPU)."""
-
-    name = "KLinearGPUQ"
 
     def load(self, weights, dtype):
         name = f"{self.key}.weight"

@@ -1,12 +1,14 @@
-"""RMSNorm placement operator (forward is the original's; exists for rule compatibility)."""
+"""RMSNorm placement operator (forward is the original's)."""
 
 from __future__ import annotations
 
 from .base import BaseInjectedModule
+from .kinds import NORM
+from .registry import register
 
 
+@register("KRMSNorm")
 class KRMSNorm(BaseInjectedModule):
     """Places an RMSNorm module.  kwargs: devices."""
 
-
-RMSNorm = KQwen2MoeRMSNorm = KQwen3MoeRMSNorm = KGlm4MoeRMSNorm = DeepseekV3RMSNormTorch = KRMSNorm
+    REPLACES = (NORM,)

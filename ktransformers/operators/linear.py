@@ -1,23 +1,22 @@
 """Linear layers: ``KTransformersLinear`` and its ops (``KLinearTorch`` here; CPU-kernel and
-FP8 ops register themselves into ``LINEAR_OPS`` from their own files)."""
+FP8 ops register themselves into ``LINEAR_OPS`` from their own files with ``@register``)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from .base import BaseInjectedModule, KwargSpec, Op
+from .base import BaseInjectedModule, Op
+from .kinds import LINEAR
+from .registry import register
 
 LINEAR_OPS: dict[str, type[Op]] = {}
 
 
-def register_linear_op(cls: type[Op]) -> type[Op]:
-    LINEAR_OPS[cls.name] = cls
-    return cls
-
-
 class LinearOp(Op):
     """A linear op: ``forward(x[..., in]) -> y[..., out]`` with x already on ``self.device``."""
+
+    TABLE = LINEAR_OPS
 
     def __init__(self, key, config, orig_module, device, **kwargs):
         super().__init__(key, config, orig_module, device, **kwargs)
@@ -39,11 +38,9 @@ class LinearOp(Op):
         raise NotImplementedError
 
 
-@register_linear_op
+@register("KLinearTorch")
 class KLinearTorch(LinearOp):
     """Dequantized weight in the model dtype, ``torch.nn.functional.linear`` (CPU or CUDA)."""
-
-    name = "KLinearTorch"
 
     def load(self, weights, dtype):
         self.check_shape(weights, f"{self.key}.weight")
@@ -56,6 +53,7 @@ class KLinearTorch(LinearOp):
         return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
 
 
+@register("KTransformersLinear")
 class KTransformersLinear(BaseInjectedModule):
     """Drop-in for ``nn.Linear`` whose weights live in per-phase ops.
 
@@ -63,7 +61,9 @@ class KTransformersLinear(BaseInjectedModule):
     """
 
     OPS = LINEAR_OPS
+    OP_TABLE_NAME = "linear"
     DEFAULT_OP = "KLinearTorch"
+    REPLACES = (LINEAR,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.numel() // x.shape[-1] if x.dim() > 0 else 1

@@ -13,10 +13,15 @@ import torch
 import torch.nn.functional as F
 
 from .base import BaseInjectedModule
+from .kinds import MOE_BLOCK
+from .registry import register
 
 
+@register("KMoEBlock")
 class KMoEBlock(BaseInjectedModule):
     """Sparse MoE block with routed/shared overlap.  kwargs: devices only."""
+
+    REPLACES = (MOE_BLOCK,)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape

@@ -30,8 +30,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "check":
             from .rules import load_rules
 
+            from .explain import alias_lines
+
             rules = load_rules(args.rules)
             print(f"{args.rules}: {len(rules)} rule(s), all valid")
+            for line in alias_lines(rules):
+                print(f"  {line}")
             return 0
         return _explain(args)
     except KTError as err:

@@ -31,6 +31,7 @@ class Explanation:
     bytes_per_device: dict[str, int]
     unmatched: list[int] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    aliases: list[str] = field(default_factory=list)  # reference-system names used, one line each
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
@@ -49,11 +50,10 @@ def explain_plan(model: nn.Module, plan: Plan, weights=None) -> Explanation:
     rows: dict[str, Row] = {}
     for name, p in plan.placements.items():
         if p.rule is not None or not name:
-            pre_op, gen_op = p.phase_ops()
             rows[name] = Row(
                 module=name or "<model>", module_class=p.module_class, operator=p.operator_name,
                 rule=p.rule.index if p.rule else None,
-                prefill=f"{p.prefill_device}/{pre_op}", generate=f"{p.generate_device}/{gen_op}",
+                prefill=p.phases.label("prefill", p.operator_name), generate=p.phases.label("generate", p.operator_name),
                 bytes_per_device={},
             )
             owner[name] = name
@@ -70,10 +70,7 @@ def explain_plan(model: nn.Module, plan: Plan, weights=None) -> Explanation:
         tensors = [(f"{name}.{n}" if name else n, t) for n, t in module.named_parameters(recurse=False)]
         tensors += [(f"{name}.{n}" if name else n, t) for n, t in module.named_buffers(recurse=False)
                     if n not in module._non_persistent_buffers_set]
-        op_devices = [p.generate_device]
-        if p.operator is not None and getattr(p.operator, "OPS", None) is not None and p.prefill_op is not None \
-                and (p.prefill_device != p.generate_device or p.prefill_op != p.generate_op):
-            op_devices.append(p.prefill_device)
+        op_devices = p.phases.weight_devices()
         for full, t in tensors:
             nbytes = _stored_bytes(weights, full, t, p)
             for dev in op_devices:
@@ -81,7 +78,17 @@ def explain_plan(model: nn.Module, plan: Plan, weights=None) -> Explanation:
                 totals[str(dev)] = totals.get(str(dev), 0) + nbytes
     counts = [(r.index, r.where(), len(plan.matches.get(r.index, [])), r.describe_match()) for r in plan.rules]
     unmatched = [r.index for r in plan.unmatched_rules()]
-    return Explanation(counts, list(rows.values()), totals, unmatched, notes=_kv_cache_notes(model))
+    return Explanation(counts, list(rows.values()), totals, unmatched, notes=_kv_cache_notes(model),
+                       aliases=alias_lines(plan.rules))
+
+
+def alias_lines(rules) -> list[str]:
+    """One line per reference-system name the rules used: ``KLinearMarlin → KLinearGPUQ (GPU quantized linear)``."""
+    seen: dict[tuple[str, str], str] = {}
+    for r in rules:
+        for theirs, ours, what in r.aliases:
+            seen.setdefault((theirs, ours), what)
+    return [f"{theirs} → {ours} ({what})" for (theirs, ours), what in seen.items()]
 
 
 def _kv_cache_notes(model: nn.Module) -> list[str]:
@@ -98,11 +105,9 @@ def _kv_cache_notes(model: nn.Module) -> list[str]:
 
 
 def _stored_bytes(weights, full: str, t: torch.Tensor, p) -> int:
-    if weights is not None and p.operator is not None:
-        op_cls = None
-        ops = getattr(p.operator, "OPS", None) or {}
-        op_cls = ops.get(p.generate_op or "")
-        if op_cls is not None and getattr(op_cls, "keeps_raw_weights", False):
+    if weights is not None:
+        op_cls = p.phases.generate_op
+        if op_cls is not None and op_cls.keeps_raw_weights:
             raw = None
             try:
                 raw = weights.raw(full)
@@ -144,7 +149,12 @@ def compact_rows(rows: list[Row]) -> list[Row]:
 
 
 def format_explanation(ex: Explanation, compact: bool = False) -> str:
-    out = ["Rules:"]
+    out = []
+    if ex.aliases:
+        out.append("Reference-system names:")
+        out += [f"  {line}" for line in ex.aliases]
+        out.append("")
+    out.append("Rules:")
     for index, where, count, desc in ex.rule_counts:
         flag = "  <-- matches nothing" if count == 0 else ""
         out.append(f"  #{index:<3} {count:>5} module(s)  {desc}  [{where}]{flag}")

@@ -89,9 +89,6 @@ class ModelWeights:
     def raw(self, name):
         return self.source.raw(self._name(name))
 
-    def expert_slice(self, name, expert, dtype=None, device=None):
-        return self.source.expert_slice(self._name(name), expert, dtype=dtype, device=device)
-
 
 @dataclass
 class LoadReport:
@@ -170,10 +167,14 @@ def apply_plan(model: nn.Module, plan: Plan, source=None) -> None:
     """Swap in the operators of the plan, top-down (children of replaced modules keep their names)."""
     for p in plan.injected():
         orig = model.get_submodule(p.name) if p.name else model
+        if issubclass(p.operator, BaseInjectedModule):
+            decided = {"phases": p.phases}  # construction reads the plan's decision
+        else:  # a third-party module: the rule's op names as written
+            decided = {k: p.rule.kwargs[k] for k in ("generate_op", "prefill_op") if k in p.rule.kwargs}
         try:
             new = p.operator(
                 key=p.name, gguf_loader=source, config=model.config, orig_module=orig,
-                prefill_device=p.prefill_device, generate_device=p.generate_device, **p.kwargs,
+                prefill_device=p.prefill_device, generate_device=p.generate_device, **decided, **p.kwargs,
             )
         except KTError as e:
             raise RuleError(f"{p.rule.where()}: {e}") from None

@@ -20,7 +20,12 @@ import torch
 from torch import nn
 
 from ..errors import RuleError
+from ..operators.kinds import describe, kinds_of
+from ..operators.phases import PhaseError, Phases, decide_phases
 from .rules import Rule, load_rules
+
+#: rule kwargs the phase decision consumes (the operator gets the decision, not these)
+PHASE_KWARGS = ("device", "generate_device", "prefill_device", "generate_op", "prefill_op")
 
 
 @dataclass
@@ -29,21 +34,29 @@ class Placement:
     module_class: str
     rule: Rule | None  # the rule that matched this module; None when inherited
     operator: type | None  # injected class; None keeps the module
-    generate_device: torch.device
-    prefill_device: torch.device
-    generate_op: str | None = None
-    prefill_op: str | None = None
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    phases: Phases  # devices and ops of both phases, decided once
+    kwargs: dict[str, Any] = field(default_factory=dict)  # the operator's constructor kwargs
     from_ancestor: str | None = None  # name of the matched ancestor whose placement applies
 
     @property
     def operator_name(self) -> str:
         return self.operator.__name__ if self.operator is not None else "default"
 
-    def phase_ops(self) -> tuple[str, str]:
-        gen = self.generate_op or self.operator_name
-        pre = self.prefill_op or gen
-        return pre, gen
+    @property
+    def generate_device(self) -> torch.device:
+        return self.phases.generate_device
+
+    @property
+    def prefill_device(self) -> torch.device:
+        return self.phases.prefill_device
+
+    @property
+    def generate_op(self) -> str | None:
+        return self.phases.generate_op.name if self.phases.generate_op is not None else None
+
+    @property
+    def prefill_op(self) -> str | None:
+        return self.phases.prefill_op.name if self.phases.prefill_op is not None else None
 
 
 @dataclass
@@ -72,7 +85,7 @@ def plan_model(model: nn.Module, rules, default_device: str | torch.device = "cp
     default_device = torch.device(default_device)
     placements: dict[str, Placement] = {}
     matches: dict[int, list[str]] = {r.index: [] for r in rules}
-    root = Placement("", type(model).__name__, None, None, default_device, default_device)
+    root = Placement("", type(model).__name__, None, None, Phases(default_device, default_device))
 
     def visit(name: str, module: nn.Module, parent: Placement, active: bool) -> None:
         rule = next((r for r in rules if r.matches(name, module)), None) if active else None
@@ -82,7 +95,7 @@ def plan_model(model: nn.Module, rules, default_device: str | torch.device = "cp
         else:
             anc = parent.name if (parent.rule is not None) else parent.from_ancestor
             dev = parent.generate_device
-            place = Placement(name, type(module).__name__, None, None, dev, dev, from_ancestor=anc)
+            place = Placement(name, type(module).__name__, None, None, Phases(dev, dev), from_ancestor=anc)
         placements[name] = place
         child_active = active and (rule is None or rule.recursive)
         for child_name, child in module.named_children():
@@ -93,42 +106,22 @@ def plan_model(model: nn.Module, rules, default_device: str | torch.device = "cp
 
 
 def _from_rule(name: str, module: nn.Module, rule: Rule, parent: Placement) -> Placement:
-    kw = dict(rule.kwargs)
-    dev = kw.pop("device", None) or rule.device
-    gen = kw.pop("generate_device", None) or dev
-    pre = kw.pop("prefill_device", None) or dev
-    if gen is None and pre is None:
-        gen_d = parent.generate_device
-        pre_d = parent.prefill_device if parent.operator is not None else gen_d
-    else:
-        gen_d = torch.device(gen or pre)
-        pre_d = torch.device(pre or gen)
     cls = rule.replace_class
-    gen_op = pre_op = None
-    ops = getattr(cls, "OPS", None) if cls is not None else None
-    if ops is not None:
-        gen_op = kw.get("generate_op") or cls.DEFAULT_OP
-        if "prefill_op" in kw and kw["prefill_op"] is None:
-            pre_op = None
-        else:
-            pre_op = kw.get("prefill_op") or gen_op
-    elif cls is not None and gen_d != pre_d:
+    if cls is not None and hasattr(cls, "can_replace") and not cls.can_replace(module):
         raise RuleError(
-            f"{rule.where('replace.kwargs')}: {cls.__name__} keeps its weights on one device, but "
-            f"prefill_device {pre_d} differs from generate_device {gen_d} (matched '{name}')"
+            f"{rule.where('replace.class')}: {cls.__name__} replaces a {describe(cls.REPLACES)}, but '{name}' is "
+            f"a {type(module).__name__} ({describe(kinds_of(module))})"
         )
-    elif cls is None and gen_d != pre_d:
-        raise RuleError(
-            f"{rule.where('replace.kwargs')}: 'default' keeps the module on one device, but prefill_device "
-            f"{pre_d} differs from generate_device {gen_d} (matched '{name}')"
-        )
-    if cls is not None:
-        # keep the kwargs the operator's constructor gets: devices are passed separately
-        kw = {k: v for k, v in rule.kwargs.items() if k not in ("device", "generate_device", "prefill_device")}
-    return Placement(
-        name=name, module_class=type(module).__name__, rule=rule, operator=cls,
-        generate_device=gen_d, prefill_device=pre_d, generate_op=gen_op, prefill_op=pre_op, kwargs=kw,
-    )
+    inherited = (parent.generate_device,
+                 parent.prefill_device if parent.operator is not None else parent.generate_device)
+    try:
+        phases = decide_phases(cls, rule.kwargs, rule.device, inherited)
+    except PhaseError as e:
+        raise RuleError(f"{rule.where('replace.kwargs')}: {e} (matched '{name}')") from None
+    # the operator's constructor gets the rest: devices and ops are in ``phases``
+    kw = {k: v for k, v in rule.kwargs.items() if k not in PHASE_KWARGS}
+    return Placement(name=name, module_class=type(module).__name__, rule=rule, operator=cls, phases=phases,
+                     kwargs=kw)
 
 
 def check_devices_available(plan: Plan) -> None:

@@ -18,6 +18,7 @@ rule index and key.
 from __future__ import annotations
 
 import difflib
+import importlib
 import os
 import re
 from dataclasses import dataclass, field
@@ -27,8 +28,12 @@ from typing import Any
 import torch
 import yaml
 
+from torch import nn
+
 from ..errors import RuleError
-from .registry import resolve_match_class, resolve_operator
+from ..operators import compat
+from ..operators.phases import PhaseError, decide_phases
+from ..operators.registry import resolve_op, resolve_operator
 
 RULE_KEYS = ("match", "replace", "recursive")
 MATCH_KEYS = ("name", "class")
@@ -44,7 +49,7 @@ class Rule:
     source: str  # file path or "<string>"
     line: int
     name_pattern: re.Pattern | None
-    match_class: type | str | None
+    match_class: tuple[type, ...] | str | None  # classes (isinstance) or a bare class name
     match_class_text: str | None
     replace_text: str  # as written ("default" when absent)
     replace_class: type | None  # None: keep the module ("default")
@@ -52,6 +57,8 @@ class Rule:
     kwargs: dict[str, Any]
     recursive: bool
     key_lines: dict[str, int] = field(default_factory=dict)
+    #: reference-system names this rule used: (their name, ours, what it does)
+    aliases: list[tuple[str, str, str]] = field(default_factory=list)
 
     def where(self, key: str | None = None) -> str:
         line = self.key_lines.get(key, self.line) if key else self.line
@@ -65,7 +72,7 @@ class Rule:
             if isinstance(self.match_class, str):
                 if not any(c.__name__ == self.match_class for c in type(module).__mro__):
                     return False
-            elif not isinstance(module, self.match_class):
+            elif not isinstance(module, self.match_class):  # a tuple of classes
                 return False
         return True
 
@@ -169,26 +176,13 @@ def _parse_rule(node, index: int, source: str) -> Rule:
         raise err("match", "needs at least one of 'name' or 'class'", _line(mnode))
     pattern = None
     if "name" in match:
-        kn, vn = match["name"]
-        text = _construct(vn)
-        if not isinstance(text, str):
-            raise err("match.name", f"must be a string (a regular expression), not {type(text).__name__}", _line(vn))
-        try:
-            pattern = re.compile(text)
-        except re.error as e:
-            raise err("match.name", f"regular expression '{text}' does not compile: {e}", _line(vn)) from None
-        key_lines["match.name"] = _line(vn)
+        _, pattern, key_lines["match.name"] = _value(
+            match["name"], "match.name", str, lambda v: f"must be a string (a regular expression), not "
+                                                       f"{type(v).__name__}", _compile, err)
     mclass, mclass_text = None, None
     if "class" in match:
-        kn, vn = match["class"]
-        mclass_text = _construct(vn)
-        if not isinstance(mclass_text, str):
-            raise err("match.class", "must be a class path string", _line(vn))
-        try:
-            mclass = resolve_match_class(mclass_text)
-        except RuleError as e:
-            raise err("match.class", str(e), _line(vn)) from None
-        key_lines["match.class"] = _line(vn)
+        mclass_text, mclass, key_lines["match.class"] = _value(
+            match["class"], "match.class", str, lambda v: "must be a class path string", resolve_match_class, err)
 
     # replace
     _, rnode = items["replace"]
@@ -198,15 +192,14 @@ def _parse_rule(node, index: int, source: str) -> Rule:
             raise _unknown_key(source, kn, key, REPLACE_KEYS, index, "replace")
     rtext = "default"
     rclass = None
+    aliases: list[tuple[str, str, str]] = []
     if "class" in replace:
-        _, vn = replace["class"]
-        rtext = _construct(vn)
-        if not isinstance(rtext, str):
-            raise err("replace.class", "must be a class path string or 'default'", _line(vn))
-        try:
-            rclass = resolve_operator(rtext)
-        except RuleError as e:
-            raise err("replace.class", str(e), _line(vn)) from None
+        rtext, resolved, key_lines["replace.class"] = _value(
+            replace["class"], "replace.class", str, lambda v: "must be a class path string or 'default'",
+            resolve_operator, err)
+        rclass = resolved.cls
+        if resolved.alias:
+            aliases.append(resolved.alias)
     device = None
     if "device" in replace:
         _, vn = replace["device"]
@@ -219,18 +212,86 @@ def _parse_rule(node, index: int, source: str) -> Rule:
         if not isinstance(kwargs, dict):
             raise err("replace.kwargs", "must be a mapping", _line(vn))
         klines = {str(_construct(k)): _line(k) for k, _ in vn.value} if isinstance(vn, yaml.MappingNode) else {}
+        kwargs, renamed = compat.normalize_kwargs(kwargs)
+        for theirs, ours, what in renamed:
+            klines.setdefault(ours, klines.get(theirs.partition(":")[0], 0))
+            aliases.append((theirs, ours, what))
         _check_kwargs(rclass, rtext, kwargs, klines, source, index, device)
+        aliases += _op_aliases(rclass, kwargs)
+        key_lines.update({f"replace.kwargs.{k}": v for k, v in klines.items()})
     recursive = True
     if "recursive" in items:
-        _, vn = items["recursive"]
-        recursive = _construct(vn)
-        if not isinstance(recursive, bool):
-            raise err("recursive", f"must be true or false, not {recursive!r}", _line(vn))
+        recursive = _value(items["recursive"], "recursive", bool, lambda v: f"must be true or false, not {v!r}",
+                           lambda v: v, err)[0]
     return Rule(
         index=index, source=source, line=_line(node), name_pattern=pattern, match_class=mclass,
         match_class_text=mclass_text, replace_text=rtext, replace_class=rclass, device=device,
-        kwargs=kwargs, recursive=recursive, key_lines=key_lines,
+        kwargs=kwargs, recursive=recursive, key_lines=key_lines, aliases=aliases,
     )
+
+
+def _value(pair, key: str, kind: type, wrong_kind, resolve, err):
+    """(value, resolve(value), line) of a rule value; errors name the key and the value's line."""
+    _, vn = pair
+    value = _construct(vn)
+    if not isinstance(value, kind):
+        raise err(key, wrong_kind(value), _line(vn))
+    try:
+        return value, resolve(value), _line(vn)
+    except RuleError as e:
+        raise err(key, str(e), _line(vn)) from None
+
+
+def _compile(text: str) -> re.Pattern:
+    try:
+        return re.compile(text)
+    except re.error as e:
+        raise RuleError(f"regular expression '{text}' does not compile: {e}") from None
+
+
+def resolve_match_class(text: str) -> tuple[type, ...] | str:
+    """Classes for ``match.class``; a bare name is returned as a string and matched by class name."""
+    if "." not in text:
+        return text
+    classes = compat.resolve_class_path(text)
+    if classes is None:
+        mod_name, _, attr = text.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(mod_name), attr, None)
+        except ImportError:
+            cls = None
+        classes = (cls,) if cls is not None else ()
+    if not classes:
+        raise RuleError(f"class '{text}' cannot be imported{_did_you_mean_module(text)}")
+    for cls in classes:
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise RuleError(f"'{text}' is not a torch.nn.Module class")
+    return classes
+
+
+def _did_you_mean_module(text: str) -> str:
+    mod_name, _, leaf = text.rpartition(".")
+    mod_name = compat.MODULE_PATHS.get(mod_name, mod_name)
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError:
+        return f" (module '{mod_name}' not found)"
+    names = [n for n in dir(mod) if isinstance(getattr(mod, n, None), type)]
+    near = difflib.get_close_matches(leaf, names, n=1, cutoff=0.5)
+    return f"; did you mean '{text.rpartition('.')[0]}.{near[0]}'?" if near else f" (no class '{leaf}' in {mod_name})"
+
+
+def _op_aliases(cls, kwargs: dict) -> list[tuple[str, str, str]]:
+    out = []
+    if getattr(cls, "OPS", None) is None:
+        return out
+    for key in ("generate_op", "prefill_op"):
+        name = kwargs.get(key)
+        if name:
+            alias = resolve_op(cls, name)[1]
+            if alias is not None and alias not in out:
+                out.append(alias)
+    return out
 
 
 def _check_device(value, fail) -> None:
@@ -254,10 +315,10 @@ def _check_kwargs(cls, rtext: str, kwargs: dict, klines: dict[str, int], source:
                 raise fail(key, f"'default' keeps the module as it is and takes only devices "
                                 f"({', '.join(allowed)})")
             _check_device(value, lambda m: fail(key, m))
-        g, p = kwargs.get("generate_device"), kwargs.get("prefill_device")
-        if g and p and torch.device(g) != torch.device(p):
-            raise fail("prefill_device", f"'default' keeps the module on one device; prefill_device {p} "
-                                         f"differs from generate_device {g} (use an operator to switch per phase)")
+        try:
+            decide_phases(None, kwargs, device)
+        except PhaseError as e:
+            raise fail(e.key, str(e)) from None
         return
     spec = cls.accepted_kwargs() if hasattr(cls, "accepted_kwargs") else None
     if spec is None:
@@ -273,41 +334,7 @@ def _check_kwargs(cls, rtext: str, kwargs: dict, klines: dict[str, int], source:
             raise fail(key, f"must be {names}, not {value!r}")
         if key in DEVICE_KWARGS and value is not None:
             _check_device(value, lambda m: fail(key, m))
-    ops = getattr(cls, "OPS", None)
-    if ops is not None:
-        for key in ("generate_op", "prefill_op"):
-            name = kwargs.get(key)
-            if name is not None and name not in ops:
-                from .registry import suggest_op
-
-                raise fail(key, suggest_op(cls.__name__, name, sorted(ops)))
-        chosen = {}
-        for key in ("generate_op", "prefill_op"):
-            if key == "prefill_op" and "prefill_op" in kwargs and kwargs["prefill_op"] is None:
-                continue  # disabled: the generate op serves both phases
-            name = kwargs.get(key) or (cls.DEFAULT_OP if key == "generate_op" else kwargs.get("generate_op")
-                                       or cls.DEFAULT_OP)
-            op = ops.get(name) if name else None
-            if op is None:
-                continue
-            chosen[key] = op
-            # the op must be able to run where this rule puts its phase
-            phase_dev = kwargs.get(key.replace("_op", "_device")) or kwargs.get("device") or device
-            if phase_dev is not None and hasattr(op, "check_device"):
-                why = op.check_device(torch.device(phase_dev))
-                if why:
-                    raise fail(key, why)
-            # an op may check its own kwargs' values: validate_kwargs(kwargs) -> (key, message) | None
-            validate = getattr(op, "validate_kwargs", None)
-            problem = validate(kwargs) if validate is not None else None
-            if problem:
-                raise fail(problem[0], problem[1])
-        # a kwarg only some op understands must belong to an op this rule actually uses
-        own = set(getattr(cls, "COMMON_KWARGS", {})) | set(getattr(cls, "KWARGS", {}))
-        for key in kwargs:
-            if key in own:
-                continue
-            if not any(key in op.extra_kwargs for op in chosen.values()):
-                users = sorted(n for n, o in ops.items() if key in o.extra_kwargs)
-                used = ", ".join(sorted({o.name for o in chosen.values()})) or "none"
-                raise fail(key, f"only {', '.join(users)} take(s) '{key}', but this rule's ops are {used}")
+    try:
+        decide_phases(cls, kwargs, device)
+    except PhaseError as e:
+        raise fail(e.key, str(e)) from None

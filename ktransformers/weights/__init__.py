@@ -44,7 +44,8 @@ def open_weights(path: str | os.PathLike) -> WeightSource:
 
 def _safetensors(p: Path) -> WeightSource:
     """A safetensors source; FP8 block-quantized checkpoints (``*_scale_inv`` tensors, as
-    DeepSeek-V3 publishes them) are served dequantized, with ``fp8_raw`` for ops keeping FP8."""
+    DeepSeek-V3 publishes them) are served dequantized; ``raw()`` gives ops that keep FP8 the weight
+    with its scales."""
     from .fp8 import SCALE_SUFFIX, FP8DequantSource
     from .safetensors_source import SafetensorsSource
 

@@ -6,7 +6,7 @@ reference (``gguf.quants``) operation for operation -- same products, same order
 are bit-identical to ``gguf.quants.dequantize`` (checked by ``tests/weights/test_dequant.py``).
 
 The public entry point is :func:`dequantize` (whole tensors, chunked so the extra memory stays
-bounded); block sizes and the type -> function table live in :mod:`.ggml_types`.
+bounded); block sizes live in :mod:`.ggml_types`, the type -> function table here.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import warnings
 
 import numpy as np
 import torch
+
+from .ggml_types import ggml_type_info
 
 logger = logging.getLogger(__name__)
 
@@ -221,6 +223,24 @@ def _deq_iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
 
 #: values dequantized per step by :func:`dequantize`: small enough that the temporaries of one
 #: chunk stay in cache (measured fastest on CPU), large enough that per-op overhead is negligible
+def _plain(torch_dtype):
+    def fn(blocks: torch.Tensor) -> torch.Tensor:
+        return blocks.contiguous().view(torch_dtype).to(torch.float32)
+
+    return fn
+
+
+#: ggml type name -> torch block function (the other types fall back to gguf-py's numpy code)
+TORCH_DEQUANTIZERS = {
+    "F32": _deq_f32, "F16": _deq_f16, "BF16": _deq_bf16, "Q4_0": _deq_q4_0, "Q4_1": _deq_q4_1,
+    "Q5_0": _deq_q5_0, "Q5_1": _deq_q5_1, "Q8_0": _deq_q8_0, "Q2_K": _deq_q2_k, "Q3_K": _deq_q3_k,
+    "Q4_K": _deq_q4_k, "Q5_K": _deq_q5_k, "Q6_K": _deq_q6_k, "IQ4_NL": _deq_iq4_nl, "IQ4_XS": _deq_iq4_xs,
+    "I8": _plain(torch.int8), "I16": _plain(torch.int16), "I32": _plain(torch.int32),
+    "I64": _plain(torch.int64), "F64": _plain(torch.float64),
+}
+#: the types expanded in torch (bit-exact with gguf-py)
+TORCH_DEQUANT_TYPES = tuple(TORCH_DEQUANTIZERS)
+
 DEFAULT_CHUNK_ELEMS = 1 << 17
 
 _warned_fallback: set[str] = set()
@@ -262,19 +282,14 @@ def _gguf_py_blocks(ggml_type, name: str):
 
 def block_dequantizer(ggml_type):
     """The block function for a ggml type (ours, else gguf-py's fallback); raises UnsupportedTypeError."""
-    from .ggml_types import ggml_type_info
-
     info = ggml_type_info(ggml_type)
-    if info.dequant is not None:
-        return info.dequant
+    fn = TORCH_DEQUANTIZERS.get(info.name)
+    if fn is not None:
+        return fn
     import gguf.quants
 
-    try:
-        qtype = gguf.GGMLQuantizationType(info.id)
-    except ValueError:
-        qtype = None
-    if qtype is not None and qtype in gguf.quants._type_traits:
-        return _gguf_py_blocks(qtype, info.name)
+    if info.qtype in gguf.quants._type_traits:
+        return _gguf_py_blocks(info.qtype, info.name)
     raise UnsupportedTypeError(f"ggml type {info.name} ({info.id}) cannot be dequantized")
 
 
@@ -295,8 +310,6 @@ def dequantize(
     output stays bounded whatever the tensor size.  F32 input asked for as float32 on the CPU is
     returned zero-copy.
     """
-    from .ggml_types import ggml_type_info
-
     info = ggml_type_info(ggml_type)
     src = _as_uint8_tensor(data)
     nbytes = src.numel()

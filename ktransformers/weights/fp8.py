@@ -7,21 +7,18 @@ Format (the DeepSeek-V3/R1 and Kimi-K2 safetensors releases, ``quantization_conf
 ``<name>.weight_scale_inv`` ``float32 [ceil(out/128), ceil(in/128)]``; the real weight is
 ``W[i, j] = fp8[i, j] * scale_inv[i // 128, j // 128]`` (edge blocks are partial).
 
-Hook for weight sources: ``dequant_if_fp8(tensor, key, read)`` turns an FP8 tensor into
-float when its ``<key>_scale_inv`` exists; ``FP8DequantSource`` wraps any ``WeightSource``
-with it (plain tensors and per-expert stacks), hides the ``*_scale_inv`` names and offers
-``fp8_raw(name)`` to ops that keep the FP8 bytes.
+``FP8DequantSource`` wraps any ``WeightSource`` whose tensors may be FP8: it serves them
+dequantized (plain tensors and per-expert stacks), hides the ``*_scale_inv`` names, and hands
+ops that keep FP8 the stored weight with its scales through ``raw()`` (a :class:`RawTensor`).
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import WeightError
-from .source import WeightSource
+from .source import RawTensor, WeightSource
 
 BLOCK = 128
 SCALE_SUFFIX = "_scale_inv"
@@ -85,20 +82,6 @@ def block_quant(weight: torch.Tensor, block_size=BLOCK, fp8_dtype: torch.dtype |
     return q, scale_inv.contiguous()
 
 
-def dequant_if_fp8(tensor: torch.Tensor, key: str, read: Callable[[str], torch.Tensor | None],
-                   block_size=BLOCK) -> torch.Tensor:
-    """The hook a safetensors source calls on every tensor it reads: an FP8 ``tensor`` stored
-    under ``key`` is dequantized with ``read(key + "_scale_inv")`` (fp32); anything else is
-    returned unchanged.  ``read`` returns None when the scale is absent (then the FP8 tensor
-    is an error: its values alone are meaningless)."""
-    if not is_fp8(tensor):
-        return tensor
-    scale = read(key + SCALE_SUFFIX)
-    if scale is None:
-        raise WeightError(f"tensor '{key}' is {tensor.dtype} but '{key}{SCALE_SUFFIX}' is missing")
-    return block_dequant(tensor, scale, block_size)
-
-
 def checkpoint_block_size(config) -> tuple[int, int]:
     """``weight_block_size`` of a config's ``quantization_config`` (default 128x128)."""
     qc = getattr(config, "quantization_config", None) or {}
@@ -112,7 +95,7 @@ class FP8DequantSource(WeightSource):
     """Wraps a source whose tensors may be FP8 + ``*_scale_inv``: serves them dequantized
     (float32), including per-expert stacks (``<experts>.gate_proj`` from ``experts.E.gate_proj.weight``
     and their per-expert scales), so every op — CPU expert kernels included — sees plain
-    floats.  ``fp8_raw(name)`` returns ``(fp8, scale_inv)`` for ops that keep FP8."""
+    floats.  ``raw(name)`` returns the FP8 weight with its scales for ops that keep FP8."""
 
     def __init__(self, inner: WeightSource, block_size=BLOCK):
         if isinstance(inner, FP8DequantSource):  # open_weights already wraps FP8 checkpoints
@@ -134,17 +117,17 @@ class FP8DequantSource(WeightSource):
                 return torch.stack([self.inner.tensor(n, dtype=torch.float32) for n in names])
         return None
 
-    def fp8_raw(self, name: str):
-        """(fp8 tensor, fp32 scale_inv) when ``name`` is stored as FP8, else None."""
+    def raw(self, name: str) -> RawTensor | None:
+        """The FP8 weight with its fp32 ``scale_inv`` when ``name`` is stored as FP8; else the inner raw."""
         if not self.inner.has(name):
             return None
         t = self.inner.tensor(name)
         if not is_fp8(t):
-            return None
+            return self.inner.raw(name)
         scale = self._scale(name, t.shape[0] if t.dim() == 3 else None)
         if scale is None:
             raise WeightError(f"{self.path}: tensor '{name}' is {t.dtype} but has no '{SCALE_SUFFIX}' scales")
-        return t, scale
+        return RawTensor(name, t, None, tuple(t.shape), scale_inv=scale)
 
     def _has_native(self, name):
         if name.endswith(SCALE_SUFFIX):
@@ -159,26 +142,13 @@ class FP8DequantSource(WeightSource):
         return self.inner.shape(name)
 
     def _load_native(self, name):
-        raw = self.fp8_raw(name)
-        if raw is not None:
-            return block_dequant(raw[0], raw[1], self.block_size)
+        raw = self.raw(name)
+        if raw is not None and raw.is_fp8:
+            return block_dequant(raw.data, raw.scale_inv, self.block_size)
         return self.inner.tensor(name)
-
-    def expert_slice(self, name, expert, dtype=None, device=None):
-        t = self.inner.expert_slice(name, expert)
-        if is_fp8(t):
-            base, _, proj = name.rpartition(".")
-            s = f"{base}.{expert}.{proj}.weight{SCALE_SUFFIX}"
-            if not self.inner.has(s):
-                return super().expert_slice(name, expert, dtype, device)
-            t = block_dequant(t, self.inner.tensor(s, dtype=torch.float32), self.block_size)
-        return t.to(dtype=dtype or t.dtype, device=device or "cpu").contiguous()
 
     def names(self):
         return [n for n in self.inner.names() if not n.endswith(SCALE_SUFFIX)]
-
-    def raw(self, name):
-        return self.inner.raw(name)
 
     def config(self):
         return self.inner.config()
@@ -188,13 +158,3 @@ class FP8DequantSource(WeightSource):
 
     def describe(self):
         return f"FP8DequantSource({self.inner.describe()})"
-
-
-def open_fp8_aware(path) -> WeightSource:
-    """``open_weights(path)``, wrapped in ``FP8DequantSource`` when it holds ``*_scale_inv`` tensors."""
-    from . import open_weights
-
-    src = open_weights(path)
-    if any(n.endswith(SCALE_SUFFIX) for n in src.names()):
-        return FP8DequantSource(src)
-    return src

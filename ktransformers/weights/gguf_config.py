@@ -28,6 +28,7 @@ from typing import Any, Mapping
 import torch
 
 from ..errors import WeightError
+from .gguf_names import SUPPORTED_ARCHS
 
 # llama.cpp's gemma3 constants (not stored in the file): local (sliding) rope base and SWA pattern
 GEMMA3_ROPE_LOCAL_BASE = 10000.0
@@ -97,10 +98,10 @@ def config_from_metadata(
     arch = meta.get("general.architecture")
     if arch is None:
         raise WeightError(f"{where}: GGUF metadata lacks 'general.architecture'")
-    if arch not in _SUPPORTED:
+    if arch not in SUPPORTED_ARCHS:
         raise WeightError(
             f"{where}: GGUF architecture '{arch}' is not supported "
-            "(supported: llama, mixtral-style llama, qwen2, qwen3, qwen2moe, qwen3moe, deepseek2, gemma3)"
+            f"(supported: {', '.join(SUPPORTED_ARCHS)}; llama includes mixtral-style MoE)"
         )
     md = _Meta(meta, arch, where)
 
@@ -267,8 +268,6 @@ def config_from_metadata(
     cfg.architectures = [_ARCH_CLASS[type(cfg).__name__]]
     return cfg
 
-
-_SUPPORTED = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "deepseek2", "gemma3")
 
 _ARCH_CLASS = {
     "LlamaConfig": "LlamaForCausalLM",

@@ -42,8 +42,8 @@ MODEL_TYPE_TO_ARCH = {
     "gemma3": "gemma3",
 }
 
-_COMMON_BLOCK = [
-    # (gguf leaf without .weight/.bias, hf leaf without .weight/.bias)
+# (gguf leaf without .weight/.bias, hf leaf without .weight/.bias)
+_ATTENTION = [
     ("attn_norm", "input_layernorm"),
     ("attn_q", "self_attn.q_proj"),
     ("attn_k", "self_attn.k_proj"),
@@ -51,27 +51,15 @@ _COMMON_BLOCK = [
     ("attn_output", "self_attn.o_proj"),
     ("attn_q_norm", "self_attn.q_norm"),
     ("attn_k_norm", "self_attn.k_norm"),
-    ("ffn_norm", "post_attention_layernorm"),
-    ("ffn_gate", "mlp.gate_proj"),
-    ("ffn_up", "mlp.up_proj"),
-    ("ffn_down", "mlp.down_proj"),
-    ("ffn_gate_inp", "mlp.gate"),
 ]
+_DENSE_MLP = [("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj")]
 
-_GEMMA3_BLOCK = [
-    ("attn_norm", "input_layernorm"),
-    ("attn_q", "self_attn.q_proj"),
-    ("attn_k", "self_attn.k_proj"),
-    ("attn_v", "self_attn.v_proj"),
-    ("attn_output", "self_attn.o_proj"),
-    ("attn_q_norm", "self_attn.q_norm"),
-    ("attn_k_norm", "self_attn.k_norm"),
+_COMMON_BLOCK = _ATTENTION + _DENSE_MLP + [("ffn_norm", "post_attention_layernorm"), ("ffn_gate_inp", "mlp.gate")]
+
+_GEMMA3_BLOCK = _ATTENTION + _DENSE_MLP + [
     ("post_attention_norm", "post_attention_layernorm"),
     ("ffn_norm", "pre_feedforward_layernorm"),
     ("post_ffw_norm", "post_feedforward_layernorm"),
-    ("ffn_gate", "mlp.gate_proj"),
-    ("ffn_up", "mlp.up_proj"),
-    ("ffn_down", "mlp.down_proj"),
 ]
 
 _MLA_BLOCK = [
@@ -115,6 +103,24 @@ PER_EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
 
 _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 _HF_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# one tensor per expert (older Mixtral files), the part below the layer, in either naming
+_GGUF_EXPERT_LEAF = re.compile(r"^ffn_(?P<proj>gate|up|down)\.(?P<e>\d+)\.weight$")
+_HF_EXPERT_LEAF = re.compile(r"^mlp\.experts\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
+
+
+def _translate(name: str, top: dict, block_re, leaves: dict, block_fmt: str, expert_re, expert_fmt: str):
+    """One direction of the name table: top-level names, per-layer leaves, per-expert tensors."""
+    if name in top:
+        return top[name]
+    m = block_re.match(name)
+    if m is None:
+        return None
+    layer, rest = m.group(1), m.group(2)
+    leaf = leaves.get(rest)
+    if leaf is not None:
+        return block_fmt.format(layer=layer, leaf=leaf)
+    pe = expert_re.match(rest)
+    return expert_fmt.format(layer=layer, **pe.groupdict()) if pe else None
 
 
 @dataclass(frozen=True)
@@ -139,30 +145,12 @@ class NameMap:
         object.__setattr__(self, "_top_h2g", {h: g for g, h in _TOP})
 
     def gguf_to_hf(self, name: str) -> str | None:
-        if name in self._top_g2h:
-            return self._top_g2h[name]
-        m = _BLK_RE.match(name)
-        if m:
-            leaf = self._g2h.get(m.group(2))
-            if leaf is not None:
-                return f"model.layers.{m.group(1)}.{leaf}"
-            pe = PER_EXPERT_RE.match(name)
-            if pe:  # older Mixtral files: one tensor per expert
-                return f"model.layers.{pe.group(1)}.mlp.experts.{pe.group(3)}.{pe.group(2)}_proj.weight"
-        return None
+        return _translate(name, self._top_g2h, _BLK_RE, self._g2h, "model.layers.{layer}.{leaf}",
+                          _GGUF_EXPERT_LEAF, "model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight")
 
     def hf_to_gguf(self, name: str) -> str | None:
-        if name in self._top_h2g:
-            return self._top_h2g[name]
-        m = _HF_RE.match(name)
-        if m:
-            leaf = self._h2g.get(m.group(2))
-            if leaf is not None:
-                return f"blk.{m.group(1)}.{leaf}"
-            pe = re.match(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$", m.group(2))
-            if pe:
-                return f"blk.{m.group(1)}.ffn_{pe.group(2)}.{pe.group(1)}.weight"
-        return None
+        return _translate(name, self._top_h2g, _HF_RE, self._h2g, "blk.{layer}.{leaf}",
+                          _HF_EXPERT_LEAF, "blk.{layer}.ffn_{proj}.{e}.weight")
 
 
 def name_map(arch: str) -> NameMap:

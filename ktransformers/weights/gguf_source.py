@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -31,7 +31,7 @@ import torch
 from ..errors import WeightError
 from . import gguf_names as gn
 from .dequant import UnsupportedTypeError, dequantize
-from .ggml_types import ggml_type_info, type_name
+from .ggml_types import GGMLType, ggml_type_info
 from .source import RawTensor, WeightSource, _split_expert
 
 _SHARD_RE = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
@@ -202,20 +202,146 @@ class _Metadata(Mapping[str, Any]):
 class _Tensor:
     name: str  # GGUF name
     file: Path
-    ggml_type: int
+    type: GGMLType  # looked up once, when the file is opened
     shape: tuple[int, ...]  # torch order
     data: np.ndarray  # flat uint8 view into the mapping
 
 
-@dataclass
 class _Entry:
-    """How one HF name is served."""
+    """How one HF name is served from stored GGUF tensors (``parts``, GGUF names)."""
 
-    kind: str  # "plain" | "stack" (per-expert tensors) | "kv_b" (split MLA) | "alias" (tied lm_head)
-    parts: list[str]  # GGUF names
-    shape: tuple[int, ...]
-    transform: str | None = None  # "unpermute_q" | "unpermute_k" | "gemma_norm"
-    extra: dict = field(default_factory=dict)
+    #: listed by ``names()`` (False for the tied ``lm_head`` alias)
+    listed = True
+
+    def __init__(self, parts: list[str], shape: tuple[int, ...]):
+        self.parts = parts
+        self.shape = shape
+
+    def load(self, src: "GGUFSource", dtype, device) -> torch.Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def load_into(self, src: "GGUFSource", out: torch.Tensor) -> None:
+        out.copy_(self.load(src, out.dtype, out.device))
+
+    def raw(self, src: "GGUFSource", name: str) -> RawTensor | None:
+        """Stored bytes, or None where the HF tensor is computed from stored values."""
+        return None
+
+    def stored_type(self, src: "GGUFSource") -> int | None:
+        """ggml type id of the stored tensor(s), None where computed."""
+        return None
+
+    def natural_dtype(self, src: "GGUFSource") -> torch.dtype:
+        return src._natural_dtype_of(self.parts[0])
+
+
+class _Plain(_Entry):
+    """One stored tensor, as stored."""
+
+    def load(self, src, dtype, device):
+        t = src._tensors[self.parts[0]]
+        return src._deq(t, t.data, self.shape, dtype, device)  # the HF shape (gguf_names.hf_shape)
+
+    def load_into(self, src, out):
+        t = src._tensors[self.parts[0]]
+        if len(self.shape) == 3 and out.dtype.is_floating_point:  # stacked experts: one expert at a time
+            per = t.data.size // self.shape[0]
+            for e in range(self.shape[0]):
+                piece = out[e] if out[e].is_contiguous() else torch.empty_like(out[e])
+                src._deq(t, t.data[e * per:(e + 1) * per], self.shape[1:], out.dtype, out.device, out=piece)
+                if piece is not out[e]:
+                    out[e].copy_(piece)
+            return
+        super().load_into(src, out)
+
+    def raw(self, src, name):
+        t = src._tensors[self.parts[0]]
+        return RawTensor(name, t.data, t.type, self.shape)
+
+    def stored_type(self, src):
+        return src._tensors[self.parts[0]].type.id
+
+
+class _Alias(_Plain):
+    """``lm_head.weight`` of a tied model: the embedding."""
+
+    listed = False
+
+
+class _UnpermutedQK(_Plain):
+    """llama's ``attn_q`` / ``attn_k``: llama.cpp interleaved the rotary rows per head."""
+
+    def __init__(self, parts, shape, n_head: int, n_head_kv: int):
+        super().__init__(parts, shape)
+        self.n_head, self.n_head_kv = int(n_head), int(n_head_kv)
+
+    def _order(self) -> torch.Tensor:
+        return gn.qk_row_order(self.shape[0], self.n_head, self.n_head_kv)
+
+    def load(self, src, dtype, device):
+        w = super().load(src, dtype, device)
+        return w[self._order().to(w.device)]
+
+    def raw(self, src, name):
+        # whole quantized rows reordered: a copy, but no requantization
+        t = src._tensors[self.parts[0]]
+        data = t.data.reshape(self.shape[0], -1)[self._order().numpy()].reshape(-1)
+        return RawTensor(name, data, t.type, self.shape)
+
+
+class _GemmaNorm(_Plain):
+    """gemma3 norms: llama.cpp stores ``w + 1``."""
+
+    def load(self, src, dtype, device):
+        t = src._tensors[self.parts[0]]
+        return (src._deq(t, t.data, t.shape, torch.float32, device) - 1.0).to(dtype)
+
+    def raw(self, src, name):
+        return None
+
+    def natural_dtype(self, src):
+        return torch.float32
+
+
+class _Stack(_Entry):
+    """Per-expert tensors (``blk.L.ffn_gate.E.weight``) stacked into ``[E, ...]``."""
+
+    def load(self, src, dtype, device):
+        out = torch.empty(self.shape, dtype=dtype, device=device or "cpu")
+        self.load_into(src, out)
+        return out
+
+    def load_into(self, src, out):
+        for i, p in enumerate(self.parts):
+            t = src._tensors[p]
+            if tuple(t.shape) != tuple(self.shape[1:]):
+                raise WeightError(f"{t.file}: tensor '{t.name}' has shape {list(t.shape)}, expected "
+                                  f"{list(self.shape[1:])} for its stack")
+            out[i].copy_(src._deq(t, t.data, t.shape, out.dtype, out.device))
+
+    def raw(self, src, name):
+        ts = [src._tensors[p] for p in self.parts]
+        if len({t.type for t in ts}) != 1:
+            return None
+        return RawTensor(name, np.concatenate([t.data for t in ts]), ts[0].type, self.shape)
+
+    def stored_type(self, src):
+        return src._tensors[self.parts[0]].type.id
+
+
+class _SplitKvB(_Entry):
+    """DeepSeek split MLA: ``attn_k_b`` + ``attn_v_b`` rebuild ``kv_b_proj``."""
+
+    def load(self, src, dtype, device):
+        kt, vt = src._tensors[self.parts[0]], src._tensors[self.parts[1]]
+        kb = src._deq(kt, kt.data, kt.shape, torch.float32, device)
+        vb = src._deq(vt, vt.data, vt.shape, torch.float32, device)
+        if kb.shape[0] != vb.shape[0] or kb.shape[1] != vb.shape[2]:
+            raise WeightError(
+                f"{kt.file}: tensor '{vt.name}' has shape {list(vb.shape)}, which does not fit "
+                f"'{kt.name}' {list(kb.shape)}"
+            )
+        return gn.kv_b_from_split(kb, vb).to(dtype)
 
 
 def _resolve_files(path: Path) -> list[Path]:
@@ -270,7 +396,7 @@ class GGUFSource(WeightSource):
                     raise WeightError(f"{f}: tensor '{t.name}' also appears in {self._tensors[t.name].file}")
                 shape = tuple(int(d) for d in reversed(t.shape.tolist()))
                 data = np.asarray(t.data).reshape(-1).view(np.uint8)
-                self._tensors[t.name] = _Tensor(t.name, f, int(t.tensor_type), shape, data)
+                self._tensors[t.name] = _Tensor(t.name, f, ggml_type_info(int(t.tensor_type)), shape, data)
         self._config = None
         self._entries: dict[str, _Entry] = {}
         self._build_entries()
@@ -299,14 +425,15 @@ class GGUFSource(WeightSource):
                 virt = f"model.layers.{pe.group(1)}.mlp.experts.{pe.group(2)}_proj"
                 per_expert.setdefault(virt, {})[int(pe.group(3))] = gname
                 continue
-            tr = None
             if arch == "llama" and re.search(r"\.attn_(q|k)\.(weight|bias)$", gname):
-                tr = "unpermute_q" if ".attn_q." in gname else "unpermute_k"
                 if n_head is None:
                     raise WeightError(f"{t.file}: GGUF metadata lacks '{arch}.attention.head_count'")
+                kv = n_head if ".attn_q." in gname else (n_head_kv or n_head)
+                self._entries[hf] = _UnpermutedQK([gname], t.shape, n_head, kv)
             elif arch == "gemma3" and gn.is_gemma_norm(gname):
-                tr = "gemma_norm"
-            self._entries[hf] = _Entry("plain", [gname], gn.hf_shape(gname, t.shape), tr, {"n_head": n_head, "n_head_kv": n_head_kv})
+                self._entries[hf] = _GemmaNorm([gname], t.shape)
+            else:
+                self._entries[hf] = _Plain([gname], gn.hf_shape(gname, t.shape))
         for virt, experts in per_expert.items():
             idx = sorted(experts)
             if idx != list(range(len(idx))):
@@ -314,7 +441,7 @@ class GGUFSource(WeightSource):
                 raise WeightError(f"{t.file}: per-expert tensors of {virt} are not numbered 0..{len(idx) - 1}")
             parts = [experts[i] for i in idx]
             shp = self._tensors[parts[0]].shape
-            self._entries[virt] = _Entry("stack", parts, (len(parts), *shp))
+            self._entries[virt] = _Stack(parts, (len(parts), *shp))
         # split MLA (attn_k_b + attn_v_b) -> kv_b_proj
         for gname in self._tensors:
             m = re.match(r"^blk\.(\d+)\.attn_k_b\.weight$", gname)
@@ -324,14 +451,14 @@ class GGUFSource(WeightSource):
             hf = f"model.layers.{m.group(1)}.self_attn.kv_b_proj.weight"
             if vname in self._tensors and hf not in self._entries:
                 kb, vb = self._tensors[gname].shape, self._tensors[vname].shape  # [H, r, nope], [H, v, r]
-                self._entries[hf] = _Entry("kv_b", [gname, vname], (kb[0] * (kb[2] + vb[1]), kb[1]))
+                self._entries[hf] = _SplitKvB([gname, vname], (kb[0] * (kb[2] + vb[1]), kb[1]))
         if "lm_head.weight" not in self._entries and "model.embed_tokens.weight" in self._entries:
             emb = self._entries["model.embed_tokens.weight"]
-            self._entries["lm_head.weight"] = _Entry("alias", list(emb.parts), emb.shape)
+            self._entries["lm_head.weight"] = _Alias(list(emb.parts), emb.shape)
 
     # ---------------------------------------------------------------- protocol
     def names(self) -> list[str]:
-        return [n for n, e in self._entries.items() if e.kind != "alias"]
+        return [n for n, e in self._entries.items() if e.listed]
 
     def gguf_names(self) -> list[str]:
         return list(self._tensors)
@@ -353,39 +480,22 @@ class GGUFSource(WeightSource):
         return self._tensors[name].shape
 
     def _load_native(self, name: str) -> torch.Tensor:
-        return self._load(name, torch.float32, None)
+        return self._load_as(name, torch.float32, None)
 
-    def tensor(self, name: str, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
-        """Dequantized tensor for an HF (or GGUF) name, straight into ``dtype`` on ``device``.
+    def _load_as(self, name: str, dtype, device) -> torch.Tensor:
+        """Dequantized straight into ``dtype`` on ``device`` (no float32 intermediate)."""
+        dt = dtype or self._natural_dtype(name)
+        e = self._entries.get(name)
+        if e is None:  # by GGUF name: as stored
+            t = self._tensors[name]
+            return self._deq(t, t.data, t.shape, dt, device)
+        return e.load(self, dt, device)
 
-        Plain-float tensors keep their stored precision when ``dtype`` is None; quantized ones
-        become float32.  ``gate_up_proj`` is assembled without a float32 intermediate copy.
-        """
-        if self._has_native(name):
-            t = self._load(name, dtype, device)
-            return t if t.is_contiguous() else t.contiguous()
-        base, leaf = _split_expert(name)
-        if base is not None and leaf == "gate_up_proj" and self.has(name):
-            g, u = f"{base}.gate_proj", f"{base}.up_proj"
-            gs = self._native_shape(g)
-            dt = dtype or self._natural_dtype(g)
-            out = torch.empty((gs[0], 2 * gs[1], gs[2]), dtype=dt, device=device or "cpu")
-            for e in range(gs[0]):
-                out[e, : gs[1]] = self._load_expert(g, e, dt, device)
-                out[e, gs[1] :] = self._load_expert(u, e, dt, device)
-            return out
-        return super().tensor(name, dtype=dtype, device=device)
-
-    def expert_slice(self, name: str, expert: int, dtype=None, device=None) -> torch.Tensor:
-        """One expert's matrix, dequantizing only that expert's bytes."""
-        if self._has_native(name):
-            return self._load_expert(name, expert, dtype, device)
-        base, leaf = _split_expert(name)
-        if base is not None and leaf == "gate_up_proj" and self.has(name):
-            g = self._load_expert(f"{base}.gate_proj", expert, dtype, device)
-            u = self._load_expert(f"{base}.up_proj", expert, dtype, device)
-            return torch.cat([g, u], dim=0)
-        return super().expert_slice(name, expert, dtype=dtype, device=device)
+    def _load_into(self, name: str, out: torch.Tensor) -> None:
+        e = self._entries.get(name)
+        if e is None:
+            return super()._load_into(name, out)
+        e.load_into(self, out)
 
     def raw(self, name: str) -> RawTensor | None:
         """Stored bytes for a kernel: a zero-copy ``uint8`` view of the mapping, ggml type, torch shape.
@@ -394,35 +504,18 @@ class GGUFSource(WeightSource):
         (whole quantized rows, no requantization) and per-expert files are concatenated.  None where
         the HF tensor is computed from stored values (gemma norms, split-MLA ``kv_b_proj``).
         """
-        if not self._has_native(name):
-            return None
         e = self._entries.get(name)
-        if e is None:
-            t = self._tensors[name]
-            return RawTensor(name, t.data, t.ggml_type, t.shape)
-        if e.kind in ("plain", "alias"):
-            t = self._tensors[e.parts[0]]
-            if e.transform is None:
-                return RawTensor(name, t.data, t.ggml_type, e.shape)
-            if e.transform in ("unpermute_q", "unpermute_k"):
-                rows = e.shape[0]
-                idx = self._qk_index(e, rows).numpy()
-                data = t.data.reshape(rows, -1)[idx].reshape(-1)
-                return RawTensor(name, data, t.ggml_type, e.shape)
-            return None
-        if e.kind == "stack":
-            ts = [self._tensors[p] for p in e.parts]
-            if len({t.ggml_type for t in ts}) != 1:
-                return None
-            return RawTensor(name, np.concatenate([t.data for t in ts]), ts[0].ggml_type, e.shape)
-        return None
+        if e is not None:
+            return e.raw(self, name)
+        t = self._tensors.get(name)
+        return RawTensor(name, t.data, t.type, t.shape) if t is not None else None
 
     def ggml_type(self, name: str) -> int | None:
         """Stored ggml type id of the tensor behind a name (None for derived tensors)."""
         e = self._entries.get(name)
         if e is None:
-            return self._tensors[name].ggml_type if name in self._tensors else None
-        return self._tensors[e.parts[0]].ggml_type if e.kind != "kv_b" else None
+            return self._tensors[name].type.id if name in self._tensors else None
+        return e.stored_type(self)
 
     def config(self, dtype: torch.dtype | str = torch.float32):
         """transformers config from the metadata (cached for the default dtype)."""
@@ -483,79 +576,20 @@ class GGUFSource(WeightSource):
     # ---------------------------------------------------------------- loading
     def _natural_dtype(self, name: str) -> torch.dtype:
         e = self._entries.get(name)
-        g = e.parts[0] if e is not None else name
-        tname = type_name(self._tensors[g].ggml_type)
-        if e is not None and e.transform == "gemma_norm":
-            return torch.float32
+        return e.natural_dtype(self) if e is not None else self._natural_dtype_of(name)
+
+    def _natural_dtype_of(self, gguf_name: str) -> torch.dtype:
+        tname = self._tensors[gguf_name].type.name
         return {"F16": torch.float16, "BF16": torch.bfloat16}.get(tname, torch.float32)
 
-    def _deq(self, t: _Tensor, data: np.ndarray, shape, dtype, device) -> torch.Tensor:
+    def _deq(self, t: _Tensor, data: np.ndarray, shape, dtype, device, out=None) -> torch.Tensor:
         try:
-            return dequantize(data, t.ggml_type, shape, dtype=dtype, device=device)
+            return dequantize(data, t.type, shape, dtype=dtype, device=device, out=out)
         except UnsupportedTypeError as err:
-            raise WeightError(f"{t.file}: tensor '{t.name}' has ggml type {type_name(t.ggml_type)}, "
+            raise WeightError(f"{t.file}: tensor '{t.name}' has ggml type {t.type.name}, "
                               "which cannot be dequantized") from err
         except ValueError as err:
             raise WeightError(f"{t.file}: tensor '{t.name}': {err}") from err
-
-    def _qk_index(self, e: _Entry, rows: int) -> torch.Tensor:
-        nh, nkv = int(e.extra["n_head"]), int(e.extra["n_head_kv"] or e.extra["n_head"])
-        if e.transform == "unpermute_q":
-            return gn.qk_row_order(rows, nh, nh)
-        return gn.qk_row_order(rows, nh, nkv)
-
-    def _load(self, name: str, dtype, device) -> torch.Tensor:
-        e = self._entries.get(name)
-        if e is None:  # by GGUF name: as stored
-            t = self._tensors[name]
-            return self._deq(t, t.data, t.shape, dtype or self._natural_dtype(name), device)
-        dt = dtype or self._natural_dtype(name)
-        if e.kind in ("plain", "alias"):
-            t = self._tensors[e.parts[0]]
-            if e.transform == "gemma_norm":
-                w = self._deq(t, t.data, t.shape, torch.float32, device) - 1.0
-                return w.to(dt)
-            w = self._deq(t, t.data, e.shape, dt, device)
-            if e.transform in ("unpermute_q", "unpermute_k"):
-                w = w[self._qk_index(e, e.shape[0]).to(w.device)]
-            return w
-        if e.kind == "stack":
-            out = torch.empty(e.shape, dtype=dt, device=device or "cpu")
-            for i, p in enumerate(e.parts):
-                t = self._tensors[p]
-                self._check_part(t, e.shape[1:], name)
-                out[i] = self._deq(t, t.data, t.shape, dt, device)
-            return out
-        if e.kind == "kv_b":
-            kt, vt = self._tensors[e.parts[0]], self._tensors[e.parts[1]]
-            kb = self._deq(kt, kt.data, kt.shape, torch.float32, device)
-            vb = self._deq(vt, vt.data, vt.shape, torch.float32, device)
-            if kb.shape[0] != vb.shape[0] or kb.shape[1] != vb.shape[2]:
-                raise WeightError(
-                    f"{kt.file}: tensor '{vt.name}' has shape {list(vb.shape)}, which does not fit "
-                    f"'{kt.name}' {list(kb.shape)}"
-                )
-            return gn.kv_b_from_split(kb, vb).to(dt)
-        raise AssertionError(e.kind)
-
-    def _check_part(self, t: _Tensor, shape, name):
-        if tuple(t.shape) != tuple(shape):
-            raise WeightError(f"{t.file}: tensor '{t.name}' has shape {list(t.shape)}, expected {list(shape)} for {name}")
-
-    def _load_expert(self, name: str, expert: int, dtype, device) -> torch.Tensor:
-        e = self._entries.get(name)
-        if e is None or e.kind not in ("plain", "stack") or len(e.shape) != 3:
-            return super().expert_slice(name, expert, dtype=dtype, device=device)
-        n_exp = e.shape[0]
-        if not 0 <= expert < n_exp:
-            raise IndexError(f"expert {expert} out of range for {name} ({n_exp} experts)")
-        dt = dtype or self._natural_dtype(name)
-        if e.kind == "stack":
-            t = self._tensors[e.parts[expert]]
-            return self._deq(t, t.data, t.shape, dt, device)
-        t = self._tensors[e.parts[0]]
-        per = t.data.size // n_exp
-        return self._deq(t, t.data[expert * per : (expert + 1) * per], e.shape[1:], dt, device)
 
     # ---------------------------------------------------------------- extras
     def release(self, name: str) -> None:
@@ -589,7 +623,7 @@ class GGUFSource(WeightSource):
         """(GGUF name, ggml type name, torch shape, HF name or '') for every stored tensor."""
         back = {}
         for hf, e in self._entries.items():
-            if e.kind in ("plain", "stack"):
+            if e.listed and isinstance(e, (_Plain, _Stack)):
                 for p in e.parts:
                     back[p] = hf
-        return [(n, type_name(t.ggml_type), t.shape, back.get(n, "")) for n, t in self._tensors.items()]
+        return [(n, t.type.name, t.shape, back.get(n, "")) for n, t in self._tensors.items()]

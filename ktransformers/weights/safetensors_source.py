@@ -90,13 +90,6 @@ class SafetensorsSource(WeightSource):
             raise self.missing(name)
         return torch.stack([self._read(*per[e]) for e in range(len(per))])
 
-    def expert_slice(self, name, expert, dtype=None, device=None):
-        per = self._expert_entry(name)
-        if per is None:
-            return super().expert_slice(name, expert, dtype, device)
-        t = self._read(*per[expert])
-        return t.to(dtype=dtype or t.dtype, device=device or "cpu").contiguous()
-
     def _read(self, i: int, key: str) -> torch.Tensor:
         try:
             return self._handles[i].get_tensor(key)

@@ -26,26 +26,42 @@ import numpy as np
 import torch
 
 from ..errors import WeightError
+from .ggml_types import GGMLType
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
 class RawTensor:
-    """A tensor exactly as stored: bytes plus a ggml type (zero-copy where the source allows).
+    """A tensor exactly as stored, for kernels that compute on it without dequantizing.
 
-    ``shape`` is the logical torch shape (rows first, e.g. ``[E, I, H]``); ``data`` is a flat
-    uint8 view of ``rows * bytes_per_row`` bytes.  Kernels that compute on quantized data take
-    this instead of a dequantized tensor.
+    * a ggml type (GGUF): ``data`` is a flat ``uint8`` view of ``rows * bytes_per_row`` bytes
+      (zero-copy where the source allows) and ``type`` the :class:`GGMLType`;
+    * FP8 block-quantized (DeepSeek-V3 safetensors): ``data`` is the ``float8`` tensor, ``type``
+      is None and ``scale_inv`` the fp32 per-block scales.
+
+    ``shape`` is the logical torch shape (rows first, e.g. ``[E, I, H]``).
     """
 
     name: str
-    data: np.ndarray
-    ggml_type: int
+    data: np.ndarray | torch.Tensor
+    type: GGMLType | None
     shape: tuple[int, ...]
+    scale_inv: torch.Tensor | None = None
+
+    @property
+    def ggml_type(self):
+        """gguf-py's enum member of the type (None for FP8)."""
+        return self.type.qtype if self.type is not None else None
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.scale_inv is not None
 
     @property
     def nbytes(self) -> int:
+        if isinstance(self.data, torch.Tensor):
+            return self.data.numel() * self.data.element_size()
         return int(self.data.nbytes)
 
 
@@ -119,34 +135,38 @@ class WeightSource(abc.ABC):
     ) -> torch.Tensor:
         """The tensor for an HF name, dequantized, converted to ``dtype`` and moved to ``device``."""
         if self._has_native(name):
-            t = self._load_native(name)
-        else:
-            base, leaf = _split_expert(name)
-            if base is not None and leaf == "gate_up_proj" and self.has(name):
-                gate = self._load_native(f"{base}.gate_proj")
-                up = self._load_native(f"{base}.up_proj")
-                t = torch.cat([gate.to(dtype or gate.dtype), up.to(dtype or up.dtype)], dim=1)
-            elif base is not None and leaf in ("gate_proj", "up_proj") and self.has(name):
-                fused = self._load_native(f"{base}.gate_up_proj")
-                half = fused.shape[1] // 2
-                t = fused[:, :half] if leaf == "gate_proj" else fused[:, half:]
-            else:
-                raise self.missing(name)
+            return self._load_as(name, dtype, device).contiguous()
+        base, leaf = _split_expert(name)
+        if base is not None and leaf == "gate_up_proj" and self.has(name):
+            g, u = f"{base}.gate_proj", f"{base}.up_proj"
+            E, inter, H = self._native_shape(g)
+            dt = dtype or self._natural_dtype(g)
+            # filled half by half: no second full-size copy of gate and up
+            out = torch.empty((E, 2 * inter, H), dtype=dt, device=device or "cpu")
+            self._load_into(g, out[:, :inter])
+            self._load_into(u, out[:, inter:])
+            return out
+        if base is not None and leaf in ("gate_proj", "up_proj") and self.has(name):
+            fused = self._load_as(f"{base}.gate_up_proj", dtype, device)
+            half = fused.shape[1] // 2
+            return (fused[:, :half] if leaf == "gate_proj" else fused[:, half:]).contiguous()
+        raise self.missing(name)
+
+    # hooks a source may override to avoid intermediate copies
+    def _natural_dtype(self, name: str) -> torch.dtype:
+        """The dtype ``tensor(name)`` has when no dtype is asked for."""
+        return self._load_native(name).dtype
+
+    def _load_as(self, name: str, dtype: torch.dtype | None, device) -> torch.Tensor:
+        """A native tensor in ``dtype`` on ``device``."""
+        t = self._load_native(name)
         if dtype is not None and t.dtype != dtype:
             t = t.to(dtype)
-        if device is not None:
-            t = t.to(device)
-        return t.contiguous()
+        return t.to(device) if device is not None else t
 
-    def expert_slice(
-        self,
-        name: str,
-        expert: int,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> torch.Tensor:
-        """One expert's matrix of a stacked experts tensor (sources may avoid the full load)."""
-        return self.tensor(name, dtype=dtype)[expert].to(device or "cpu").contiguous()
+    def _load_into(self, name: str, out: torch.Tensor) -> None:
+        """Write a native tensor into ``out`` (its shape; any strides), converting dtype/device."""
+        out.copy_(self._load_as(name, out.dtype, out.device))
 
     def missing(self, name: str, hint: str = "") -> WeightError:
         near = _nearest(name, self.names())

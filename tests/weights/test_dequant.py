@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from ktransformers.weights import dequant as dq
-from ktransformers.weights.ggml_types import TORCH_DEQUANT_TYPES, TYPES, ggml_type_info
+from ktransformers.weights.dequant import TORCH_DEQUANT_TYPES
+from ktransformers.weights.ggml_types import TYPES, ggml_type_info
 
 from ._util import QUANTS, TINY, fixture_dir
 

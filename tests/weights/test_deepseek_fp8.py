@@ -13,18 +13,22 @@ from safetensors.torch import load_file, save_file
 import ktransformers
 from ktransformers.operators.fp8_linear import KLinearFP8
 from ktransformers.weights import open_weights
-from ktransformers.weights.fp8 import (
-    FP8DequantSource,
-    block_dequant,
-    block_quant,
-    dequant_if_fp8,
-    open_fp8_aware,
-)
+from ktransformers.weights.fp8 import SCALE_SUFFIX, FP8DequantSource, block_dequant, block_quant, is_fp8
 from ktransformers.util.tiny_models import write_tiny_model
 
 RULES = Path(ktransformers.__file__).parent / "optimize_rules"
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def dequant_if_fp8(tensor, key, read):
+    """An FP8 ``tensor`` stored under ``key`` dequantized with ``read(key + "_scale_inv")``."""
+    if not is_fp8(tensor):
+        return tensor
+    scale = read(key + SCALE_SUFFIX)
+    if scale is None:
+        raise ValueError(f"tensor '{key}' is {tensor.dtype} but '{key}{SCALE_SUFFIX}' is missing")
+    return block_dequant(tensor, scale)
 
 
 def naive_dequant(w, s, b=128):
@@ -106,7 +110,7 @@ def test_fp8_model_matches_dequantized_reference(fp8_dirs):
 
     fp8, deq = fp8_dirs
     ref = AutoModelForCausalLM.from_pretrained(str(deq), dtype=torch.float32).eval()
-    src = open_fp8_aware(fp8)
+    src = open_weights(fp8)
     assert isinstance(src, FP8DequantSource)
     model = ktransformers.load_model(src, model_path=fp8, rules=RULES / "DeepSeek-V3-Chat-fp8-linear-cpu.yaml")
     o_proj = model.model.layers[1].self_attn.o_proj
@@ -131,11 +135,12 @@ def test_fp8_source_serves_experts_dequantized(fp8_dirs):
                  "model.layers.1.self_attn.kv_b_proj.weight"):
         assert src.has(name)
         assert torch.equal(src.tensor(name), plain.tensor(name)), name
-    assert torch.equal(src.expert_slice(f"{base}.down_proj", 3), plain.expert_slice(f"{base}.down_proj", 3))
+    assert torch.equal(src.tensor(f"{base}.down_proj")[3], plain.tensor(f"{base}.down_proj")[3])
     assert not any(n.endswith("_scale_inv") for n in src.names())
-    w, s = src.fp8_raw("model.layers.1.self_attn.o_proj.weight")
+    raw = src.raw("model.layers.1.self_attn.o_proj.weight")
+    w, s = raw.data, raw.scale_inv
     assert w.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
-    assert src.fp8_raw("model.norm.weight") is None
+    assert src.raw("model.norm.weight") is None
 
 
 def test_klinear_fp8_quantizes_plain_weights(tmp_path):

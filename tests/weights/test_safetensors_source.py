@@ -30,7 +30,7 @@ def test_per_expert_keys_stack(tmp_path):
     assert torch.equal(src.tensor(f"{b}.gate_up_proj"), torch.cat([g, u], dim=1))
     assert torch.equal(src.tensor(f"{b}.down_proj"), d)
     assert src.shape(f"{b}.gate_up_proj") == (3, 8, 5)
-    assert torch.equal(src.expert_slice(f"{b}.up_proj", 2), u[2])
+    assert torch.equal(src.tensor(f"{b}.up_proj")[2], u[2])
 
 
 def test_fused_layout_splits(tmp_path):

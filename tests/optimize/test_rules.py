@@ -38,7 +38,7 @@ def rules_error(text: str) -> str:
          ["(replace.class)", "did you mean 'KTransformersLinear'"]),
         ("- match: {name: x}\n  replace: {class: ktransformers.operators.linear.KLinearMarlin}\n",
          ["(replace.class)", "not provided by this project", "KLinearTorch"]),
-        ("- match: {name: x}\n  replace:\n    class: KTransformersLinear\n    kwargs: {generate_op: KLinearMarlin}\n",
+        ("- match: {name: x}\n  replace:\n    class: KTransformersLinear\n    kwargs: {generate_op: KLinearIPEXLLM}\n",
          ["r.yaml:4:", "(replace.kwargs.generate_op)", "does not provide it", "KLinearTorch"]),
         ("- match: {name: x}\n  replace:\n    class: KTransformersLinear\n    kwargs:\n      generate_device: cpu\n"
          "      bogus: 3\n", ["r.yaml:6:", "(replace.kwargs.bogus)", "does not accept"]),

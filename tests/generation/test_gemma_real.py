@@ -20,7 +20,7 @@ import torch
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT.parent / "shared" / "fixtures"
 GEMMA_DIR = FIXTURES / "gemma3-270m"
 MODEL = ROOT / ".cache" / "models" / "gemma-3-270m-q4_k_m.gguf"

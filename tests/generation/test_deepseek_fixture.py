@@ -14,7 +14,7 @@ import torch
 import ktransformers
 from ktransformers.operators.attention import KDeepseekV2Attention
 
-FIX = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "deepseek2-tiny"
+FIX = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "deepseek2-tiny"
 RULES = Path(ktransformers.__file__).parent / "optimize_rules"
 RULE = RULES / "DeepSeek-V3-Chat-cpu.yaml"
 

@@ -1,0 +1,60 @@
+"""Routed experts of one MoE layer on the CPU kernels (``MoEKernel``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import cpuinfer_ext as _ext
+from .args import _empty_like, _weight, ggml_type, moe_call_args, positive_ints, rows_of
+from .pool import CPUInfer
+
+BACKENDS = {"llamafile": 0, "AMXInt8": 1, "AMXBF16": 2}
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "clamp_swiglu": 2}
+
+
+def _backend(b: Any) -> int:
+    if b not in BACKENDS:
+        raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {b!r}")
+    return BACKENDS[b]
+
+
+class MoEKernel:
+    """Routed experts of one MoE layer; see the module docstring."""
+
+    def __init__(self, pool: CPUInfer, backend: str, num_experts: int, hidden: int, intermediate: int,
+                 gate: Any, up: Any, down: Any, gate_type: Any, up_type: Any, down_type: Any,
+                 activation: str = "silu", alpha: float = 1.702, limit: float = 7.0):
+        if not isinstance(pool, CPUInfer):
+            raise TypeError(f"pool: expected ktransformers.kernels.CPUInfer, got {type(pool).__name__}")
+        positive_ints(num_experts=num_experts, hidden=hidden, intermediate=intermediate)
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation: expected one of {', '.join(ACTIVATIONS)}, got {activation!r}")
+        E, H, I = int(num_experts), int(hidden), int(intermediate)
+        self.pool, self.backend = pool, backend
+        self.num_experts, self.hidden, self.intermediate = E, H, I
+        gt, ut, dt = ggml_type(gate_type, "gate_type"), ggml_type(up_type, "up_type"), ggml_type(down_type, "down_type")
+        self.types = (gt.name, ut.name, dt.name)
+        pg = _weight(gate, gt, (E, I, H), "gate")
+        pu = _weight(up, ut, (E, I, H), "up")
+        pd = _weight(down, dt, (E, H, I), "down")
+        self._weights = (gate, up, down)  # zero-copy: keep alive
+        self._m = _ext.MoE(pool._c, E, H, I, _backend(backend), pg, pu, pd, gt.id, ut.id, dt.id,
+                           ACTIVATIONS[activation], float(alpha), float(limit))
+
+    def submit(self, x: Any, ids: Any, weights: Any, out: Any) -> None:
+        """Queue the layer; returns at once.  Read ``out`` only after ``pool.sync()``."""
+        args, keep = moe_call_args(x, ids, weights, out, self.hidden)
+        self.pool._keep.append(keep)
+        self._m.submit(self.pool._c, *args)
+
+    def forward(self, x: Any, ids: Any, weights: Any, out: Any = None, out_dtype: str | None = None) -> Any:
+        """Blocking forward; returns ``out`` (allocated like x unless given)."""
+        if out is None:
+            out = _empty_like(x, (rows_of(x), self.hidden), out_dtype)
+        args, _ = moe_call_args(x, ids, weights, out, self.hidden)
+        self._m.forward(self.pool._c, *args)
+        return out
+
+    @property
+    def packed_bytes(self) -> int:
+        return self._m.packed_bytes
