@@ -66,7 +66,7 @@ def test_reference_rule_file_checks_and_explains_with_one_line_per_alias():
     lines = alias_lines(plan.rules)
     assert "KQwen3MoeSparseMoeBlockV2 → KMoEBlock (MoE block: router, routed experts overlapped with shared experts)" \
         in lines
-    assert any(ln.startswith("VLinearMarlin → KLinearTorch (") for ln in lines)
+    assert any(ln.startswith("VLinearMarlin → KLinearGPUQ (GPU quantized linear") for ln in lines)
     assert any(ln.startswith("KQwen3MoeAttention → default (") for ln in lines)
     assert any(ln.startswith("per_layer_prefill_intput_threshold → prefill_threshold") for ln in lines)
     assert any(ln.startswith("prefill_op: None → prefill_op: null") for ln in lines)
@@ -86,7 +86,12 @@ def test_marlin_maps_to_the_gpu_quantized_linear_when_it_is_registered():
         name = "KLinearGPUQ"
 
     rules = "- match: {name: '^lm_head$'}\n  replace: {class: KTransformersLinear, kwargs: {generate_op: KLinearMarlin}}\n"
-    assert alias_lines(parse_rules(rules))[0].startswith("KLinearMarlin → KLinearTorch (")
+    shipped = LINEAR_OPS.pop("KLinearGPUQ", None)  # a build without it falls back to the dequantized linear
+    try:
+        assert alias_lines(parse_rules(rules))[0].startswith("KLinearMarlin → KLinearTorch (")
+    finally:
+        if shipped is not None:
+            LINEAR_OPS["KLinearGPUQ"] = shipped
     LINEAR_OPS["KLinearGPUQ"] = _GPUQ
     try:
         (line,) = alias_lines(parse_rules(rules))
@@ -95,6 +100,8 @@ def test_marlin_maps_to_the_gpu_quantized_linear_when_it_is_registered():
         assert plan.placements["lm_head"].phases.generate_op is _GPUQ
     finally:
         LINEAR_OPS.pop("KLinearGPUQ")
+        if shipped is not None:
+            LINEAR_OPS["KLinearGPUQ"] = shipped
 
 
 def test_prefill_op_none_string_is_a_null_prefill_op(tiny_model_dir):

@@ -37,7 +37,7 @@ def rules_error(text: str) -> str:
         ("- match: {name: x}\n  replace: {class: KTransformersLinearr}\n",
          ["(replace.class)", "did you mean 'KTransformersLinear'"]),
         ("- match: {name: x}\n  replace: {class: ktransformers.operators.linear.KLinearMarlin}\n",
-         ["(replace.class)", "not provided by this project", "KLinearTorch"]),
+         ["(replace.class)", "not provided by this project", "KLinearGPUQ"]),
         ("- match: {name: x}\n  replace:\n    class: KTransformersLinear\n    kwargs: {generate_op: KLinearIPEXLLM}\n",
          ["r.yaml:4:", "(replace.kwargs.generate_op)", "does not provide it", "KLinearTorch"]),
         ("- match: {name: x}\n  replace:\n    class: KTransformersLinear\n    kwargs:\n      generate_device: cpu\n"

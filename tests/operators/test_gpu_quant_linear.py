@@ -7,16 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "ktransformers" / "optimize_rules" / "Qwen3Moe-cpu.yaml"
 
 
 def _rules(op: str, device: str = "cpu") -> str:
     """The shipped -cpu rules with ``op`` for the attention projections and the head, on ``device``."""
-    text = RULES.read_text().replace("generate_op: KLinearTorch", f"generate_op: {op}")
-    text = text.replace('    name: "^lm_head$"\n  replace:\n    class: KTransformersLinear\n    device: cpu\n',
-                        '    name: "^lm_head$"\n  replace:\n    class: KTransformersLinear\n    device: cpu\n'
-                        f"    kwargs:\n      generate_op: {op}\n")
+    text = RULES.read_text().replace("generate_op: KLinearCPU", f"generate_op: {op}")
     return text.replace(f"    device: cpu\n    kwargs:\n      generate_op: {op}",
                         f"    device: {device}\n    kwargs:\n      generate_op: {op}")
 
