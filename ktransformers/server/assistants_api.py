@@ -20,7 +20,7 @@ from fastapi.responses import StreamingResponse
 from sqlalchemy import delete, select
 from starlette.concurrency import run_in_threadpool
 
-from .common import SSE_HEADERS, check_model, new_id, sse
+from .common import SSE_HEADERS, Collected, check_model, new_id, pieces, sse
 from .db import ACTIVE_RUN, Assistant, Database, Message, Run, Thread
 from .engine import Engine, GenerationRequest, QueueFull
 from .errors import APIError
@@ -47,12 +47,25 @@ def _parts(content, param: str) -> list[dict]:
     return [{"type": "text", "text": {"value": text, "annotations": []}}]
 
 
+META_KEYS, META_KEY_CHARS, META_VALUE_CHARS = 16, 64, 512  # OpenAI's limits
+
+
 def _meta(m) -> dict:
+    """Metadata as OpenAI defines it: at most 16 string keys of <= 64 chars, string values <= 512."""
     if m is None:
         return {}
-    if len(m) > 16:
-        raise APIError(400, "metadata holds at most 16 keys", param="metadata")
-    return {str(k): v for k, v in m.items()}
+    if len(m) > META_KEYS:
+        raise APIError(400, f"metadata holds at most {META_KEYS} keys (got {len(m)})", param="metadata")
+    for k, v in m.items():
+        if len(k) > META_KEY_CHARS:
+            raise APIError(400, f"metadata key '{k[:20]}...' is {len(k)} characters; at most {META_KEY_CHARS}",
+                           param="metadata")
+        if not isinstance(v, str):
+            raise APIError(400, f"metadata.{k}: values are strings, not {type(v).__name__}", param=f"metadata.{k}")
+        if len(v) > META_VALUE_CHARS:
+            raise APIError(400, f"metadata.{k}: the value is {len(v)} characters; at most {META_VALUE_CHARS}",
+                           param=f"metadata.{k}")
+    return dict(m)
 
 
 # ---- assistants ---------------------------------------------------------------------------
@@ -365,32 +378,25 @@ class RunExecutor:
         self.publish("thread.message.created", msg_d)
         self.publish("thread.message.in_progress", msg_d)
 
-        text: list[str] = []
-        n_out, reason, last_save = 0, "stop", time.monotonic()
-        async for ev in stream:
-            if ev.token_id is not None:
-                n_out += 1
-            if ev.finish_reason:
-                reason = ev.finish_reason
-            if ev.text:
-                text.append(ev.text)
-                self.publish("thread.message.delta", {
-                    "id": msg_d["id"], "object": "thread.message.delta",
-                    "delta": {"content": [{"index": 0, "type": "text",
-                                           "text": {"value": ev.text, "annotations": []}}]}})
-                if time.monotonic() - last_save > _SAVE_EVERY_S:  # partial answers survive a crash
-                    last_save = time.monotonic()
-                    partial = "".join(text)
+        got = Collected()
+        last_save = time.monotonic()
+        async for _, val in pieces(stream, got):
+            self.publish("thread.message.delta", {
+                "id": msg_d["id"], "object": "thread.message.delta",
+                "delta": {"content": [{"index": 0, "type": "text", "text": {"value": val, "annotations": []}}]}})
+            if time.monotonic() - last_save > _SAVE_EVERY_S:  # partial answers survive a crash
+                last_save = time.monotonic()
 
-                    def save(s, run, partial=partial):
-                        m = Database.get(s, Message, run.message_id, "message")
-                        m.content = [{"type": "text", "text": {"value": partial, "annotations": []}}]
-                    await self._write(save)
+                def save(s, run, partial=got.text):
+                    m = Database.get(s, Message, run.message_id, "message")
+                    m.content = [{"type": "text", "text": {"value": partial, "annotations": []}}]
+                await self._write(save)
+        n_out = len(got.token_ids)
         usage = {"prompt_tokens": len(ids), "completion_tokens": n_out, "total_tokens": len(ids) + n_out}
-        status = {"cancelled": "cancelled", "length": "incomplete"}.get(reason, "completed")
+        status = {"cancelled": "cancelled", "length": "incomplete"}.get(got.finish_reason, "completed")
         if self.active.cancelled:
             status = "cancelled"
-        await self._finish(status, text="".join(text), usage=usage)
+        await self._finish(status, text=got.text, usage=usage)
 
     async def _finish(self, status: str, *, text: str | None = None, usage: dict | None = None,
                       err: dict | None = None) -> None:

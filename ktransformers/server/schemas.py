@@ -8,15 +8,54 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+#: the seeds a torch.Generator takes (OpenAI's and Ollama's are 64-bit too)
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
-class _Req(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+def lone_surrogate(value: Any, path: str = "") -> str | None:
+    """Where in a JSON value a string holds a lone UTF-16 surrogate (valid JSON, not Unicode)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return f"{path or 'body'}: lone surrogate {value[e.start]!r} at character {e.start}"
+        return None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = ((f"[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    for k, v in items:
+        if isinstance(k, str) and not k.startswith("["):
+            bad = lone_surrogate(k, path) or lone_surrogate(v, f"{path}.{k}" if path else k)
+        else:
+            bad = lone_surrogate(v, f"{path}{k}")
+        if bad:
+            return bad
+    return None
 
 
-class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow", protected_namespaces=())
+class _Checked(BaseModel):
+    """Request bodies: no NaN/Infinity numbers, and text that is valid Unicode."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        bad = lone_surrogate(data)
+        if bad:
+            raise ValueError(f"{bad} is not valid Unicode")
+        return data
+
+
+class _Req(_Checked):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), allow_inf_nan=False)
+
+
+class _Open(_Checked):
+    model_config = ConfigDict(extra="allow", protected_namespaces=(), allow_inf_nan=False)
 
 
 # ---- OpenAI chat / completions --------------------------------------------------------------
@@ -69,7 +108,7 @@ class SamplingFields(_Req):
     top_p: float | None = Field(None, ge=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)  # extension
     max_tokens: int | None = Field(None, ge=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: StopType = None
     repetition_penalty: float | None = Field(None, gt=0.0)  # extension
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)  # accepted, not applied
@@ -188,7 +227,7 @@ class OllamaOptions(_Req):
     top_k: int | None = Field(None, ge=0)
     num_predict: int | None = None  # -1: until the context is full, -2: fill the context
     stop: StopType = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     repeat_penalty: float | None = Field(None, gt=0.0)
     num_ctx: int | None = None  # accepted; the context is fixed at server start (--cache_lens)
 
