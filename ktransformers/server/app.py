@@ -218,7 +218,8 @@ def create_app(engine: Engine, settings: Settings | None = None, *, db: Database
     app.include_router(assistants_api.router, prefix="/v1")
     app.include_router(ollama_api.router, prefix="/api")
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.head("/health", operation_id="health_head")
+    @app.get("/health", operation_id="health")
     async def health():
         return {"status": "ok", "version": __version__, **engine.status()}
 
