@@ -83,7 +83,7 @@ def _import_dotted(text: str):
     mod_name, _, attr = text.rpartition(".")
     try:
         mod = importlib.import_module(mod_name)
-    except ImportError:
+    except (ImportError, TypeError, ValueError):  # also ".." or "a..b": not a module path
         return None
     return getattr(mod, attr, None)
 
@@ -100,8 +100,8 @@ def _did_you_mean_module(text: str) -> str:
     mod_name = text.rpartition(".")[0]
     try:
         importlib.import_module(mod_name)
-    except ImportError:
-        return f" (module '{mod_name}' not found)"
+    except (ImportError, TypeError, ValueError):
+        return f" ('{mod_name}' is not an importable module)"
     mod = importlib.import_module(mod_name)
     leaf = text.rpartition(".")[2]
     names = [n for n in dir(mod) if isinstance(getattr(mod, n, None), type)]

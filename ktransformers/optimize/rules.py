@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import difflib
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ import torch
 import yaml
 
 from ..errors import RuleError
+from . import safe_yaml
 from .registry import resolve_match_class, resolve_operator
 
 RULE_KEYS = ("match", "replace", "recursive")
@@ -43,7 +43,7 @@ class Rule:
     index: int  # 0-based position in the file
     source: str  # file path or "<string>"
     line: int
-    name_pattern: re.Pattern | None
+    name_pattern: safe_yaml.BoundedPattern | None
     match_class: type | str | None
     match_class_text: str | None
     replace_text: str  # as written ("default" when absent)
@@ -90,20 +90,14 @@ def load_rules(rules) -> list[Rule]:
         path = Path(rules)
         if not path.is_file():
             raise RuleError(f"{path}: rule file not found")
-        return parse_rules(path.read_text(encoding="utf-8"), str(path))
+        return parse_rules(safe_yaml.read_text(path), str(path))
     if isinstance(rules, str):
         return parse_rules(rules, "<string>")
     raise RuleError(f"rules must be a path, a YAML string or a list of rule dicts, not {type(rules).__name__}")
 
 
 def parse_rules(text: str, source: str = "<string>") -> list[Rule]:
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = mark.line + 1 if mark else 0
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise RuleError(f"{source}:{line}: not valid YAML: {problem}") from None
+    root = safe_yaml.compose(text, source)
     if root is None:
         raise RuleError(f"{source}: the rule file is empty")
     if not isinstance(root, yaml.SequenceNode):
@@ -115,12 +109,7 @@ def _line(node) -> int:
     return node.start_mark.line + 1
 
 
-def _construct(node):
-    loader = yaml.SafeLoader("")
-    try:
-        return loader.construct_object(node, deep=True)
-    finally:
-        loader.dispose()
+_construct = safe_yaml.construct
 
 
 def _mapping(node, where: str) -> dict[str, tuple[Any, Any]]:
@@ -173,10 +162,7 @@ def _parse_rule(node, index: int, source: str) -> Rule:
         text = _construct(vn)
         if not isinstance(text, str):
             raise err("match.name", f"must be a string (a regular expression), not {type(text).__name__}", _line(vn))
-        try:
-            pattern = re.compile(text)
-        except re.error as e:
-            raise err("match.name", f"regular expression '{text}' does not compile: {e}", _line(vn)) from None
+        pattern = safe_yaml.BoundedPattern(text, f"{source}:{_line(vn)}: rule #{index} (match.name)")
         key_lines["match.name"] = _line(vn)
     mclass, mclass_text = None, None
     if "class" in match:
