@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--use_cuda_graph", action=argparse.BooleanOptionalAction, default=None,
       help="capture the decode step in a CUDA graph (CUDA only; ignored with a note on CPU)")
     a("--prompt_file", help="file whose text is sent when you enter an empty line")
+    a("--check_tensors", action="store_true", help="read every weight once at start and refuse NaN/Inf "
+                                                   "(as llama.cpp's flag)")
     a("--mode", choices=["normal", "long_context"], default="normal",
       help="long_context (Llama only): keep the KV cache in CPU memory")
     a("--force_think", action="store_true", help="start every answer with '<think>\\n' (reasoning models)")
@@ -157,6 +159,9 @@ def load(args, log=print):
     elif device.startswith("cuda") and args.use_cuda_graph:
         log("note: CUDA graph capture is not implemented yet; decoding eagerly")
     tokenizer = load_tokenizer(args.model_path, source)
+    from .weights.gguf_checks import preflight
+
+    preflight(source, tokenizer, args.model_path or args.gguf_path, args.check_tensors, log)
     rules = args.optimize_config_path
     user_rules = rules is not None
     if rules is None:

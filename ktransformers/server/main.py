@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cache_lens", type=int,
                    help="context length in tokens, prompt + answer (default: the model's max positions)")
     g.add_argument("--chunk_size", type=int, help="prompt tokens per prefill step [8192]")
+    g.add_argument("--check_tensors", type=_bool, nargs="?", const=True,
+                   help="read every weight once at start and refuse NaN/Inf (as llama.cpp's flag)")
     g = p.add_argument_group("generation defaults (a request's own values win)")
     g.add_argument("--max_new_tokens", type=int, help="answer length when the request gives none [1024]")
     g.add_argument("--temperature", type=float,
@@ -164,6 +166,7 @@ def build_engine(settings: Settings):
     from ..generation import Generator
     from ..util.loading import load_model
     from ..weights import open_weights
+    from ..weights.gguf_checks import preflight
     from .engine import Engine
 
     if settings.cpu_infer:
@@ -178,11 +181,13 @@ def build_engine(settings: Settings):
 
         try:
             tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+            template_from = f"{model_path} (tokenizer_config.json)"
         except Exception as e:
             raise ConfigError(f"--model_path {model_path}: cannot load its tokenizer "
                               f"({type(e).__name__}: {e})") from None
     elif hasattr(source, "tokenizer"):
         tokenizer = source.tokenizer()
+        template_from = f"{settings.gguf_path} (tokenizer.chat_template)"
         if tokenizer is None:
             raise ConfigError(f"{settings.gguf_path}: holds no vocabulary; pass --model_path with the tokenizer files")
     else:
@@ -192,6 +197,8 @@ def build_engine(settings: Settings):
         tpl = (getattr(source, "metadata", None) or {}).get("tokenizer.chat_template")
         if isinstance(tpl, str) and tpl.strip():
             tokenizer.chat_template = tpl
+            template_from = f"{settings.gguf_path} (tokenizer.chat_template)"
+    preflight(source, tokenizer, template_from, settings.check_tensors, log.info)  # refuse to start, not to answer
     model = load_model(source, model_path, rules=settings.optimize_config_path, device=settings.device)
     load_s = time.perf_counter() - t0
     max_pos = getattr(model.config, "max_position_embeddings", None) or 4096

@@ -25,6 +25,7 @@ class Settings:
     max_new_tokens: int = 1024
     cache_lens: int | None = None
     chunk_size: int = 8192
+    check_tensors: bool = False
     api_key: str | None = None
     api_key_file: str | None = None
     allowed_hosts: str | None = None  # comma-separated, beside the loopback names and the bind address

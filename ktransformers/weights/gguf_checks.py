@@ -165,10 +165,28 @@ def check_metadata(where: str, meta, arch: str, tensors: dict[str, tuple[int, ..
                 "attention.key_length", "attention.value_length", "rope.dimension_count",
                 "attention.kv_lora_rank", "attention.q_lora_rank", "attention.sliding_window"):
         k.ints(key, 0, MAX_WIDTH)
-    key_len = k.ints("attention.key_length", 1, MAX_WIDTH)
+    key_len = (k.ints("attention.key_length", 1, MAX_WIDTH) or [None])[0]
+    val_len = (k.ints("attention.value_length", 1, MAX_WIDTH) or [None])[0]
     if key_len is None and width % max(heads):
         raise k.fail("attention.head_count", f"is {max(heads)}, which does not divide embedding_length {width} "
                                              "(and there is no attention.key_length)")
+    head_dim = key_len or width // max(heads)
+    rope_dim = (k.ints("rope.dimension_count", 0, MAX_WIDTH) or [None])[0]
+    if rope_dim is not None and (rope_dim % 2 or rope_dim > head_dim):
+        raise k.fail("rope.dimension_count", f"is {rope_dim}; rotary dimensions are even and at most the head "
+                                             f"size {head_dim}")
+    if rope_dim is None and head_dim % 2:
+        raise k.fail("attention.key_length" if key_len else "embedding_length",
+                     f"gives heads of {head_dim}; rotary embeddings need an even head size")
+    # the projections' widths follow from the head counts and sizes (plain attention; MLA differs)
+    if len(heads) == 1 and len(kv_heads) == 1 and not k.raw("attention.kv_lora_rank"):
+        for proj, n, size in (("attn_q", heads[0], head_dim), ("attn_k", kv_heads[0], head_dim),
+                              ("attn_v", kv_heads[0], val_len or head_dim)):
+            for name, shape in tensors.items():
+                if name.endswith(f".{proj}.weight") and shape[0] != n * size:
+                    raise WeightError(f"{where}: tensor '{name}' has {shape[0]} rows, but the metadata says "
+                                      f"{n} heads of {size} ({arch}.attention.head_count"
+                                      f"{'' if proj == 'attn_q' else '_kv'} / key_length / value_length)")
     k.ints("context_length", 1, MAX_CONTEXT)
     n_exp = (k.ints("expert_count", 0, MAX_EXPERTS) or [0])[0]
     used = (k.ints("expert_used_count", 0, MAX_EXPERTS) or [0])[0]
@@ -206,14 +224,33 @@ def check_gguf(source) -> None:
 
 # ---- data -------------------------------------------------------------------------------------
 
+def preflight(source, tokenizer, where: str, check_tensors: bool = False, log=None) -> None:
+    """What local_chat and the server check once the weights and tokenizer are open, before the
+    model is built: the chat template compiles; with ``check_tensors`` no tensor holds NaN/Inf."""
+    compile_chat_template(getattr(tokenizer, "chat_template", None), where)
+    if check_tensors:
+        n = scan_tensors(source)
+        if log is not None:
+            log(f"--check_tensors: {n} tensors, no NaN or Inf")
+
+
 def scan_tensors(source, chunk_rows: int = 4096, progress=None) -> int:
     """Read every tensor of ``source`` once; WeightError naming the first NaN/Inf.  Returns the
     number of tensors scanned.  Float types are checked as stored; quantized ones dequantized in
-    chunks of rows (the scales and values a kernel would see)."""
+    chunks of rows (the scales and values a kernel would see); other sources tensor by tensor."""
     import torch
 
     from .dequant import block_dequantizer
 
+    if not hasattr(source, "_tensors"):  # safetensors and other sources: as the model will see them
+        for i, name in enumerate(source.names()):
+            t = source.tensor(name)
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise WeightError(f"{getattr(source, 'path', '?')}: tensor '{name}' holds NaN or Inf; "
+                                  "the file is corrupt")
+            if hasattr(source, "release"):
+                source.release(name)
+        return len(source.names())
     n = 0
     for name, t in source._tensors.items():
         info = ggml_type_info(t.ggml_type)
