@@ -6,9 +6,9 @@ the ones we read; a bad value becomes a 400 naming the field (see ``errors.py``)
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 #: the seeds a torch.Generator takes (OpenAI's and Ollama's are 64-bit too)
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -113,7 +113,7 @@ class SamplingFields(_Req):
     repetition_penalty: float | None = Field(None, gt=0.0)  # extension
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)  # accepted, not applied
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)  # accepted, not applied
-    n: int | None = Field(None, ge=1)
+    n: int | None = Field(None, ge=1, json_schema_extra={"maximum": 1})  # n > 1 gets its own 400
     user: str | None = None
 
     @field_validator("stop")
@@ -124,7 +124,7 @@ class SamplingFields(_Req):
 
 class ChatCompletionRequest(SamplingFields):
     model: str | None = None
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -245,7 +245,7 @@ class OllamaMessage(_Open):
 
 
 class OllamaGenerateRequest(_Req):
-    model: str
+    model: str = Field(json_schema_extra={"minLength": 1})
     prompt: str | None = ""
     suffix: str | None = None
     system: str | None = None
@@ -261,7 +261,7 @@ class OllamaGenerateRequest(_Req):
 
 
 class OllamaChatRequest(_Req):
-    model: str
+    model: str = Field(json_schema_extra={"minLength": 1})
     messages: list[OllamaMessage] = Field(default_factory=list)
     tools: list[Tool] | None = None
     stream: bool = True
@@ -279,7 +279,11 @@ class OllamaShowRequest(_Req):
 
 # ---- Assistants ---------------------------------------------------------------------------
 
-Metadata = dict[str, Any] | None
+#: OpenAI's metadata limits: 16 keys of up to 64 characters, string values of up to 512
+META_KEYS, META_KEY_CHARS, META_VALUE_CHARS = 16, 64, 512
+Metadata = Annotated[dict[Annotated[str, StringConstraints(max_length=META_KEY_CHARS)],
+                          Annotated[str, StringConstraints(max_length=META_VALUE_CHARS)]],
+                     Field(max_length=META_KEYS)] | None
 
 
 class AssistantCreate(_Req):
@@ -332,7 +336,7 @@ class RunCreate(_Req):
     instructions: str | None = None
     additional_instructions: str | None = None
     additional_messages: list[MessageCreate] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = Field(None, json_schema_extra={"maxItems": 0})  # not supported yet
     metadata: Metadata = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, ge=0.0, le=1.0)

@@ -185,10 +185,10 @@ def test_wrong_part_types_in_thread_messages(http, part, needle):
 
 
 @pytest.mark.parametrize("metadata, needle", [
-    ({f"k{i}": "v" for i in range(17)}, "at most 16 keys"),
-    ({"k" * 65: "v"}, "at most 64"),
-    ({"k": "v" * 513}, "at most 512"),
-    ({"k": 5}, "values are strings"),
+    ({f"k{i}": "v" for i in range(17)}, "at most 16 items"),
+    ({"k" * 65: "v"}, "at most 64 characters"),
+    ({"k": "v" * 513}, "at most 512 characters"),
+    ({"k": 5}, "valid string"),
 ])
 def test_metadata_limits(http, metadata, needle):
     _openai_400(http.post("/v1/threads", json={"metadata": metadata}), needle)
