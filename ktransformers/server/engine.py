@@ -48,13 +48,12 @@ MIN_TEMPERATURE = 1e-4
 
 
 def _check_unicode(text, param: str) -> None:
-    """A 400 for a lone UTF-16 surrogate (valid JSON ``"\\ud800"``, but no Unicode character)."""
-    if isinstance(text, str):
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise APIError(400, f"'{param}': lone surrogate {text[e.start]!r} at character {e.start} is not "
-                                "valid Unicode", param=param) from None
+    """A 400 for text that is not valid Unicode (a lone surrogate), wherever it came from."""
+    from .schemas import lone_surrogate
+
+    bad = lone_surrogate(text, param)
+    if bad:
+        raise APIError(400, f"{bad} is not valid Unicode", param=param)
 
 
 @dataclass
