@@ -187,6 +187,7 @@ def check_metadata(where: str, meta, arch: str, tensors: dict[str, tuple[int, ..
                     raise WeightError(f"{where}: tensor '{name}' has {shape[0]} rows, but the metadata says "
                                       f"{n} heads of {size} ({arch}.attention.head_count"
                                       f"{'' if proj == 'attn_q' else '_kv'} / key_length / value_length)")
+    _check_mla_and_shared(k, tensors, rope_dim or 0)
     k.ints("context_length", 1, MAX_CONTEXT)
     n_exp = (k.ints("expert_count", 0, MAX_EXPERTS) or [0])[0]
     used = (k.ints("expert_used_count", 0, MAX_EXPERTS) or [0])[0]
@@ -211,6 +212,25 @@ def _check_finite(where: str, meta) -> None:
     for key, v in meta.items():  # a NaN / Inf float is never meant
         if isinstance(v, float) and not math.isfinite(v):
             raise WeightError(f"{where}: metadata '{key}' is {v}; expected a finite number")
+
+
+def _check_mla_and_shared(k: _Keys, tensors: dict[str, tuple[int, ...]], rope_dim: int) -> None:
+    """DeepSeek's split MLA projections and shared experts against their metadata sizes."""
+    key_mla = (k.ints("attention.key_length_mla", 1, MAX_WIDTH) or [None])[0]
+    val_mla = (k.ints("attention.value_length_mla", 1, MAX_WIDTH) or [None])[0]
+    shared = (k.ints("expert_shared_count", 0, MAX_EXPERTS) or [None])[0]
+    ff = (k.ints("expert_shared_feed_forward_length", 1, MAX_WIDTH) or k.ints("expert_feed_forward_length", 1,
+                                                                               MAX_WIDTH) or [None])[0]
+    for name, shape in tensors.items():
+        if key_mla is not None and name.endswith(".attn_k_b.weight") and len(shape) == 3 \
+                and shape[2] + rope_dim != key_mla:
+            raise k.fail("attention.key_length_mla", f"is {key_mla}, but {name} {list(shape)} with "
+                                                     f"rope.dimension_count {rope_dim} gives {shape[2] + rope_dim}")
+        if val_mla is not None and name.endswith(".attn_v_b.weight") and len(shape) == 3 and shape[1] != val_mla:
+            raise k.fail("attention.value_length_mla", f"is {val_mla}, but {name} is {list(shape)}")
+        if shared is not None and ff is not None and re.search(r"\.ffn_(gate|up)_shexp\.weight$", name) \
+                and shape[0] != shared * ff:
+            raise k.fail("expert_shared_count", f"is {shared} (of {ff} each), but {name} is {list(shape)}")
 
 
 def check_gguf(source) -> None:

@@ -18,12 +18,12 @@ pytestmark = pytest.mark.skipif(not FIXTURE.is_file(), reason=f"{FIXTURE} is abs
 ARCH = "qwen3moe"
 
 
-def corrupt(tmp_path: Path, edit, name: str = "c.gguf") -> Path:
+def corrupt(tmp_path: Path, edit, name: str = "c.gguf", fixture: Path = FIXTURE) -> Path:
     """A copy of the fixture with ``edit(reader)`` applied in place (gguf-py's writable mapping)."""
     import gguf
 
     p = tmp_path / name
-    shutil.copyfile(FIXTURE, p)
+    shutil.copyfile(fixture, p)
     p.chmod(0o644)
     r = gguf.GGUFReader(p, "r+")
     edit(r)
@@ -135,10 +135,10 @@ def test_check_tensors_finds_nan_and_inf(tmp_path, tensor, fill, needle):
 
 # ---- a corpus: every header byte region truncated, every numeric field swept ----------------
 
-def _numeric_fields():
+def _numeric_fields(fixture: Path = FIXTURE):
     import gguf
 
-    r = gguf.GGUFReader(FIXTURE)
+    r = gguf.GGUFReader(fixture)
     out = []
     for k, f in r.fields.items():
         if k.startswith("GGUF.") or not f.data or len(f.data) != 1:
@@ -149,12 +149,18 @@ def _numeric_fields():
     return out
 
 
-SWEEP = [0, 1, 3, 7, 2**16 + 1, 2**31 - 1]
+SWEEP = [0, 1, 7, 2**31 - 1]
 
 
-def test_corpus_every_numeric_field_swept(tmp_path):
+DEEPSEEK = FIXTURE.parents[1] / "deepseek2-tiny" / "Q4_0.gguf"
+
+
+@pytest.mark.parametrize("fixture", [FIXTURE, DEEPSEEK], ids=["qwen3moe", "deepseek2"])
+def test_corpus_every_numeric_field_swept(tmp_path, fixture):
+    if not fixture.is_file():
+        pytest.skip(f"{fixture} is absent (shared fixtures)")
     n, errors = 0, 0
-    for key, dtype in _numeric_fields():
+    for key, dtype in _numeric_fields(fixture):
         values = SWEEP + ([-1.0, math.nan, math.inf, 1e30] if dtype.kind == "f" else [np.iinfo(dtype).max])
         for v in values:
             try:
@@ -163,13 +169,13 @@ def test_corpus_every_numeric_field_swept(tmp_path):
                 continue
             if dtype.kind == "u" and (isinstance(v, float) or v < 0):
                 continue
-            p = corrupt(tmp_path, set_field(key, cast[()]), f"f{n}.gguf")
+            p = corrupt(tmp_path, set_field(key, cast[()]), f"f{n}.gguf", fixture)
             t0 = time.perf_counter()
             errors += outcome(p) is not None
             assert time.perf_counter() - t0 < 30, (key, v)
             p.unlink()
             n += 1
-    assert n >= 100 and errors >= n // 3, (n, errors)
+    assert n >= 70 and errors >= n // 3, (n, errors)
 
 
 def test_corpus_truncated_everywhere(tmp_path):
