@@ -19,6 +19,7 @@ from .errors import APIError, internal_error
 
 log = logging.getLogger("ktransformers.server")
 
+
 def now() -> int:
     return int(time.time())
 
