@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--use_cuda_graph", action=argparse.BooleanOptionalAction, default=None,
       help="capture the decode step in a CUDA graph (CUDA only; ignored with a note on CPU)")
     a("--prompt_file", help="file whose text is sent when you enter an empty line")
+    a("--check_tensors", action="store_true", help="read every weight once at start and refuse NaN/Inf "
+                                                   "(as llama.cpp's flag)")
     a("--mode", choices=["normal", "long_context"], default="normal",
       help="long_context (Llama only): keep the KV cache in CPU memory")
     a("--force_think", action="store_true", help="start every answer with '<think>\\n' (reasoning models)")
@@ -156,7 +158,7 @@ def load(args, log=print, progress=None):
 
     loaded = load_for_generation(args.gguf_path or args.model_path, args.model_path, args.optimize_config_path,
                                  device=device, device_map=args.device_map, progress=True,
-                                 log=progress, check_config=check_config)
+                                 log=progress, check_config=check_config, check_tensors=args.check_tensors)
     model, tokenizer = loaded.model, loaded.tokenizer
     log(f"{model.kt_load_report.summary()}; rules: {loaded.rules}")
     gen = Generator(model, tokenizer, chunk_size=args.chunk_size, offload_cache=args.mode == "long_context")

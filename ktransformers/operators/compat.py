@@ -159,7 +159,7 @@ def resolve_class_path(text: str) -> tuple[Any, ...] | None:
         m, _, attr = path.rpartition(".")
         try:
             cls = getattr(importlib.import_module(m), attr, None)
-        except ImportError:
+        except (ImportError, TypeError, ValueError):
             cls = None
         if cls is None:
             return ()

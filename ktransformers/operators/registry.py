@@ -99,7 +99,7 @@ def resolve_operator(text: str) -> Resolved:
         mod_name, _, attr = text.rpartition(".")
         try:
             cls = getattr(importlib.import_module(mod_name), attr, None)
-        except ImportError:
+        except (ImportError, TypeError, ValueError):  # also ".." or "a..b": not a module path
             cls = None
         if cls is not None:
             if not (isinstance(cls, type) and issubclass(cls, nn.Module)):

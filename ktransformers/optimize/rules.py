@@ -20,7 +20,6 @@ from __future__ import annotations
 import difflib
 import importlib
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from ..errors import RuleError
 from ..operators import compat
 from ..operators.phases import PhaseError, decide_phases
 from ..operators.registry import resolve_op, resolve_operator
+from . import safe_yaml
 
 RULE_KEYS = ("match", "replace", "recursive")
 MATCH_KEYS = ("name", "class")
@@ -48,7 +48,7 @@ class Rule:
     index: int  # 0-based position in the file
     source: str  # file path or "<string>"
     line: int
-    name_pattern: re.Pattern | None
+    name_pattern: safe_yaml.BoundedPattern | None
     match_class: tuple[type, ...] | str | None  # classes (isinstance) or a bare class name
     match_class_text: str | None
     replace_text: str  # as written ("default" when absent)
@@ -97,20 +97,14 @@ def load_rules(rules) -> list[Rule]:
         path = Path(rules)
         if not path.is_file():
             raise RuleError(f"{path}: rule file not found")
-        return parse_rules(path.read_text(encoding="utf-8"), str(path))
+        return parse_rules(safe_yaml.read_text(path), str(path))
     if isinstance(rules, str):
         return parse_rules(rules, "<string>")
     raise RuleError(f"rules must be a path, a YAML string or a list of rule dicts, not {type(rules).__name__}")
 
 
 def parse_rules(text: str, source: str = "<string>") -> list[Rule]:
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = mark.line + 1 if mark else 0
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise RuleError(f"{source}:{line}: not valid YAML: {problem}") from None
+    root = safe_yaml.compose(text, source)
     if root is None:
         raise RuleError(f"{source}: the rule file is empty")
     if not isinstance(root, yaml.SequenceNode):
@@ -122,12 +116,7 @@ def _line(node) -> int:
     return node.start_mark.line + 1
 
 
-def _construct(node):
-    loader = yaml.SafeLoader("")
-    try:
-        return loader.construct_object(node, deep=True)
-    finally:
-        loader.dispose()
+_construct = safe_yaml.construct
 
 
 def _mapping(node, where: str) -> dict[str, tuple[Any, Any]]:
@@ -176,9 +165,12 @@ def _parse_rule(node, index: int, source: str) -> Rule:
         raise err("match", "needs at least one of 'name' or 'class'", _line(mnode))
     pattern = None
     if "name" in match:
-        _, pattern, key_lines["match.name"] = _value(
-            match["name"], "match.name", str, lambda v: f"must be a string (a regular expression), not "
-                                                       f"{type(v).__name__}", _compile, err)
+        kn, vn = match["name"]
+        text = _construct(vn)
+        if not isinstance(text, str):
+            raise err("match.name", f"must be a string (a regular expression), not {type(text).__name__}", _line(vn))
+        pattern = safe_yaml.BoundedPattern(text, f"{source}:{_line(vn)}: rule #{index} (match.name)")
+        key_lines["match.name"] = _line(vn)
     mclass, mclass_text = None, None
     if "class" in match:
         mclass_text, mclass, key_lines["match.class"] = _value(
@@ -242,13 +234,6 @@ def _value(pair, key: str, kind: type, wrong_kind, resolve, err):
         raise err(key, str(e), _line(vn)) from None
 
 
-def _compile(text: str) -> re.Pattern:
-    try:
-        return re.compile(text)
-    except re.error as e:
-        raise RuleError(f"regular expression '{text}' does not compile: {e}") from None
-
-
 def resolve_match_class(text: str) -> tuple[type, ...] | str:
     """Classes for ``match.class``; a bare name is returned as a string and matched by class name."""
     if "." not in text:
@@ -258,7 +243,7 @@ def resolve_match_class(text: str) -> tuple[type, ...] | str:
         mod_name, _, attr = text.rpartition(".")
         try:
             cls = getattr(importlib.import_module(mod_name), attr, None)
-        except ImportError:
+        except (ImportError, TypeError, ValueError):
             cls = None
         classes = (cls,) if cls is not None else ()
     if not classes:

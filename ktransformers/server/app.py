@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -18,32 +19,61 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .db import Database
 from .engine import Engine
-from .errors import error_body, install_error_handlers
+from .errors import InternalError, document_errors, error_body, install_error_handlers
 from .settings import Settings
 
 log = logging.getLogger("ktransformers.server")
 WEB_DIR = Path(__file__).with_name("web")
 
 
-class GuardMiddleware:
-    """API key and request-size checks, before any route or body parsing runs.
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]", "::1")
+STATE_CHANGING = ("POST", "PUT", "PATCH", "DELETE")
 
+
+def _header(scope, name: bytes) -> str | None:
+    for k, v in scope.get("headers", []):
+        if k == name:
+            return v.decode("latin-1")
+    return None
+
+
+def _host_name(host_header: str) -> str:
+    """``Host`` header without the port (``[::1]:8080`` -> ``[::1]``)."""
+    h = host_header.strip().lower()
+    if h.startswith("["):
+        return h[:h.index("]") + 1] if "]" in h else h
+    return h.rsplit(":", 1)[0] if h.count(":") == 1 else h
+
+
+class GuardMiddleware:
+    """Runs before any route or body parsing, and is the last resort for any error.
+
+    * Every request gets an id (``X-Request-Id``); an exception nobody handled is logged with its
+      traceback and answered 500 in the API's shape naming that id, so the client never sees a
+      traceback and the keep-alive connection stays usable.
+    * ``Host`` must be one of ``allowed_hosts`` (the loopback names, the bind address and
+      ``--allowed_hosts``): a DNS-rebinding page cannot read the server through its own name.
+    * A state-changing request (POST/PUT/PATCH/DELETE) that a browser sends from another origin
+      (``Origin`` header) is refused unless that origin is in ``--cors_origins``.
     * With an API key, every route except ``GET /health`` (and the static ``/web`` files,
       which hold no data; the page asks for the key) needs ``Authorization: Bearer <key>``.
     * Bodies above ``max_body_bytes`` are refused with 413, by Content-Length when given,
       else while the body streams in.
     """
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, allowed_hosts: set[str] | None = None,
+                 cors_origins: set[str] = frozenset()):
         self.app = app
         self.api_key = api_key
         self.max_body = max_body_bytes
+        self.allowed_hosts = allowed_hosts  # None: any Host (bound to all interfaces, or '*')
+        self.cors_origins = cors_origins
 
     @staticmethod
-    async def _reply(send, path: str, status: int, message: str, headers: dict | None = None):
+    async def _reply(send, path: str, status: int, message: str, headers: dict | None = None, **kw):
         import json
 
-        body = json.dumps(error_body(path, status, message)).encode()
+        body = json.dumps(error_body(path, status, message, **kw)).encode()
         hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         hdrs += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
         await send({"type": "http.response.start", "status": status, "headers": hdrs})
@@ -57,31 +87,61 @@ class GuardMiddleware:
             return True
         if method == "OPTIONS":
             return True
-        auth = ""
-        for k, v in scope.get("headers", []):
-            if k == b"authorization":
-                auth = v.decode("latin-1")
-                break
-        scheme, _, token = auth.partition(" ")
+        scheme, _, token = (_header(scope, b"authorization") or "").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+
+    def _refusal(self, scope) -> tuple[int, str, dict] | None:
+        """(status, message, headers) when the request must not reach a route."""
+        host = _header(scope, b"host")
+        if self.allowed_hosts is not None and host is not None and _host_name(host) not in self.allowed_hosts:
+            return 403, (f"Host '{host}' is not served here (allowed: {', '.join(sorted(self.allowed_hosts))}; "
+                         "add names with --allowed_hosts)"), {}
+        origin = _header(scope, b"origin")
+        if origin is not None and scope["method"] in STATE_CHANGING and origin not in self.cors_origins:
+            same = host is not None and origin.lower() in (f"http://{host.lower()}", f"https://{host.lower()}")
+            if not same:
+                return 403, (f"cross-site request from Origin '{origin}' refused (allow an origin with "
+                             "--cors_origins)"), {}
+        if self.api_key and not self._authorized(scope):
+            return 401, "missing or wrong API key: send 'Authorization: Bearer <key>'", {"WWW-Authenticate": "Bearer"}
+        length = _header(scope, b"content-length")
+        if length is not None:
+            if not length.strip().isdigit():
+                return 400, "bad Content-Length header", {}
+            if int(length) > self.max_body:
+                return 413, (f"request body is {int(length)} bytes; this server accepts at most "
+                             f"{self.max_body} bytes (--max_body_mb)"), {}
+        return None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        if self.api_key and not self._authorized(scope):
-            return await self._reply(send, path, 401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                     {"WWW-Authenticate": "Bearer"})
-        length = None
-        for k, v in scope.get("headers", []):
-            if k == b"content-length":
-                try:
-                    length = int(v)
-                except ValueError:
-                    return await self._reply(send, path, 400, "bad Content-Length header")
-        if length is not None and length > self.max_body:
-            return await self._reply(send, path, 413, f"request body is {length} bytes; this server accepts at most "
-                                                      f"{self.max_body} bytes (--max_body_mb)")
+        rid = "req_" + uuid.uuid4().hex[:20]
+        scope.setdefault("state", {})["request_id"] = rid
+        started = False
+
+        async def tracking_send(msg):
+            nonlocal started
+            if msg["type"] == "http.response.start":
+                started = True
+                msg = dict(msg, headers=list(msg.get("headers", [])) + [(b"x-request-id", rid.encode())])
+            await send(msg)
+
+        try:
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                status, message, headers = refusal
+                return await self._reply(tracking_send, path, status, message, headers)
+            await self._pass(scope, receive, tracking_send)
+        except Exception:  # the last resort: log it, answer 500, keep the connection
+            log.exception("unhandled error on %s %s (request id %s)", scope.get("method"), path, rid)
+            if not started:
+                err = InternalError(rid)
+                await self._reply(tracking_send, path, 500, err.message, type=err.type, code=err.code)
+
+    async def _pass(self, scope, receive, send):
+        path = scope["path"]
         if scope["method"] in ("POST", "PUT", "PATCH"):
             scope = _json_content_type(scope)
         seen = 0
@@ -158,7 +218,8 @@ def create_app(engine: Engine, settings: Settings | None = None, *, db: Database
     app.include_router(assistants_api.router, prefix="/v1")
     app.include_router(ollama_api.router, prefix="/api")
 
-    @app.get("/health")
+    @app.head("/health", operation_id="health_head")
+    @app.get("/health", operation_id="health")
     async def health():
         return {"status": "ok", "version": __version__, **engine.status()}
 
@@ -170,5 +231,23 @@ def create_app(engine: Engine, settings: Settings | None = None, *, db: Database
     if settings.web:
         app.mount("/web", StaticFiles(directory=str(WEB_DIR), html=True), name="web")
 
-    app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
+                       allowed_hosts=settings.host_allow_list(), cors_origins=set(settings.cors_origin_list()))
+    if settings.cors_origin_list():  # outermost, so that refusals carry CORS headers the page can read
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origin_list(), allow_credentials=False,
+                           allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
+                           allow_headers=["Authorization", "Content-Type", "OpenAI-Beta"],
+                           expose_headers=["X-Request-Id", "Retry-After"], max_age=600)
+
+    def openapi():
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            app.openapi_schema = document_errors(get_openapi(title=app.title, version=app.version,
+                                                             routes=app.routes))
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app

@@ -15,12 +15,14 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from typing import Annotated, Literal
+
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 from sqlalchemy import delete, select
 from starlette.concurrency import run_in_threadpool
 
-from .common import SSE_HEADERS, check_model, new_id, sse
+from .common import SSE_HEADERS, Collected, check_model, new_id, pieces, sse
 from .db import ACTIVE_RUN, Assistant, Database, Message, Run, Thread
 from .engine import Engine, GenerationRequest, QueueFull
 from .errors import APIError
@@ -29,6 +31,8 @@ from .schemas import (AssistantCreate, AssistantModify, MessageCreate, MetadataM
                       ThreadAndRunCreate, ThreadCreate)
 
 router = APIRouter()
+Limit = Annotated[int, Query(ge=1, le=100)]
+Order = Annotated[Literal["asc", "desc"], Query()]
 log = logging.getLogger("ktransformers.server")
 
 _SAVE_EVERY_S = 1.0
@@ -48,11 +52,8 @@ def _parts(content, param: str) -> list[dict]:
 
 
 def _meta(m) -> dict:
-    if m is None:
-        return {}
-    if len(m) > 16:
-        raise APIError(400, "metadata holds at most 16 keys", param="metadata")
-    return {str(k): v for k, v in m.items()}
+    """Metadata as stored (the request models check OpenAI's limits)."""
+    return dict(m or {})
 
 
 # ---- assistants ---------------------------------------------------------------------------
@@ -70,7 +71,7 @@ def create_assistant(body: AssistantCreate, request: Request):
 
 
 @router.get("/assistants")
-def list_assistants(request: Request, limit: int = 20, order: str = "desc", after: str | None = None,
+def list_assistants(request: Request, limit: Limit = 20, order: Order = "desc", after: str | None = None,
                     before: str | None = None):
     with _db(request).read() as s:
         return Database.page(s, Assistant, limit=limit, order=order, after=after, before=before)
@@ -144,7 +145,7 @@ async def create_thread_and_run(body: ThreadAndRunCreate, request: Request):
 
 
 @router.get("/threads")
-def list_threads(request: Request, limit: int = 20, order: str = "desc", after: str | None = None,
+def list_threads(request: Request, limit: Limit = 20, order: Order = "desc", after: str | None = None,
                  before: str | None = None):
     with _db(request).read() as s:
         return Database.page(s, Thread, limit=limit, order=order, after=after, before=before)
@@ -201,7 +202,7 @@ def create_message(thread_id: str, body: MessageCreate, request: Request):
 
 
 @router.get("/threads/{thread_id}/messages")
-def list_messages(thread_id: str, request: Request, limit: int = 20, order: str = "desc",
+def list_messages(thread_id: str, request: Request, limit: Limit = 20, order: Order = "desc",
                   after: str | None = None, before: str | None = None, run_id: str | None = None):
     with _db(request).read() as s:
         Database.get(s, Thread, thread_id, "thread")
@@ -365,32 +366,25 @@ class RunExecutor:
         self.publish("thread.message.created", msg_d)
         self.publish("thread.message.in_progress", msg_d)
 
-        text: list[str] = []
-        n_out, reason, last_save = 0, "stop", time.monotonic()
-        async for ev in stream:
-            if ev.token_id is not None:
-                n_out += 1
-            if ev.finish_reason:
-                reason = ev.finish_reason
-            if ev.text:
-                text.append(ev.text)
-                self.publish("thread.message.delta", {
-                    "id": msg_d["id"], "object": "thread.message.delta",
-                    "delta": {"content": [{"index": 0, "type": "text",
-                                           "text": {"value": ev.text, "annotations": []}}]}})
-                if time.monotonic() - last_save > _SAVE_EVERY_S:  # partial answers survive a crash
-                    last_save = time.monotonic()
-                    partial = "".join(text)
+        got = Collected()
+        last_save = time.monotonic()
+        async for _, val in pieces(stream, got):
+            self.publish("thread.message.delta", {
+                "id": msg_d["id"], "object": "thread.message.delta",
+                "delta": {"content": [{"index": 0, "type": "text", "text": {"value": val, "annotations": []}}]}})
+            if time.monotonic() - last_save > _SAVE_EVERY_S:  # partial answers survive a crash
+                last_save = time.monotonic()
 
-                    def save(s, run, partial=partial):
-                        m = Database.get(s, Message, run.message_id, "message")
-                        m.content = [{"type": "text", "text": {"value": partial, "annotations": []}}]
-                    await self._write(save)
+                def save(s, run, partial=got.text):
+                    m = Database.get(s, Message, run.message_id, "message")
+                    m.content = [{"type": "text", "text": {"value": partial, "annotations": []}}]
+                await self._write(save)
+        n_out = len(got.token_ids)
         usage = {"prompt_tokens": len(ids), "completion_tokens": n_out, "total_tokens": len(ids) + n_out}
-        status = {"cancelled": "cancelled", "length": "incomplete"}.get(reason, "completed")
+        status = {"cancelled": "cancelled", "length": "incomplete"}.get(got.finish_reason, "completed")
         if self.active.cancelled:
             status = "cancelled"
-        await self._finish(status, text="".join(text), usage=usage)
+        await self._finish(status, text=got.text, usage=usage)
 
     async def _finish(self, status: str, *, text: str | None = None, usage: dict | None = None,
                       err: dict | None = None) -> None:
@@ -513,7 +507,7 @@ def _run(s, thread_id: str, run_id: str) -> Run:
 
 
 @router.get("/threads/{thread_id}/runs")
-def list_runs(thread_id: str, request: Request, limit: int = 20, order: str = "desc", after: str | None = None,
+def list_runs(thread_id: str, request: Request, limit: Limit = 20, order: Order = "desc", after: str | None = None,
               before: str | None = None):
     with _db(request).read() as s:
         Database.get(s, Thread, thread_id, "thread")
@@ -558,8 +552,8 @@ def submit_tool_outputs(thread_id: str, run_id: str, request: Request):
 
 
 @router.get("/threads/{thread_id}/runs/{run_id}/steps")
-def list_run_steps(thread_id: str, run_id: str, request: Request, limit: int = Query(20, ge=1, le=100),
-                   order: str = "desc"):
+def list_run_steps(thread_id: str, run_id: str, request: Request, limit: Limit = 20,
+                   order: Order = "desc"):
     with _db(request).read() as s:
         r = _run(s, thread_id, run_id)
         data = [r.step_dict()] if r.message_id else []

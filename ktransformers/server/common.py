@@ -1,11 +1,13 @@
-"""Helpers the API modules share: model-name checks, running a stream to the end while
-watching for a client that went away, SSE/NDJSON framing."""
+"""Helpers the API modules share: model-name checks, the one loop that drains an engine stream
+(:func:`pieces`), running it to the end while watching for a client that went away, ending a
+streamed body with an error event instead of a dropped connection, SSE/NDJSON framing."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -13,7 +15,9 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from .engine import Engine, EngineStream
-from .errors import APIError
+from .errors import APIError, internal_error
+
+log = logging.getLogger("ktransformers.server")
 
 
 def now() -> int:
@@ -50,9 +54,36 @@ def stop_list(stop) -> list[str]:
 
 @dataclass
 class Collected:
-    text: str = ""
+    """What a drained stream produced so far (filled in by :func:`pieces`)."""
+
+    parts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str = "stop"
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+async def pieces(stream: EngineStream, got: Collected, parser=None):
+    """The one loop over an engine stream: records ids, text and the finish reason in ``got`` and
+    yields ``("text", str)`` items, or with a :class:`~.prompting.ToolCallStream` ``parser`` its
+    ``("text", str)`` / ``("call", tool_call)`` items (the held-back rest when the stream ends)."""
+    async for ev in stream:
+        if ev.token_id is not None:
+            got.token_ids.append(ev.token_id)
+        if ev.finish_reason:
+            got.finish_reason = ev.finish_reason
+        if ev.text:
+            got.parts.append(ev.text)
+            if parser is None:
+                yield "text", ev.text
+            else:
+                for item in parser.feed(ev.text):
+                    yield item
+    if parser is not None:
+        for item in parser.finish():
+            yield item
 
 
 @contextlib.asynccontextmanager
@@ -82,26 +113,31 @@ async def cancel_on_disconnect(request: Request | None, stream: EngineStream):
 
 async def collect(stream: EngineStream, request: Request | None = None) -> Collected:
     out = Collected()
-    parts: list[str] = []
     async with cancel_on_disconnect(request, stream):
-        async for ev in stream:
-            if ev.token_id is not None:
-                out.token_ids.append(ev.token_id)
-            if ev.text:
-                parts.append(ev.text)
-            if ev.finish_reason:
-                out.finish_reason = ev.finish_reason
-    out.text = "".join(parts)
+        async for _ in pieces(stream, out):
+            pass
     return out
 
 
-async def guarded(stream: EngineStream, agen):
-    """Wrap a streaming body so that however it ends (client gone, error), the generation stops."""
+async def guarded(agen, request: Request, error_chunks, cancel):
+    """A streaming body that always ends well-formed and always stops its generation.
+
+    An ``APIError`` (or, logged with its traceback, any other exception) after the response has
+    started becomes the API's own error event(s) from ``error_chunks(err)``; however the body
+    ends (finished, client gone, error), ``cancel()`` stops the generation."""
     try:
         async for chunk in agen:
             yield chunk
+    except APIError as e:
+        for c in error_chunks(e):
+            yield c
+    except Exception:
+        err = internal_error(request)
+        log.exception("streamed response failed (request id %s)", err.request_id)
+        for c in error_chunks(err):
+            yield c
     finally:
-        stream.cancel()
+        cancel()
         with contextlib.suppress(Exception):
             await agen.aclose()
 

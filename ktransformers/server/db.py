@@ -155,11 +155,24 @@ class Run(Base):
 ACTIVE_RUN = ("queued", "in_progress", "cancelling", "requires_action")
 
 
+def private_file(path: Path) -> Path:
+    """Create ``path`` readable by its owner only (0600), or make an existing file so: the
+    conversations and logs stay private on a shared machine whatever the umask."""
+    import os
+
+    fd = os.open(path, os.O_CREAT | os.O_APPEND | os.O_WRONLY, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+    return path
+
+
 class Database:
     def __init__(self, data_dir: str | Path):
         d = Path(data_dir)
         d.mkdir(parents=True, exist_ok=True)
-        self.path = d / DB_FILE
+        self.path = private_file(d / DB_FILE)  # SQLite gives its -wal/-shm files the same mode
         self.engine = create_engine(f"sqlite:///{self.path}",
                                     connect_args={"check_same_thread": False, "timeout": 30})
 

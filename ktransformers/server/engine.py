@@ -43,6 +43,19 @@ class PromptTooLong(APIError):
                          code="context_length_exceeded", param="messages")
 
 
+#: temperatures below this sample as greedy: it is their limit, and dividing logits by less overflows
+MIN_TEMPERATURE = 1e-4
+
+
+def _check_unicode(text, param: str) -> None:
+    """A 400 for text that is not valid Unicode (a lone surrogate), wherever it came from."""
+    from .schemas import lone_surrogate
+
+    bad = lone_surrogate(text, param)
+    if bad:
+        raise APIError(400, f"{bad} is not valid Unicode", param=param)
+
+
 @dataclass
 class SamplingDefaults:
     """Server-wide sampling defaults; a request's own values win when present."""
@@ -180,8 +193,31 @@ class Engine:
         self._worker = None
 
     # ---- tokens ----------------------------------------------------------------------
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model can embed: [0, vocab_size)."""
+        cfg = getattr(getattr(self.generator, "model", None), "config", None)
+        if cfg is not None and hasattr(cfg, "get_text_config"):
+            cfg = cfg.get_text_config()
+        n = getattr(cfg, "vocab_size", None)
+        return int(n) if n else len(self.tokenizer)
+
+    def check_token_ids(self, ids, param: str) -> list[int]:
+        """``ids`` as a list, or a 400 naming the first id outside the vocabulary."""
+        n = self.vocab_size
+        for i, t in enumerate(ids):
+            if not (0 <= t < n):
+                raise APIError(400, f"'{param}[{i}]': token id {t} is outside the vocabulary (0..{n - 1})",
+                               param=param)
+        return list(ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` as the model's tokenizer makes them by default (with its own BOS
+        setting), the same way local_chat does; ``add_special_tokens=False`` for a continuation."""
+        _check_unicode(text, "prompt")
+        if hasattr(self.generator, "encode"):
+            return list(self.generator.encode(text, add_special_tokens=add_special_tokens))
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -200,6 +236,8 @@ class Engine:
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
                             add_generation_prompt: bool = True) -> list[int]:
+        for i, m in enumerate(messages):
+            _check_unicode(m.get("content"), f"messages[{i}].content")
         try:
             return list(self.generator.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                            tools=tools))
@@ -224,8 +262,11 @@ class Engine:
         if max_new < 1:
             raise APIError(400, f"max tokens must be at least 1 (got {max_new})", param="max_tokens")
         top_p = float(d.top_p if req.top_p is None else req.top_p)
+        temperature = float(d.temperature if req.temperature is None else req.temperature)
+        if temperature < MIN_TEMPERATURE:  # logits / 1e-300 overflow to inf and NaN; the limit is greedy
+            temperature = 0.0
         params = SamplingParams(
-            temperature=float(d.temperature if req.temperature is None else req.temperature),
+            temperature=temperature,
             top_p=top_p if top_p > 0 else 1e-6,  # OpenAI allows 0: keep only the most likely token
             top_k=int(d.top_k if req.top_k is None else req.top_k),
             max_new_tokens=min(max_new, room),
@@ -242,6 +283,7 @@ class Engine:
     async def submit(self, req: GenerationRequest) -> EngineStream:
         """Queue ``req``; raises QueueFull / PromptTooLong / APIError before anything is queued."""
         params = self.make_params(req)
+        self.check_token_ids(req.input_ids, "prompt")
         if self._stopping:
             raise APIError(503, "server is shutting down", headers={"Retry-After": "5"})
         loop = asyncio.get_running_loop()

@@ -13,7 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error",
           405: "invalid_request_error", 409: "conflict_error", 413: "request_too_large",
           422: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_overloaded"}
 
@@ -30,6 +31,25 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers or {}
+
+
+class InternalError(APIError):
+    """The last resort: an exception nobody expected; the client gets only the request id."""
+
+    def __init__(self, request_id: str):
+        super().__init__(500, f"internal server error (request id {request_id}); the server log has the details",
+                         type="server_error", code="internal_error")
+        self.request_id = request_id
+
+
+def request_id(scope_or_request) -> str:
+    """The id the guard middleware gave this request (also sent as the ``X-Request-Id`` header)."""
+    scope = getattr(scope_or_request, "scope", scope_or_request)
+    return (scope.get("state") or {}).get("request_id", "req_unknown")
+
+
+def internal_error(scope_or_request) -> InternalError:
+    return InternalError(request_id(scope_or_request))
 
 
 def error_body(path: str, status: int, message: str, type: str | None = None, param: str | None = None,
@@ -97,10 +117,38 @@ def install_error_handlers(app) -> None:
         return JSONResponse(error_body(request.url.path, exc.status_code, message), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):
-        import logging
 
-        logging.getLogger("ktransformers.server").exception("unhandled error on %s", request.url.path)
-        return JSONResponse(error_body(request.url.path, 500, f"internal error: {type(exc).__name__}: {exc}"),
-                            status_code=500)
+# ---- the OpenAPI document: every status code the server sends, in each API's error shape -----
+
+#: status -> when the server answers it (on any route; the guard middleware runs before routing)
+ERROR_STATUSES = {
+    "400": "invalid request: bad JSON, a wrong type or value (the message names the field), prompt too long",
+    "401": "missing or wrong API key (only with --api_key / KT_API_KEY / --api_key_file)",
+    "403": "Host not allowed (--allowed_hosts) or a cross-site browser request (--cors_origins)",
+    "404": "unknown model, object or route",
+    "405": "method not allowed on this route",
+    "413": "request body larger than --max_body_mb",
+    "500": "internal error; the body names a request id to look up in the server log",
+    "503": "queue full (Retry-After header) or shutting down",
+}
+_OPENAI_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+_OLLAMA_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
+
+
+def document_errors(schema: dict) -> dict:
+    """Replace FastAPI's default 422 (this server answers 400) with the statuses it really sends."""
+    for path, ops in schema.get("paths", {}).items():
+        body = _OLLAMA_ERROR if path.startswith("/api/") else _OPENAI_ERROR
+        for op in ops.values():
+            if not isinstance(op, dict) or "responses" not in op:
+                continue
+            op["responses"].pop("422", None)
+            for code, why in ERROR_STATUSES.items():
+                op["responses"].setdefault(code, {"description": why,
+                                                  "content": {"application/json": {"schema": body}}})
+    schema.get("components", {}).get("schemas", {}).pop("HTTPValidationError", None)
+    schema.get("components", {}).get("schemas", {}).pop("ValidationError", None)
+    return schema

@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cache_lens", type=int,
                    help="context length in tokens, prompt + answer (default: the model's max positions)")
     g.add_argument("--chunk_size", type=int, help="prompt tokens per prefill step [8192]")
+    g.add_argument("--check_tensors", type=_bool, nargs="?", const=True,
+                   help="read every weight once at start and refuse NaN/Inf (as llama.cpp's flag)")
     g = p.add_argument_group("generation defaults (a request's own values win)")
     g.add_argument("--max_new_tokens", type=int, help="answer length when the request gives none [1024]")
     g.add_argument("--temperature", type=float,
@@ -61,7 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("server")
     g.add_argument("--host", help="address to bind [127.0.0.1: this machine only]")
     g.add_argument("--port", type=int, help="port [10002]")
-    g.add_argument("--api_key", help="require 'Authorization: Bearer <key>' on every route except GET /health")
+    g.add_argument("--api_key", help="require 'Authorization: Bearer <key>' on every route except GET /health "
+                                     "(visible in ps: prefer --api_key_file or $KT_API_KEY)")
+    g.add_argument("--api_key_file", help="read the API key from this file (first line)")
+    g.add_argument("--allowed_hosts", help="comma-separated Host names served besides localhost, 127.0.0.1, [::1] "
+                                           "and --host ('*': any)")
+    g.add_argument("--cors_origins", help="comma-separated origins (http://host:port) whose web pages may call "
+                                          "the API; others' cross-site requests get 403")
     g.add_argument("--web", type=_bool, nargs="?", const=True, help="serve the chat page at /web")
     g.add_argument("--data_dir", help=f"SQLite database (Assistants API) and logs [{DEFAULT_DATA_DIR}]")
     g.add_argument("--max_queue", type=int, help="requests that may wait for the engine; more get 503 [16]")
@@ -76,7 +84,7 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
     cfg_file = ns.pop("config", None)
     values = load_config_file(cfg_file) if cfg_file else {}
     values.update(ns)
-    return coerce(Settings().replace(**values)).validate().validate_paths()
+    return coerce(Settings().replace(**values)).resolve_api_key().validate().validate_paths()
 
 
 def _check_port(host: str, port: int) -> None:
@@ -160,7 +168,8 @@ def build_engine(settings: Settings):
     t0 = time.perf_counter()
     loaded = load_for_generation(settings.gguf_path or settings.model_path, settings.model_path,
                                  settings.optimize_config_path, device=settings.device,
-                                 device_map=settings.device_map, allow_unmatched=True, log=log.info)
+                                 device_map=settings.device_map, allow_unmatched=True, log=log.info,
+                                 check_tensors=settings.check_tensors)
     model, tokenizer, source = loaded.model, loaded.tokenizer, loaded.source
     load_s = time.perf_counter() - t0
     max_pos = getattr(model.config, "max_position_embeddings", None) or 4096
@@ -179,7 +188,9 @@ def _setup_logging(settings: Settings) -> Path:
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     root = logging.getLogger("ktransformers")
     root.setLevel(level)
-    fh = logging.FileHandler(logs / "server.log")
+    from .db import private_file
+
+    fh = logging.FileHandler(private_file(logs / "server.log"))
     fh.setFormatter(fmt)
     sh = logging.StreamHandler()
     sh.setFormatter(fmt)

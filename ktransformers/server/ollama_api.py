@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from .common import check_model, collect, guarded, ndjson, stats_numbers, stop_list
+from .common import Collected, check_model, collect, guarded, ndjson, pieces, stats_numbers, stop_list
 from .engine import Engine, EngineStream, GenerationRequest
 from .errors import APIError
 from .prompting import ToolCallStream, fim_prompt, fim_tokens, parse_tool_calls, render_go_template
@@ -77,20 +77,22 @@ def _load_reply(model: str, chat: bool) -> dict:
 
 def _generate_ids(engine: Engine, body: OllamaGenerateRequest) -> list[int]:
     prompt = body.prompt or ""
+    context = engine.check_token_ids(body.context or [], "context")
+    special = not context  # a continuation of a context gets no second BOS
     if body.template:
         text = render_go_template(body.template, {"System": body.system or "", "Prompt": prompt,
                                                   "Suffix": body.suffix or ""})
-        ids = engine.encode(text)
+        ids = engine.encode(text, special)
     elif body.suffix:
         text, _ = fim_prompt(engine.tokenizer, prompt, body.suffix)
-        ids = engine.encode(text)
+        ids = engine.encode(text, special)
     elif body.raw:
-        ids = engine.encode(prompt)
+        ids = engine.encode(prompt, special)
     else:
         msgs = ([{"role": "system", "content": body.system}] if body.system else []) + \
                [{"role": "user", "content": prompt}]
         ids = engine.apply_chat_template(msgs)
-    return list(body.context or []) + ids
+    return context + ids
 
 
 @router.post("/generate")
@@ -114,26 +116,22 @@ async def generate(body: OllamaGenerateRequest, request: Request):
         return out
 
     async def lines():
-        gen_ids: list[int] = []
-        reason = "stop"
-        try:
-            async for ev in stream:
-                if ev.token_id is not None:
-                    gen_ids.append(ev.token_id)
-                if ev.finish_reason:
-                    reason = ev.finish_reason
-                if ev.text:
-                    yield ndjson({"model": model, "created_at": _ts(), "response": ev.text, "done": False})
-        except APIError as e:
-            yield ndjson({"error": e.message})
-            return
+        got = Collected()
+        async for _, val in pieces(stream, got):
+            yield ndjson({"model": model, "created_at": _ts(), "response": val, "done": False})
         last = {"model": model, "created_at": _ts(), "response": "", "done": True,
-                **_done_fields(stream, len(gen_ids), reason)}
+                **_done_fields(stream, len(got.token_ids), got.finish_reason)}
         if with_context:
-            last["context"] = ids + gen_ids
+            last["context"] = ids + got.token_ids
         yield ndjson(last)
 
-    return StreamingResponse(guarded(stream, lines()), media_type="application/x-ndjson")
+    return StreamingResponse(guarded(lines(), request, _ndjson_error, stream.cancel),
+                             media_type="application/x-ndjson")
+
+
+def _ndjson_error(e: APIError) -> list[str]:
+    """An error after the stream started: Ollama's ``{"error": ...}`` line ends it."""
+    return [ndjson({"error": e.message})]
 
 
 def _ollama_calls(calls: list[dict]) -> list[dict]:
@@ -179,38 +177,17 @@ async def chat(body: OllamaChatRequest, request: Request):
                 **_done_fields(stream, len(got.token_ids), got.finish_reason)}
 
     async def lines():
-        parser = ToolCallStream() if tools else None
-        n_out = 0
-        reason = "stop"
-
-        def render(items):
-            for kind, val in items:
-                msg = {"role": "assistant", "content": val if kind == "text" else ""}
-                if kind == "call":
-                    msg["tool_calls"] = _ollama_calls([val])
-                elif not val:
-                    continue
-                yield ndjson({"model": model, "created_at": _ts(), "message": msg, "done": False})
-
-        try:
-            async for ev in stream:
-                if ev.token_id is not None:
-                    n_out += 1
-                if ev.finish_reason:
-                    reason = ev.finish_reason
-                if ev.text:
-                    for line in render(parser.feed(ev.text) if parser else [("text", ev.text)]):
-                        yield line
-            if parser:
-                for line in render(parser.finish()):
-                    yield line
-        except APIError as e:
-            yield ndjson({"error": e.message})
-            return
+        got = Collected()
+        async for kind, val in pieces(stream, got, ToolCallStream() if tools else None):
+            msg = {"role": "assistant", "content": val if kind == "text" else ""}
+            if kind == "call":
+                msg["tool_calls"] = _ollama_calls([val])
+            yield ndjson({"model": model, "created_at": _ts(), "message": msg, "done": False})
         yield ndjson({"model": model, "created_at": _ts(), "message": {"role": "assistant", "content": ""},
-                      "done": True, **_done_fields(stream, n_out, reason)})
+                      "done": True, **_done_fields(stream, len(got.token_ids), got.finish_reason)})
 
-    return StreamingResponse(guarded(stream, lines()), media_type="application/x-ndjson")
+    return StreamingResponse(guarded(lines(), request, _ndjson_error, stream.cancel),
+                             media_type="application/x-ndjson")
 
 
 # ---- model information -------------------------------------------------------------------
@@ -272,7 +249,7 @@ async def show(body: OllamaShowRequest, request: Request):
                   f"{family or 'model'}.context_length": e.max_context}
     return JSONResponse({
         "license": "",
-        "modelfile": f"# served by ktransformers\nFROM {e.model_info.get('path', e.model_name)}\n",
+        "modelfile": f"# served by ktransformers\nFROM {e.model_name}\n",  # no server paths in answers
         "parameters": "\n".join(params),
         "template": e.chat_template or "{{ .Prompt }}",
         "details": _details(e),

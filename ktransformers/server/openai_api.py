@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from .common import SSE_HEADERS, check_model, collect, guarded, new_id, now, sse, stop_list
+from .common import SSE_HEADERS, Collected, check_model, collect, guarded, new_id, now, pieces, sse, stop_list
 from .engine import Engine, GenerationRequest
 from .errors import APIError, error_body
 from .prompting import ToolCallStream, add_tool_prompt, fim_prompt, parse_tool_calls, template_messages
@@ -97,37 +97,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 
     async def events():
         yield chunk({"role": "assistant", "content": ""})
-        parser = ToolCallStream() if use_tools else None
-        n_calls = n_out = 0
-        reason = "stop"
-
-        def render(items):
-            nonlocal n_calls
-            for kind, val in items:
-                if kind == "text":
-                    if val:
-                        yield chunk({"content": val})
-                else:
-                    yield chunk({"tool_calls": [{"index": n_calls, **val}]})
-                    n_calls += 1
-
-        try:
-            async for ev in stream:
-                if ev.token_id is not None:
-                    n_out += 1
-                if ev.finish_reason:
-                    reason = ev.finish_reason
-                if ev.text:
-                    for c in render(parser.feed(ev.text) if parser else [("text", ev.text)]):
-                        yield c
-            if parser:
-                for c in render(parser.finish()):
-                    yield c
-        except APIError as e:
-            yield sse(error_body("/v1", e.status, e.message, e.type, e.param, e.code))
-            yield sse("[DONE]")
-            return
-        yield chunk({}, "tool_calls" if n_calls else _finish(reason))
+        got = Collected()
+        n_calls = 0
+        async for kind, val in pieces(stream, got, ToolCallStream() if use_tools else None):
+            if kind == "text":
+                yield chunk({"content": val})
+            else:
+                yield chunk({"tool_calls": [{"index": n_calls, **val}]})
+                n_calls += 1
+        n_out = len(got.token_ids)
+        yield chunk({}, "tool_calls" if n_calls else _finish(got.finish_reason))
         if include_usage:
             yield sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                        "system_fingerprint": None, "choices": [],
@@ -135,7 +114,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                                  "total_tokens": len(ids) + n_out}})
         yield sse("[DONE]")
 
-    return StreamingResponse(guarded(stream, events()), media_type="text/event-stream", headers=SSE_HEADERS)
+    return StreamingResponse(guarded(events(), request, _sse_error, stream.cancel), media_type="text/event-stream",
+                             headers=SSE_HEADERS)
+
+
+def _sse_error(e: APIError) -> list[str]:
+    """An error after the stream started: one OpenAI-shaped error event, then the end marker."""
+    return [sse(error_body("/v1", e.status, e.message, e.type, e.param, e.code)), sse("[DONE]")]
 
 
 # ---- completions --------------------------------------------------------------------------
@@ -157,7 +142,8 @@ def _prompts(engine: Engine, body: CompletionRequest) -> list[tuple[str, list[in
                 text, _ = fim_prompt(engine.tokenizer, item, body.suffix)
             out.append((item, engine.encode(text)))
         else:
-            out.append((engine.decode(item), list(item)))
+            ids = engine.check_token_ids(item, "prompt")
+            out.append((engine.decode(ids), ids))
     return out
 
 
@@ -207,31 +193,21 @@ async def completions(body: CompletionRequest, request: Request):
 
     async def events():
         n_out = 0
-        try:
-            for i, ((text, _), r) in enumerate(zip(prompts, reqs)):
-                stream = first if i == 0 else await engine.submit(r)
-                current["stream"] = stream
-                if body.echo:
-                    yield chunk(i, text)
-                reason = "stop"
-                async for ev in stream:
-                    if ev.token_id is not None:
-                        n_out += 1
-                    if ev.finish_reason:
-                        reason = ev.finish_reason
-                    if ev.text:
-                        yield chunk(i, ev.text)
-                yield chunk(i, "", _finish(reason))
-        except APIError as e:
-            yield sse(error_body("/v1", e.status, e.message, e.type, e.param, e.code))
-            yield sse("[DONE]")
-            return
-        finally:
-            current["stream"].cancel()
+        for i, ((text, _), r) in enumerate(zip(prompts, reqs)):
+            stream = first if i == 0 else await engine.submit(r)
+            current["stream"] = stream
+            if body.echo:
+                yield chunk(i, text)
+            got = Collected()
+            async for _, val in pieces(stream, got):
+                yield chunk(i, val)
+            n_out += len(got.token_ids)
+            yield chunk(i, "", _finish(got.finish_reason))
         if include_usage:
             yield sse({"id": cid, "object": "text_completion", "created": created, "model": model,
                        "choices": [], "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out,
                                                 "total_tokens": n_prompt + n_out}})
         yield sse("[DONE]")
 
-    return StreamingResponse(guarded(first, events()), media_type="text/event-stream", headers=SSE_HEADERS)
+    return StreamingResponse(guarded(events(), request, _sse_error, lambda: current["stream"].cancel()),
+                             media_type="text/event-stream", headers=SSE_HEADERS)

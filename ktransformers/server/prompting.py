@@ -30,7 +30,7 @@ def content_text(content: Any, param: str = "messages") -> str:
         return content
     if isinstance(content, list):
         out = []
-        for part in content:
+        for j, part in enumerate(content):
             if isinstance(part, str):
                 out.append(part)
                 continue
@@ -38,12 +38,18 @@ def content_text(content: Any, param: str = "messages") -> str:
             kind = p.get("type", "text")
             if kind in ("text", "input_text", "output_text"):
                 t = p.get("text")
+                where = f"{param}[{j}].text"
                 if isinstance(t, dict):  # Assistants shape {"text": {"value": ...}}
                     t = t.get("value", "")
+                    where += ".value"
+                if t is not None and not isinstance(t, str):
+                    raise APIError(400, f"'{where}' must be a string, not {type(t).__name__}", param=param)
                 out.append(t or "")
             elif kind in ("image_url", "image_file", "input_image", "input_audio"):
                 raise APIError(400, f"content part type '{kind}' is not supported: this model takes text only",
                                param=param)
+            elif not isinstance(kind, str):
+                raise APIError(400, f"'{param}[{j}].type' must be a string, not {type(kind).__name__}", param=param)
             else:
                 raise APIError(400, f"unknown content part type '{kind}'", param=param)
         return "\n".join(out)

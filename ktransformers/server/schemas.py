@@ -6,17 +6,56 @@ the ones we read; a bad value becomes a 400 naming the field (see ``errors.py``)
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+
+#: the seeds a torch.Generator takes (OpenAI's and Ollama's are 64-bit too)
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
-class _Req(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+def lone_surrogate(value: Any, path: str = "") -> str | None:
+    """Where in a JSON value a string holds a lone UTF-16 surrogate (valid JSON, not Unicode)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return f"{path or 'body'}: lone surrogate {value[e.start]!r} at character {e.start}"
+        return None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = ((f"[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    for k, v in items:
+        if isinstance(k, str) and not k.startswith("["):
+            bad = lone_surrogate(k, path) or lone_surrogate(v, f"{path}.{k}" if path else k)
+        else:
+            bad = lone_surrogate(v, f"{path}{k}")
+        if bad:
+            return bad
+    return None
 
 
-class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow", protected_namespaces=())
+class _Checked(BaseModel):
+    """Request bodies: no NaN/Infinity numbers, and text that is valid Unicode."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        bad = lone_surrogate(data)
+        if bad:
+            raise ValueError(f"{bad} is not valid Unicode")
+        return data
+
+
+class _Req(_Checked):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), allow_inf_nan=False)
+
+
+class _Open(_Checked):
+    model_config = ConfigDict(extra="allow", protected_namespaces=(), allow_inf_nan=False)
 
 
 # ---- OpenAI chat / completions --------------------------------------------------------------
@@ -69,12 +108,12 @@ class SamplingFields(_Req):
     top_p: float | None = Field(None, ge=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)  # extension
     max_tokens: int | None = Field(None, ge=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: StopType = None
     repetition_penalty: float | None = Field(None, gt=0.0)  # extension
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)  # accepted, not applied
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)  # accepted, not applied
-    n: int | None = Field(None, ge=1)
+    n: int | None = Field(None, ge=1, json_schema_extra={"maximum": 1})  # n > 1 gets its own 400
     user: str | None = None
 
     @field_validator("stop")
@@ -85,7 +124,7 @@ class SamplingFields(_Req):
 
 class ChatCompletionRequest(SamplingFields):
     model: str | None = None
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -188,7 +227,7 @@ class OllamaOptions(_Req):
     top_k: int | None = Field(None, ge=0)
     num_predict: int | None = None  # -1: until the context is full, -2: fill the context
     stop: StopType = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     repeat_penalty: float | None = Field(None, gt=0.0)
     num_ctx: int | None = None  # accepted; the context is fixed at server start (--cache_lens)
 
@@ -206,7 +245,7 @@ class OllamaMessage(_Open):
 
 
 class OllamaGenerateRequest(_Req):
-    model: str
+    model: str = Field(json_schema_extra={"minLength": 1})
     prompt: str | None = ""
     suffix: str | None = None
     system: str | None = None
@@ -222,7 +261,7 @@ class OllamaGenerateRequest(_Req):
 
 
 class OllamaChatRequest(_Req):
-    model: str
+    model: str = Field(json_schema_extra={"minLength": 1})
     messages: list[OllamaMessage] = Field(default_factory=list)
     tools: list[Tool] | None = None
     stream: bool = True
@@ -240,7 +279,11 @@ class OllamaShowRequest(_Req):
 
 # ---- Assistants ---------------------------------------------------------------------------
 
-Metadata = dict[str, Any] | None
+#: OpenAI's metadata limits: 16 keys of up to 64 characters, string values of up to 512
+META_KEYS, META_KEY_CHARS, META_VALUE_CHARS = 16, 64, 512
+Metadata = Annotated[dict[Annotated[str, StringConstraints(max_length=META_KEY_CHARS)],
+                          Annotated[str, StringConstraints(max_length=META_VALUE_CHARS)]],
+                     Field(max_length=META_KEYS)] | None
 
 
 class AssistantCreate(_Req):
@@ -293,7 +336,7 @@ class RunCreate(_Req):
     instructions: str | None = None
     additional_instructions: str | None = None
     additional_messages: list[MessageCreate] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = Field(None, json_schema_extra={"maxItems": 0})  # not supported yet
     metadata: Metadata = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, ge=0.0, le=1.0)

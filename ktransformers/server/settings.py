@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,11 @@ class Settings:
     max_new_tokens: int = 1024
     cache_lens: int | None = None
     chunk_size: int = 8192
+    check_tensors: bool = False
     api_key: str | None = None
+    api_key_file: str | None = None
+    allowed_hosts: str | None = None  # comma-separated, beside the loopback names and the bind address
+    cors_origins: str | None = None  # comma-separated origins whose pages may call the API
     web: bool = False
     data_dir: str = DEFAULT_DATA_DIR
     temperature: float | None = None
@@ -48,6 +53,38 @@ class Settings:
     def max_body_bytes(self) -> int:
         return int(self.max_body_mb * 1024 * 1024)
 
+    def host_allow_list(self) -> set[str] | None:
+        """Host names requests may carry; None when any is fine (all interfaces, or '*')."""
+        extra = _split(self.allowed_hosts)
+        if "*" in extra or (self.host in ("0.0.0.0", "::", "") and not extra):
+            return None
+        bind = self.host.lower()
+        names = {"localhost", "127.0.0.1", "[::1]", bind if ":" not in bind else f"[{bind}]"}
+        return names | {h.lower() for h in extra}
+
+    def cors_origin_list(self) -> list[str]:
+        return [o.rstrip("/") for o in _split(self.cors_origins)]
+
+    def resolve_api_key(self, environ=None) -> "Settings":
+        """The key from --api_key, else --api_key_file, else $KT_API_KEY (flags show in ``ps``)."""
+        import os
+
+        environ = os.environ if environ is None else environ
+        if self.api_key is not None:
+            return self
+        if self.api_key_file:
+            try:
+                key = Path(self.api_key_file).read_text(encoding="utf-8").strip()
+            except (OSError, UnicodeDecodeError) as e:
+                raise ConfigError(f"--api_key_file {self.api_key_file}: cannot read it "
+                                  f"({getattr(e, 'strerror', None) or e})") from None
+            if not key:
+                raise ConfigError(f"--api_key_file {self.api_key_file}: the file is empty")
+            return self.replace(api_key=key)
+        if environ.get("KT_API_KEY"):
+            return self.replace(api_key=environ["KT_API_KEY"].strip())
+        return self
+
     def validate(self) -> "Settings":
         """Raise ConfigError (one line) on a value the server cannot start with."""
         if not (0 < self.port < 65536):
@@ -69,6 +106,9 @@ class Settings:
             raise ConfigError(f"--top_k {self.top_k}: must be 0 (off) or more")
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api_key: must not be empty")
+        for o in self.cors_origin_list():
+            if o != "*" and not re.fullmatch(r"https?://[^/\s]+", o):
+                raise ConfigError(f"--cors_origins {o}: an origin is scheme://host[:port], e.g. http://localhost:3000")
         return self
 
     def validate_paths(self) -> "Settings":
@@ -142,6 +182,10 @@ def coerce(settings: Settings) -> Settings:
         except (TypeError, ValueError):
             raise ConfigError(f"setting '{f.name}': {v!r} is not a valid {t.split(' ')[0]}") from None
     return settings.replace(**kw)
+
+
+def _split(value: str | None) -> list[str]:
+    return [x.strip() for x in (value or "").split(",") if x.strip()]
 
 
 def parse_bool(v) -> bool:

@@ -152,11 +152,15 @@ def load_for_generation(
     progress: bool = False,
     log=None,
     check_config=None,
+    check_tensors: bool = False,
 ) -> LoadedModel:
     """The one load sequence of ``local_chat`` and the server: weights header, config (read once),
     rules parsed and the plan checked on the meta model *before* any weight or the tokenizer is
     read, then the tokenizer, then the weights.  ``log(msg)`` hears each step as it starts;
     ``check_config(config)`` may refuse the config (e.g. a mode for another architecture).
+    Before the weights load, the chat template must compile and, with ``check_tensors``, no
+    tensor may hold NaN/Inf (``weights.gguf_checks.preflight``): a server refuses to start
+    rather than failing every request.
 
     ``allow_unmatched`` defaults to True for the shipped rule file (a family file may cover
     modules a given model lacks) and False for rules the caller names.
@@ -198,6 +202,9 @@ def load_for_generation(
     check_transfer_maps(plan)
     say("building the tokenizer ...")
     tokenizer = load_tokenizer(model_path, source)
+    from ..weights.gguf_checks import preflight
+
+    preflight(source, tokenizer, str(model_path or weights), check_tensors, log)
     n = len(source.names()) if hasattr(source, "names") else 0
     say(f"loading {n} tensors onto {', '.join(sorted(str(d) for d in plan.devices()))} ...")
     inject(model, rule_list, source, default_device=device, allow_unmatched=True, progress=progress)

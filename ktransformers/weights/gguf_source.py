@@ -397,6 +397,9 @@ class GGUFSource(WeightSource):
                 shape = tuple(int(d) for d in reversed(t.shape.tolist()))
                 data = np.asarray(t.data).reshape(-1).view(np.uint8)
                 self._tensors[t.name] = _Tensor(t.name, f, ggml_type_info(int(t.tensor_type)), shape, data)
+        from .gguf_checks import check_gguf
+
+        check_gguf(self)  # the header against the file and itself, before anything is sized from it
         self._config = None
         self._entries: dict[str, _Entry] = {}
         self._build_entries()
