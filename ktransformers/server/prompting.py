@@ -362,6 +362,31 @@ def split_reasoning(text: str, inside: bool = False) -> tuple[str | None, str]:
     return (reasoning if p.saw_reasoning else None), answer
 
 
+class OutputParser:
+    """Model output → ``("reasoning" | "text" | "call", value)`` items, whole or streamed:
+    :class:`ThinkStream` first, then (with ``tools``) :class:`ToolCallStream` on the answer."""
+
+    def __init__(self, tools: bool, inside_think: bool = False):
+        self.think = ThinkStream(inside_think)
+        self.calls = ToolCallStream() if tools else None
+
+    def _answer(self, items) -> list[tuple[str, Any]]:
+        out: list[tuple[str, Any]] = []
+        for kind, val in items:
+            out += self.calls.feed(val) if (kind == "text" and self.calls) else [(kind, val)]
+        return out
+
+    @property
+    def thinking(self) -> bool:
+        return self.think.state.startswith("reasoning")
+
+    def feed(self, text: str) -> list[tuple[str, Any]]:
+        return self._answer(self.think.feed(text))
+
+    def finish(self) -> list[tuple[str, Any]]:
+        return self._answer(self.think.finish()) + (self.calls.finish() if self.calls else [])
+
+
 # ---------------------------------------------------------------------------------------------
 # fill in the middle
 

@@ -2,8 +2,8 @@
 ``GET``/``DELETE /responses/{id}``, ``GET /responses/{id}/input_items``, ``POST /responses/{id}/cancel``.
 
 One code path turns the engine's tokens into output items for all three modes: the model text
-goes through :class:`~.prompting.ThinkStream` (``<think>`` → a ``reasoning`` item) and, with
-function tools, :class:`~.prompting.ToolCallStream` (→ ``function_call`` items); the typed
+goes through :class:`~.prompting.OutputParser` (``<think>`` → a ``reasoning`` item and, with
+function tools, tool calls → ``function_call`` items); the typed
 events it produces are sent as SSE when streaming and simply drained otherwise, so a streamed
 answer and a plain one are the same.  History comes from ``previous_response_id`` (the chain of
 stored responses) or ``conversation`` (its items, to which the input and output are appended).
@@ -29,7 +29,7 @@ from .common import SSE_HEADERS, cancel_on_disconnect, check_model, new_id, sse,
 from .db import Database
 from .engine import Engine, GenerationRequest, QueueFull
 from .errors import APIError
-from .prompting import ThinkStream, ToolCallStream, content_text, prompt_opens_think
+from .prompting import OutputParser, content_text, prompt_opens_think
 from .responses_store import (ConversationRow, ResponseRow, add_conversation_items, conversation_items,
                               create_tables, expire_unfinished_responses, response_chain_items)
 from .schemas import StopType, _check_stop, _Req
@@ -409,8 +409,7 @@ async def run_job(app, job: Job) -> AsyncIterator[dict]:
             await run_in_threadpool(_save, db, job, job.snapshot(), final=False)
         if not job.cancelled:
             yield event("response.in_progress", response=job.snapshot())
-        think = ThinkStream(job.inside_think)
-        calls = ToolCallStream() if job.use_tools else None
+        parser = OutputParser(job.use_tools, job.inside_think)
         n_out = n_reasoning = 0
         reason = "cancelled" if job.cancelled else "stop"
         last_save = time.monotonic()
@@ -418,31 +417,23 @@ async def run_job(app, job: Job) -> AsyncIterator[dict]:
         def pieces(items):
             evs = []
             for kind, val in items:
-                if kind == "reasoning":
-                    evs += builder.reasoning(val)
-                    continue
-                for k2, v2 in (calls.feed(val) if calls else [("text", val)]):
-                    evs += builder.text(v2) if k2 == "text" else builder.call(v2)
+                evs += getattr(builder, kind)(val)  # reasoning / text / call
             return evs
 
         if job.stream is not None:
             async for ev in job.stream:
                 if ev.token_id is not None:
                     n_out += 1
-                    n_reasoning += think.state.startswith("reasoning")
+                    n_reasoning += parser.thinking
                 if ev.finish_reason:
                     reason = ev.finish_reason
                 if ev.text:
-                    for e in pieces(think.feed(ev.text)):
+                    for e in pieces(parser.feed(ev.text)):
                         yield e
                 if time.monotonic() - last_save > _SAVE_EVERY_S:  # partial answers survive a crash
                     last_save = time.monotonic()
                     await run_in_threadpool(_save, db, job, job.snapshot(), final=False)
-        tail = pieces(think.finish())
-        if calls:
-            for kind, val in calls.finish():
-                tail += builder.text(val) if kind == "text" else builder.call(val)
-        for e in tail:
+        for e in pieces(parser.finish()):
             yield e
         usage = _usage(job, n_out, n_reasoning)
         if job.cancelled or reason == "cancelled":
