@@ -514,6 +514,12 @@ def _prepare(app, body: ResponseCreate) -> Job:
               inside_think=prompt_opens_think(engine.decode(ids[-4:])),
               status="queued" if body.background else "in_progress")
     engine.make_params(generation_request(job))  # 400s before anything is written
+    return job
+
+
+def _insert(db: Database, job: Job) -> None:
+    """The response row and the conversation's new input, once the engine has taken the request."""
+    body, items, conv_id = job.body, job.input_items, job.conversation_id
     with db.write() as s:
         if body.store:
             s.add(ResponseRow(id=job.id, created_at=job.created_at, status=job.status,
@@ -521,7 +527,6 @@ def _prepare(app, body: ResponseCreate) -> Job:
                               data=job.snapshot(), input_items=items))
         if conv_id and items:
             add_conversation_items(s, conv_id, items)
-    return job
 
 
 @router.post("/responses")
@@ -529,13 +534,14 @@ async def create_response(body: ResponseCreate, request: Request):
     app = request.app
     job = await run_in_threadpool(_prepare, app, body)
     registry: ResponseRegistry = app.state.responses
-    if not body.background:
-        try:  # a full queue answers 503 before the response starts
-            job.stream = await app.state.engine.submit(generation_request(job))
-        except APIError as e:
-            await run_in_threadpool(_save, app.state.db, job, job.snapshot(
-                status="failed", error={"code": "server_error", "message": e.message}), final=False)
-            raise
+    if not body.background:  # a full queue answers 503 before anything is written
+        job.stream = await app.state.engine.submit(generation_request(job))
+    try:
+        await run_in_threadpool(_insert, app.state.db, job)
+    except BaseException:
+        if job.stream is not None:
+            job.stream.cancel()
+        raise
     registry.active[job.id] = job
     events = run_job(app, job)
 

@@ -225,3 +225,30 @@ def test_not_found_shapes(http):
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     r = http.post("/v1/responses", json={"input": "x", "conversation": "conv_nope"})
     assert r.status_code == 404
+
+
+def test_stream_disconnect_cancels_and_keeps_partial(live_app, make_engine, tiny):
+    from ktransformers.generation import Generator
+
+    from .test_engine import SlowGenerator, _wait
+
+    model, tok = tiny
+    slow = SlowGenerator(Generator(model, tok), delay=0.05)
+    with live_app(make_engine(slow)) as srv:
+        body = {"model": MODEL_NAME, "input": "go", "stream": True, "max_output_tokens": 500}
+        rid = None
+        with httpx.Client(base_url=srv.url, timeout=30) as h:
+            with h.stream("POST", "/v1/responses", json=body) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and rid is None:
+                        rid = json.loads(line[6:])["response"]["id"]
+                    if "response.output_text.delta" in line:
+                        break
+        assert _wait(lambda: slow.cancelled.is_set())
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        assert _wait(lambda: c.responses.retrieve(rid).status == "cancelled")
+        got = c.responses.retrieve(rid)
+        assert got.output[0].status == "incomplete" and got.output[0].content[0].text
+        # the engine is free again
+        assert c.responses.create(model=MODEL_NAME, input="x", max_output_tokens=2).status in ("completed",
+                                                                                               "incomplete")
