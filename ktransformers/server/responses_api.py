@@ -17,7 +17,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Literal
+from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -77,9 +77,9 @@ class ResponseCreate(_Req):
     stream: bool = False
     background: bool = False
     previous_response_id: str | None = None
-    conversation: str | dict[str, Any] | None = None
+    conversation: Any = None  # an id or {"id": …}
     tools: list[dict[str, Any]] = Field(default_factory=list)
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    tool_choice: Any = None  # none / auto / required / {"type": "function", "name": …}
     parallel_tool_calls: bool = True
     metadata: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
@@ -99,6 +99,20 @@ class ResponseCreate(_Req):
             return v
         raise ValueError("must be a string or a list of input items (objects)")
 
+    @field_validator("conversation")
+    @classmethod
+    def _conversation_shape(cls, v):
+        if v is None or (isinstance(v, str) and v) or (isinstance(v, dict) and isinstance(v.get("id"), str)):
+            return v
+        raise ValueError("must be a conversation id or {\"id\": …}")
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_shape(cls, v):
+        if v is None or v in ("none", "auto", "required") or isinstance(v, dict):
+            return v
+        raise ValueError("must be 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": …}")
+
 
 def _text_part(role: str, text: str) -> dict:
     if role == "assistant":
@@ -109,6 +123,20 @@ def _text_part(role: str, text: str) -> dict:
 def message_item(role: str, text: str) -> dict:
     return {"type": "message", "id": new_id("msg_"), "role": role, "status": "completed",
             "content": [_text_part(role, text)]}
+
+
+def _checked_parts(content: Any, where: str) -> Any:
+    """Content must be a string or a list of part objects whose ``text`` is a string."""
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"'{where}' must be a string or a list of content parts", param=where)
+    for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise APIError(400, f"'{where}[{j}]' must be a content part object", param=where)
+        if "text" in part and not isinstance(part["text"], str):
+            raise APIError(400, f"'{where}[{j}].text' must be a string", param=where)
+    return content
 
 
 def normalize_items(raw: Any, param: str = "input") -> list[dict]:
@@ -126,7 +154,7 @@ def normalize_items(raw: Any, param: str = "input") -> list[dict]:
             if role not in ("user", "assistant", "system", "developer"):
                 raise APIError(400, f"'{where}.role' must be user, assistant, system or developer (got {role!r})",
                                param=f"{where}.role")
-            text = content_text(it.get("content"), f"{where}.content")
+            text = content_text(_checked_parts(it.get("content"), f"{where}.content"), f"{where}.content")
             item = message_item(role, text)
         elif kind == "function_call":
             for k in ("call_id", "name", "arguments"):
@@ -138,7 +166,8 @@ def normalize_items(raw: Any, param: str = "input") -> list[dict]:
             if not isinstance(it.get("call_id"), str):
                 raise APIError(400, f"'{where}.call_id' must be a string", param=f"{where}.call_id")
             output = it.get("output")
-            output = output if isinstance(output, str) else content_text(output, f"{where}.output")
+            output = output if isinstance(output, str) else content_text(_checked_parts(output, f"{where}.output"),
+                                                                         f"{where}.output")
             item = {"type": "function_call_output", "id": new_id("fco_"), "call_id": it["call_id"],
                     "output": output, "status": "completed"}
         elif kind == "reasoning":

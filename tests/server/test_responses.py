@@ -208,6 +208,10 @@ def test_background_and_cancel(live_app, make_engine, tiny):
     ({"input": "x", "background": True, "store": False}, "store"),
     ({"input": "x", "conversation": "conv_a", "previous_response_id": "resp_b"}, "previous_response_id"),
     ({}, "input"),
+    ({"input": "x", "conversation": 5}, "conversation"),
+    ({"input": "x", "tool_choice": "bogus"}, "tool_choice"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]}, "input[0].content"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
 ])
 def test_bad_bodies_are_400(http, body, where):
     r = http.post("/v1/responses", json={"model": MODEL_NAME, **body})
