@@ -188,7 +188,7 @@ class _BodyTooLarge(StarletteHTTPException):
 def create_app(engine: Engine, settings: Settings | None = None, *, db: Database | None = None) -> FastAPI:
     """A FastAPI app serving ``engine``: OpenAI + Assistants under /v1, Ollama under /api, web at /web."""
     from .. import __version__
-    from . import assistants_api, ollama_api, openai_api
+    from . import assistants_api, ollama_api, openai_api, responses_api
     from .assistants_api import RunRegistry
 
     settings = settings or Settings()
@@ -204,6 +204,7 @@ def create_app(engine: Engine, settings: Settings | None = None, *, db: Database
             yield
         finally:
             await app.state.runs.shutdown()
+            await app.state.responses.shutdown()
             engine.shutdown()
 
     app = FastAPI(title="ktransformers", version=__version__, lifespan=lifespan,
@@ -216,6 +217,7 @@ def create_app(engine: Engine, settings: Settings | None = None, *, db: Database
 
     app.include_router(openai_api.router, prefix="/v1")
     app.include_router(assistants_api.router, prefix="/v1")
+    responses_api.install(app)  # /v1/responses, /v1/conversations
     app.include_router(ollama_api.router, prefix="/api")
 
     @app.head("/health", operation_id="health_head")

@@ -9,7 +9,8 @@ from starlette.concurrency import run_in_threadpool
 from .common import SSE_HEADERS, Collected, check_model, collect, guarded, new_id, now, pieces, sse, stop_list
 from .engine import Engine, GenerationRequest
 from .errors import APIError, error_body
-from .prompting import ToolCallStream, add_tool_prompt, fim_prompt, parse_tool_calls, template_messages
+from .prompting import (OutputParser, add_tool_prompt, fim_prompt, parse_tool_calls, prompt_opens_think,
+                        split_reasoning, template_messages)
 from .schemas import (ChatChoice, ChatCompletion, ChatCompletionRequest, Completion, CompletionChoice,
                       CompletionRequest, ModelCard, ModelList, ResponseMessage, Usage)
 
@@ -72,15 +73,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         seed=body.seed, repetition_penalty=body.repetition_penalty, tag="openai.chat")
     stream = await engine.submit(req)
     cid, created = new_id("chatcmpl-"), now()
+    inside_think = prompt_opens_think(engine.decode(ids[-4:]))  # <think> → reasoning_content
 
     if not body.stream:
         got = await collect(stream, request)
-        content, calls = parse_tool_calls(got.text) if use_tools else (got.text, [])
+        reasoning, text = split_reasoning(got.text, inside_think)
+        content, calls = parse_tool_calls(text) if use_tools else (text, [])
         n_out = len(got.token_ids)
         return ChatCompletion(
             id=cid, created=created, model=model,
             choices=[ChatChoice(message=ResponseMessage(content=content if (content or not calls) else None,
-                                                        tool_calls=calls or None),
+                                                        reasoning_content=reasoning, tool_calls=calls or None),
                                 finish_reason="tool_calls" if calls else _finish(got.finish_reason))],
             usage=Usage(prompt_tokens=len(ids), completion_tokens=n_out, total_tokens=len(ids) + n_out),
         ).model_dump(exclude_none=False)
@@ -99,9 +102,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         yield chunk({"role": "assistant", "content": ""})
         got = Collected()
         n_calls = 0
-        async for kind, val in pieces(stream, got, ToolCallStream() if use_tools else None):
-            if kind == "text":
-                yield chunk({"content": val})
+        async for kind, val in pieces(stream, got, OutputParser(use_tools, inside_think)):
+            if kind in ("text", "reasoning"):
+                if val:
+                    yield chunk({"content" if kind == "text" else "reasoning_content": val})
             else:
                 yield chunk({"tool_calls": [{"index": n_calls, **val}]})
                 n_calls += 1

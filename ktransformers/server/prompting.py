@@ -3,8 +3,9 @@
 * chat messages (OpenAI / Ollama / Assistants shapes) → the plain dicts chat templates expect;
 * tools: passed to the chat template when it knows about tools, else described in a
   Hermes-style system prompt; tool calls are parsed from ``<tool_call>{json}</tool_call>``
-  blocks in the output, whole (:func:`parse_tool_calls`) or while streaming
-  (:class:`ToolCallStream`);
+  blocks or DeepSeek's tool-call tokens in the output, whole (:func:`parse_tool_calls`) or
+  while streaming (:class:`ToolCallStream`);
+* reasoning: ``<think>…</think>`` split from the answer (:class:`ThinkStream`);
 * fill-in-the-middle prompts from the tokenizer's FIM tokens (:func:`fim_prompt`);
 * the small subset of Ollama's Go templates that ``/api/generate`` accepts in ``template``.
 """
@@ -139,25 +140,31 @@ def add_tool_prompt(messages: list[dict], tools: list[dict], tool_choice: Any) -
 # tool calls in model output
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(re.escape(TOOL_OPEN) + r"(.*?)(?:" + re.escape(TOOL_CLOSE) + r"|$)", re.S)
+# DeepSeek V3 / R1 / V3.1: <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>…<｜tool▁call▁end｜>…<｜tool▁calls▁end｜>
+DS_CALLS_BEGIN, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL_BEGIN, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+#: opening marker of one call → its closing marker
+CALL_MARKERS = {TOOL_OPEN: TOOL_CLOSE, DS_CALL_BEGIN: DS_CALL_END}
+#: wrappers around a group of calls: removed from the text, nothing else
+CALL_WRAPPERS = (DS_CALLS_BEGIN, DS_CALLS_END)
+_MARKERS = (*CALL_MARKERS, *CALL_WRAPPERS)
 
 
 def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
-def _parse_call(body: str) -> dict | None:
+def _unfence(body: str) -> str:
     body = body.strip()
     if body.startswith("```"):
-        body = body.strip("`")
+        body = body.strip("`").strip()
         body = body[4:] if body.startswith("json") else body
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError:
+    return body.strip()
+
+
+def _make_call(name: Any, args: Any) -> dict | None:
+    if not isinstance(name, str) or not name.strip():
         return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
         try:
             json.loads(args)
@@ -166,85 +173,224 @@ def _parse_call(body: str) -> dict | None:
             arg_text = json.dumps(args)
     else:
         arg_text = json.dumps(args, ensure_ascii=False)
-    return {"id": new_call_id(), "type": "function", "function": {"name": obj["name"], "arguments": arg_text}}
+    return {"id": new_call_id(), "type": "function", "function": {"name": name.strip(), "arguments": arg_text}}
+
+
+def _parse_deepseek_call(body: str) -> dict | None:
+    """V3 / R1: ``function<｜tool▁sep｜>NAME`` then the arguments in a json code fence;
+    V3.1: ``NAME<｜tool▁sep｜>ARGS``."""
+    head, sep, rest = body.partition(DS_SEP)
+    if not sep:
+        return None
+    head = head.strip()
+    if head == "function":
+        name, _, rest = rest.strip().partition("\n")
+    else:
+        name = head
+    try:
+        args = json.loads(_unfence(rest) or "{}")
+    except json.JSONDecodeError:
+        return None
+    return _make_call(name, args) if isinstance(args, dict) else None
+
+
+def _parse_call(body: str, opener: str = TOOL_OPEN) -> dict | None:
+    if opener == DS_CALL_BEGIN:
+        return _parse_deepseek_call(body)
+    try:
+        obj = json.loads(_unfence(body))
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict):
+        return None
+    return _make_call(obj.get("name"), obj.get("arguments", obj.get("parameters", {})))
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
-    """Split model output into (content outside tool-call blocks, OpenAI ``tool_calls``)."""
-    calls: list[dict] = []
-    kept: list[str] = []
-    pos = 0
-    for m in _BLOCK.finditer(text):
-        call = _parse_call(m.group(1))
-        if call is None:
-            continue
-        kept.append(text[pos:m.start()])
-        pos = m.end()
-        calls.append(call)
-    kept.append(text[pos:])
-    content = "".join(kept).strip() if calls else text
-    return content, calls
+    """Split model output into (content outside tool-call blocks, OpenAI ``tool_calls``).
+
+    Blocks are Hermes/Qwen ``<tool_call>{json}</tool_call>`` or DeepSeek's tool-call tokens; a
+    block that does not parse stays in the content as text."""
+    p = ToolCallStream()
+    items = p.feed(text) + p.finish()
+    content = "".join(v for k, v in items if k == "text")
+    return (content.strip() if p.calls else text), p.calls
+
+
+def _held_back(buf: str, markers) -> int:
+    """Length of the longest tail of ``buf`` that could still grow into one of ``markers``."""
+    for k in range(min(max(map(len, markers)) - 1, len(buf)), 0, -1):
+        tail = buf[-k:]
+        if any(m.startswith(tail) for m in markers):
+            return k
+    return 0
 
 
 class ToolCallStream:
     """Incremental version of :func:`parse_tool_calls` for streamed output.
 
     ``feed(text)`` returns a list of ``("text", str)`` and ``("call", tool_call)`` items;
-    text that might be the start of ``<tool_call>`` is held back until it is decided.
+    text that might be the start of a call marker is held back until it is decided.
     """
 
     def __init__(self):
         self.buf = ""
-        self.in_call = False
+        self.opener: str | None = None  # the marker of the call being read
         self.calls: list[dict] = []
+
+    @property
+    def in_call(self) -> bool:
+        return self.opener is not None
 
     def feed(self, text: str) -> list[tuple[str, Any]]:
         self.buf += text
         out: list[tuple[str, Any]] = []
         while True:
-            if not self.in_call:
-                i = self.buf.find(TOOL_OPEN)
-                if i >= 0:
+            if self.opener is None:
+                hits = [(i, m) for m in _MARKERS if (i := self.buf.find(m)) >= 0]
+                if hits:
+                    i, m = min(hits)
                     if i:
                         out.append(("text", self.buf[:i]))
-                    self.buf = self.buf[i + len(TOOL_OPEN):]
-                    self.in_call = True
+                    self.buf = self.buf[i + len(m):]
+                    self.opener = m if m in CALL_MARKERS else None
                     continue
-                keep = 0
-                for k in range(min(len(TOOL_OPEN) - 1, len(self.buf)), 0, -1):
-                    if TOOL_OPEN.startswith(self.buf[-k:]):
-                        keep = k
-                        break
+                keep = _held_back(self.buf, _MARKERS)
                 emit = self.buf[:len(self.buf) - keep]
                 if emit:
                     out.append(("text", emit))
                 self.buf = self.buf[len(self.buf) - keep:]
                 return out
-            j = self.buf.find(TOOL_CLOSE)
+            close = CALL_MARKERS[self.opener]
+            j = self.buf.find(close)
             if j < 0:
                 return out
-            body, self.buf = self.buf[:j], self.buf[j + len(TOOL_CLOSE):]
-            self.in_call = False
-            call = _parse_call(body)
-            if call is None:
-                out.append(("text", TOOL_OPEN + body + TOOL_CLOSE))
-            else:
-                self.calls.append(call)
-                out.append(("call", call))
+            body, self.buf = self.buf[:j], self.buf[j + len(close):]
+            out.append(self._call(body, close))
+
+    def _call(self, body: str, close: str) -> tuple[str, Any]:
+        opener, self.opener = self.opener, None
+        call = _parse_call(body, opener)
+        if call is None:
+            return "text", opener + body + close
+        self.calls.append(call)
+        return "call", call
 
     def finish(self) -> list[tuple[str, Any]]:
         out: list[tuple[str, Any]] = []
-        if self.in_call:
-            call = _parse_call(self.buf)
-            if call is None:
-                out.append(("text", TOOL_OPEN + self.buf))
-            else:
-                self.calls.append(call)
-                out.append(("call", call))
+        if self.opener is not None:
+            out.append(self._call(self.buf, ""))
         elif self.buf:
             out.append(("text", self.buf))
-        self.buf, self.in_call = "", False
+        self.buf = ""
         return out
+
+
+# ---------------------------------------------------------------------------------------------
+# reasoning in model output
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def prompt_opens_think(prompt_tail: str) -> bool:
+    """Templates of reasoning models (DeepSeek-R1, Qwen3 …) and ``--force_think`` may end the prompt
+    with ``<think>``: the answer then starts inside the reasoning."""
+    return prompt_tail.rstrip().endswith(THINK_OPEN)
+
+
+class ThinkStream:
+    """Splits ``<think>…</think>`` reasoning from the answer, whole or while streaming.
+
+    ``feed(text)`` returns ``("reasoning", str)`` / ``("text", str)`` items.  Reasoning is only
+    recognised at the start of the answer (or from the first token when ``inside``); whitespace
+    around the reasoning is dropped, and text that may still become a tag is held back.
+    """
+
+    def __init__(self, inside: bool = False):
+        self.state = "reasoning_start" if inside else "start"
+        self.buf = ""
+        self.saw_reasoning = inside
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        self.buf += text
+        out: list[tuple[str, str]] = []
+        while True:
+            if self.state == "start":
+                s = self.buf.lstrip()
+                if s.startswith(THINK_OPEN):
+                    self.buf, self.state, self.saw_reasoning = s[len(THINK_OPEN):], "reasoning_start", True
+                    continue
+                if THINK_OPEN.startswith(s):
+                    return out  # still undecided
+                self.state = "text"
+            elif self.state in ("reasoning_start", "answer_start"):
+                self.buf = self.buf.lstrip()
+                if not self.buf:
+                    return out
+                self.state = "reasoning" if self.state == "reasoning_start" else "text"
+            elif self.state == "reasoning":
+                j = self.buf.find(THINK_CLOSE)
+                if j >= 0:
+                    if self.buf[:j].rstrip():
+                        out.append(("reasoning", self.buf[:j].rstrip()))
+                    self.buf, self.state = self.buf[j + len(THINK_CLOSE):], "answer_start"
+                    continue
+                tag = _held_back(self.buf, (THINK_CLOSE,))
+                rest = self.buf[:len(self.buf) - tag]
+                keep = tag + len(rest) - len(rest.rstrip())  # whitespace waits: it may precede </think>
+                emit = self.buf[:len(self.buf) - keep]
+                if emit:
+                    out.append(("reasoning", emit))
+                self.buf = self.buf[len(self.buf) - keep:]
+                return out
+            else:  # text
+                if self.buf:
+                    out.append(("text", self.buf))
+                self.buf = ""
+                return out
+
+    def finish(self) -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+        if self.state in ("start", "text") and self.buf:
+            out.append(("text", self.buf))
+        elif self.state == "reasoning" and self.buf.rstrip():
+            out.append(("reasoning", self.buf.rstrip()))
+        self.buf = ""
+        return out
+
+
+def split_reasoning(text: str, inside: bool = False) -> tuple[str | None, str]:
+    """(reasoning or None, answer) of a whole model output; see :class:`ThinkStream`."""
+    p = ThinkStream(inside)
+    items = p.feed(text) + p.finish()
+    reasoning = "".join(v for k, v in items if k == "reasoning")
+    answer = "".join(v for k, v in items if k == "text")
+    return (reasoning if p.saw_reasoning else None), answer
+
+
+class OutputParser:
+    """Model output → ``("reasoning" | "text" | "call", value)`` items, whole or streamed:
+    :class:`ThinkStream` first, then (with ``tools``) :class:`ToolCallStream` on the answer."""
+
+    def __init__(self, tools: bool, inside_think: bool = False):
+        self.think = ThinkStream(inside_think)
+        self.calls = ToolCallStream() if tools else None
+
+    def _answer(self, items) -> list[tuple[str, Any]]:
+        out: list[tuple[str, Any]] = []
+        for kind, val in items:
+            out += self.calls.feed(val) if (kind == "text" and self.calls) else [(kind, val)]
+        return out
+
+    @property
+    def thinking(self) -> bool:
+        return self.think.state.startswith("reasoning")
+
+    def feed(self, text: str) -> list[tuple[str, Any]]:
+        return self._answer(self.think.feed(text))
+
+    def finish(self) -> list[tuple[str, Any]]:
+        return self._answer(self.think.finish()) + (self.calls.finish() if self.calls else [])
 
 
 # ---------------------------------------------------------------------------------------------

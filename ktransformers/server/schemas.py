@@ -181,6 +181,7 @@ class ModelList(BaseModel):
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None  # <think>…</think>, as DeepSeek's API returns it
     tool_calls: list[dict[str, Any]] | None = None
     refusal: None = None
 

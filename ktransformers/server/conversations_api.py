@@ -1,0 +1,123 @@
+"""OpenAI Conversations API under ``/v1``: conversations (create, retrieve, update, delete) and
+their items (list, create, retrieve, delete).  A response created with ``conversation`` reads the
+items as its history and appends its input and output to them (see ``responses_api``)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import Field
+from sqlalchemy import delete, select
+
+from .common import new_id
+from .db import Database
+from .errors import APIError
+from .responses_api import check_metadata, normalize_items, page_list
+from .responses_store import ConversationItemRow, ConversationRow, add_conversation_items, conversation_items
+from .schemas import _Req
+
+router = APIRouter()
+MAX_ITEMS_PER_CALL = 20
+
+
+class ConversationCreate(_Req):
+    items: list[dict[str, Any]] | None = Field(None, max_length=MAX_ITEMS_PER_CALL)
+    metadata: dict[str, Any] | None = None
+
+
+class ConversationUpdate(_Req):
+    metadata: dict[str, Any] | None
+
+
+class ItemsCreate(_Req):
+    items: list[dict[str, Any]] = Field(min_length=1, max_length=MAX_ITEMS_PER_CALL)
+
+
+def _db(request: Request) -> Database:
+    return request.app.state.db
+
+
+def _conversation(s, conversation_id: str) -> ConversationRow:
+    c = s.scalar(select(ConversationRow).where(ConversationRow.id == conversation_id))
+    if c is None:
+        raise APIError(404, f"Conversation with id '{conversation_id}' not found.", param="conversation_id")
+    return c
+
+
+def _item(s, conversation_id: str, item_id: str) -> ConversationItemRow:
+    it = s.scalar(select(ConversationItemRow).where(ConversationItemRow.id == item_id,
+                                                    ConversationItemRow.conversation_id == conversation_id))
+    if it is None:
+        raise APIError(404, f"Item with id '{item_id}' not found in conversation '{conversation_id}'.",
+                       param="item_id")
+    return it
+
+
+@router.post("/conversations")
+def create_conversation(request: Request, body: ConversationCreate | None = None):
+    body = body or ConversationCreate()
+    meta = check_metadata(body.metadata)
+    items = normalize_items(body.items or [], "items")
+    c = ConversationRow(id=new_id("conv_"), created_at=int(time.time()), meta=meta)
+    with _db(request).write() as s:
+        s.add(c)
+        add_conversation_items(s, c.id, items)
+    return c.to_dict()
+
+
+@router.get("/conversations/{conversation_id}")
+def get_conversation(conversation_id: str, request: Request):
+    with _db(request).read() as s:
+        return _conversation(s, conversation_id).to_dict()
+
+
+@router.post("/conversations/{conversation_id}")
+def update_conversation(conversation_id: str, body: ConversationUpdate, request: Request):
+    meta = check_metadata(body.metadata)
+    with _db(request).write() as s:
+        c = _conversation(s, conversation_id)
+        c.meta = meta
+    return c.to_dict()
+
+
+@router.delete("/conversations/{conversation_id}")
+def delete_conversation(conversation_id: str, request: Request):
+    with _db(request).write() as s:
+        s.delete(_conversation(s, conversation_id))
+        s.execute(delete(ConversationItemRow).where(ConversationItemRow.conversation_id == conversation_id))
+    return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
+
+
+@router.get("/conversations/{conversation_id}/items")
+def list_items(conversation_id: str, request: Request, limit: int = 20, order: str = "desc",
+               after: str | None = None):
+    with _db(request).read() as s:
+        _conversation(s, conversation_id)
+        return page_list(conversation_items(s, conversation_id), limit=limit, order=order, after=after)
+
+
+@router.post("/conversations/{conversation_id}/items")
+def create_items(conversation_id: str, body: ItemsCreate, request: Request):
+    items = normalize_items(body.items, "items")
+    with _db(request).write() as s:
+        _conversation(s, conversation_id)
+        add_conversation_items(s, conversation_id, items)
+    return {"object": "list", "data": items, "first_id": items[0]["id"], "last_id": items[-1]["id"],
+            "has_more": False}
+
+
+@router.get("/conversations/{conversation_id}/items/{item_id}")
+def get_item(conversation_id: str, item_id: str, request: Request):
+    with _db(request).read() as s:
+        _conversation(s, conversation_id)
+        return _item(s, conversation_id, item_id).to_dict()
+
+
+@router.delete("/conversations/{conversation_id}/items/{item_id}")
+def delete_item(conversation_id: str, item_id: str, request: Request):
+    with _db(request).write() as s:
+        c = _conversation(s, conversation_id)
+        s.delete(_item(s, conversation_id, item_id))
+    return c.to_dict()
