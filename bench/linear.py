@@ -12,8 +12,9 @@ bandwidth that ``CPUInfer.probe_read_bw`` measures at start-up with the same thr
 
 Shapes (out x in, as the weight is stored): 640x2048 (Gemma-3-270M down), 2048x640 (gate/up),
 262144x640 (Gemma-3 lm_head / token_embd, Q8_0 in the Q4_K_M file) and 2048x768 (Qwen3 expert
-down).  Types: Q4_K Q5_K Q6_K Q8_0 Q4_0 Q5_0 Q5_1 IQ4_NL IQ4_XS (random valid blocks; the
-K-quants and IQ4_XS need in % 256 == 0, so they skip 640-column shapes).
+down).  Types: every llamafile type (random valid blocks; the K-quants and IQ4_XS need in % 256 == 0,
+so they skip 640-column shapes).  The last column names the kernel that served the row, from
+the tier's kernel table (``cpuinfer_ext.kernel_rows()``: decode kernel at T=1, else prefill).
 """
 
 from __future__ import annotations
@@ -29,17 +30,26 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import ktransformers.cpuinfer_ext as ext  # noqa: E402
 import ktransformers.kernels as K  # noqa: E402
 
 SHAPES = {"640x2048": (640, 2048), "2048x640": (2048, 640), "lm_head": (262144, 640), "2048x768": (2048, 768)}
 # (block elems, block bytes, byte offsets of fp16 scales)
 BLOCK = {"Q4_K": (256, 144, (0, 2)), "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,)),
          "Q8_0": (32, 34, (0,)), "Q4_0": (32, 18, (0,)), "Q4_1": (32, 20, (0, 2)), "Q5_0": (32, 22, (0,)),
-         "Q5_1": (32, 24, (0, 2)), "IQ4_NL": (32, 18, (0,)), "IQ4_XS": (256, 136, (0,))}
+         "Q5_1": (32, 24, (0, 2)), "IQ4_NL": (32, 18, (0,)), "IQ4_XS": (256, 136, (0,)),
+         "Q2_K": (256, 84, (80, 82)), "Q3_K": (256, 110, (108,)), "F32": (1, 4, ()), "F16": (1, 2, ()),
+         "BF16": (1, 2, ())}
+FLOAT = {"F32": np.float32, "F16": np.float16}
 
 
 def rand_weights(t: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     be, bb, offs = BLOCK[t]
+    if t in FLOAT:
+        return (rng.standard_normal(rows * cols) * 0.02).astype(FLOAT[t]).view(np.uint8)
+    if t == "BF16":
+        bits = rng.integers(0, 1 << 16, size=rows * cols, dtype=np.uint16)
+        return ((bits & 0x807F) | 0x3C00).astype(np.uint16).view(np.uint8)
     nb = rows * cols // be
     raw = rng.integers(0, 256, size=(nb, bb), dtype=np.uint8)
     d = np.full(nb, 2e-4, np.float16).view(np.uint8).reshape(nb, 2)
@@ -62,7 +72,7 @@ def median_ms(fn, n: int, warmup: int = 3) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q8_0,Q4_0,Q5_0,Q5_1,IQ4_NL,IQ4_XS")
+    ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q2_K,Q3_K,Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,IQ4_NL,IQ4_XS,F32,F16,BF16")
     ap.add_argument("--tokens", default="1,128")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--reps", type=int, default=20)
@@ -78,7 +88,8 @@ def main() -> None:
         bw[th] = max(K.cpu_infer(th).probe_read_bw(1 << 29, 3) for _ in range(2))
         print(f"probe {th} thread(s): DRAM read {bw[th]:.1f} GB/s")
     print(f"{'shape':10s} {'type':7s} {'thr':>3s} {'T':>4s} {'kernel ms':>10s} {'torch ms':>9s} {'ratio':>6s} "
-          f"{'GB/s':>6s} {'%DRAM':>6s}")
+          f"{'GB/s':>6s} {'%DRAM':>6s}  kernel")
+    table = ext.kernel_rows()
     for sk in args.shapes.split(","):
         N, Kin = SHAPES[sk]
         for t in args.types.split(","):
@@ -111,7 +122,7 @@ def main() -> None:
                             print(f"  !! {sk} {t} T={T}: rel err {err:.3g} vs torch")
                     gbs = raw.nbytes / ms / 1e6
                     print(f"{sk:10s} {t:7s} {th:3d} {T:4d} {ms:10.3f} {tms:9.3f} {tms / ms:6.2f} {gbs:6.1f} "
-                          f"{100 * gbs / bw[th]:5.0f}%", flush=True)
+                          f"{100 * gbs / bw[th]:5.0f}%  {table[t][0 if T == 1 else 1]}", flush=True)
                 del lin
 
 

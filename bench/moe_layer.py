@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import ktransformers.cpuinfer_ext as ext  # noqa: E402
 import ktransformers.kernels as K  # noqa: E402
 
 SHAPES = {"qwen3": ("Qwen3-30B-A3B", 2048, 768, 128, 8), "dsv2": ("DeepSeek-V2-Lite", 2048, 1408, 64, 6)}
@@ -87,6 +88,22 @@ def torch_loop(x, ids, w, g, u, d):
     return out
 
 
+def fmt_peak(v: float, unit: str) -> str:
+    """A probe returns 0 where this tier has no such unit (e.g. bf16 dot on AVX2)."""
+    return f"{v:.0f} {unit}" if v > 0 else "n/a"
+
+
+def kernel_label(var: str, types: tuple[str, str, str], T: int) -> str:
+    """Which kernel served the row: the llamafile table of the tier (decode or prefill column)."""
+    if var == "torch":
+        return "torch"
+    if var in ("AMXInt8", "AMXBF16"):
+        return "packed_i8" if var == "AMXInt8" else "packed_bf16"
+    rows = ext.kernel_rows()
+    names = dict.fromkeys(rows[t][0 if T == 1 else 1] for t in (types[0], types[2]))
+    return "/".join(names)
+
+
 def call_overhead_us(n: int = 2000) -> float:
     """Median wall time of MoEKernel.forward on a tiny Q8_0 layer (E=8, H=I=64, k=2): ~all overhead."""
     E, H, I, k = 8, 64, 64, 2
@@ -133,8 +150,8 @@ def main() -> None:
         bw = max(p.probe_read_bw(nb, 3) for _ in range(2))
         peaks = {k: p.probe_peak(k, it) for k in ("fp32", "bf16", "int8")}
         probes[th] = (bw, peaks)
-        print(f"probe {th} thread(s): DRAM read {bw:.1f} GB/s, fp32 {peaks['fp32']:.0f} GFLOP/s, "
-              f"bf16 {peaks['bf16']:.0f} GFLOP/s, int8 {peaks['int8']:.0f} GOP/s")
+        print(f"probe {th} thread(s): DRAM read {bw:.1f} GB/s, fp32 {fmt_peak(peaks['fp32'], 'GFLOP/s')}, "
+              f"bf16 {fmt_peak(peaks['bf16'], 'GFLOP/s')}, int8 {fmt_peak(peaks['int8'], 'GOP/s')}")
     for name in ("kt_kernel", "llama_cpp"):
         try:
             __import__(name)
@@ -146,7 +163,7 @@ def main() -> None:
         print(f"python call overhead (tiny layer, T=1, 1 thread): {call_overhead_us():.1f} us per forward")
     rows = []
     hdr = (f"{'shape':17s} {'variant':14s} {'thr':>3s} {'T':>4s} {'ms':>9s} {'GB/s':>6s} {'GFLOP/s':>8s} "
-           f"{'%DRAM':>6s} {'%peak':>6s} {'vs torch':>8s}")
+           f"{'%DRAM':>6s} {'%peak':>6s} {'vs torch':>8s}  kernel")
     print(hdr)
     for sk in args.shapes.split(","):
         sname, H, I, E, k = SHAPES[sk]
@@ -202,8 +219,10 @@ def main() -> None:
                     if var == "torch":
                         torch_ms[(th, T)] = ms
                     ratio = torch_ms.get((th, T), float("nan")) / ms
+                    peak = peaks[peak_kind]
+                    pk = f"{100 * gflops / peak:5.1f}%" if peak > 0 else f"{'n/a':>6s}"
                     line = (f"{sname:17s} {label:14s} {th:3d} {T:4d} {ms:9.3f} {gbs:6.1f} {gflops:8.1f} "
-                            f"{100 * gbs / bw:5.0f}% {100 * gflops / peaks[peak_kind]:5.1f}% {ratio:7.2f}x")
+                            f"{100 * gbs / bw:5.0f}% {pk} {ratio:7.2f}x  {kernel_label(var, (gt, ut, dt), T)}")
                     print(line, flush=True)
                     rows.append(line)
                 if moe is not None and var in ("AMXInt8", "AMXBF16"):

@@ -77,6 +77,15 @@ PYBIND11_MODULE(KT_EXT_NAME, m) {
         "ISA tier in force (best supported, or lowered by KT_ISA)");
   m.def("best_isa_tier", [] { return std::string(kt::tier_name(kt::best_supported_tier())); });
   m.def("kernel_table", [] { return std::string(kernels().name); }, "name of the dispatched kernel table");
+  m.def("kernel_rows", [] {
+    const KernelTable& t = kernels();
+    py::dict d;
+    for (int ty = 0; ty < kMaxGgmlType; ++ty)
+      if (t.lf_gemm[ty])
+        d[py::str(kt::type_info(ty).name)] = py::make_tuple(std::string(t.lf_decode[ty]), std::string(t.lf_prefill[ty]),
+                                                            std::string(act_fmt_name(t.lf_act[ty])));
+    return d;
+  }, "llamafile kernel table of the tier in force: {type name: (decode kernel, prefill kernel, activation format)}");
   m.def("cpu_features", [] {
     const auto& f = kt::cpu_features();
     py::dict d;

@@ -6,6 +6,18 @@
 
 namespace kt {
 
+const char* act_fmt_name(ActFmt f) {
+  switch (f) {
+    case ActFmt::F32: return "f32";
+    case ActFmt::BF16: return "bf16";
+    case ActFmt::Q8_32: return "q8_32";
+    case ActFmt::Q8_256: return "q8_256";
+    case ActFmt::I8_G128: return "i8_g128";
+    case ActFmt::U8_G128: return "u8_g128";
+  }
+  return "?";
+}
+
 size_t act_row_bytes(ActFmt f, int Kpad) {
   size_t b = 0;
   switch (f) {

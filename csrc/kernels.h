@@ -26,6 +26,9 @@ enum class ActFmt : int {
 };
 constexpr int kNumActFmt = 6;
 
+// Name of an activation format ("q8_32", ...), for the kernel table report.
+const char* act_fmt_name(ActFmt f);
+
 // Bytes of one activation row with Kpad elements (rounded up to 64).
 size_t act_row_bytes(ActFmt f, int Kpad);
 
@@ -65,6 +68,10 @@ struct KernelTable {
   // llamafile backend: activation format and GEMM per ggml weight type (nullptr = unsupported)
   ActFmt lf_act[kMaxGgmlType] = {};
   GemmFn lf_gemm[kMaxGgmlType] = {};
+  // Name of the kernel that serves decode (T = 1) / prefill (many tokens) for each type
+  // ("generic": dequantise the row to fp32, then dot).
+  const char* lf_decode[kMaxGgmlType] = {};
+  const char* lf_prefill[kMaxGgmlType] = {};
   // packed backends
   GemmFn packed_i8 = nullptr;
   ActFmt packed_i8_act = ActFmt::I8_G128;  // U8_G128 on the VNNI-512 tier
