@@ -18,6 +18,7 @@ DEFAULT_RULES = {
     "MixtralForCausalLM": "Mixtral",
     "DeepseekV3ForCausalLM": "DeepSeek-V3-Chat",
     "DeepseekV2ForCausalLM": "DeepSeek-V2-Chat",
+    "Glm4MoeForCausalLM": "Glm4Moe",
     "LlamaForCausalLM": "Dense",
     "MistralForCausalLM": "Dense",
     "Qwen2ForCausalLM": "Dense",

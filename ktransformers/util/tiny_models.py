@@ -33,6 +33,12 @@ TINY_CONFIGS: dict[str, dict] = {
                         n_shared_experts=2, first_k_dense_replace=1, n_group=1, topk_group=1,
                         topk_method="greedy", routed_scaling_factor=1.0, q_lora_rank=None, kv_lora_rank=32,
                         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+    # GLM-4.5 / 4.6 / 4.7: dense first layer, one shared expert, sigmoid router with correction bias,
+    # GQA with partial rotary (half of head_dim), attention biases, per-head q/k norms
+    "glm4_moe": dict(_COMMON, num_hidden_layers=3, head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+                     moe_intermediate_size=32, intermediate_size=96, n_shared_experts=1, first_k_dense_replace=1,
+                     n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                     attention_bias=True, use_qk_norm=True),
     "llama": dict(_COMMON, intermediate_size=96),
     "qwen2": dict(_COMMON, intermediate_size=96),
     "qwen3": dict(_COMMON, head_dim=16, intermediate_size=96),
