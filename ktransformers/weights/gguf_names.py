@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 #: architectures the source and the converter handle (GGUF ``general.architecture`` values)
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "deepseek2", "gemma3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "deepseek2", "gemma3", "glm4moe")
 
 #: transformers ``model_type`` -> GGUF arch
 MODEL_TYPE_TO_ARCH = {
@@ -40,6 +40,7 @@ MODEL_TYPE_TO_ARCH = {
     "deepseek_v3": "deepseek2",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
+    "glm4_moe": "glm4moe",
 }
 
 _COMMON_BLOCK = [
@@ -92,6 +93,10 @@ def _shexp(hf_prefix: str):
     ]
 
 
+# GLM-4-MoE: llama.cpp names the norm before the MLP ``post_attention_norm`` (not ``ffn_norm``)
+_GLM4MOE_BLOCK = [(g, h) for g, h in _COMMON_BLOCK if g != "ffn_norm"] + [
+    ("post_attention_norm", "post_attention_layernorm")] + _shexp("mlp.shared_experts")
+
 _BLOCK_TABLES = {
     "llama": _COMMON_BLOCK,
     "qwen2": _COMMON_BLOCK,
@@ -100,6 +105,7 @@ _BLOCK_TABLES = {
     "qwen3moe": _COMMON_BLOCK,
     "deepseek2": _COMMON_BLOCK + _MLA_BLOCK + _shexp("mlp.shared_experts"),
     "gemma3": _GEMMA3_BLOCK,
+    "glm4moe": _GLM4MOE_BLOCK,
 }
 
 _TOP = [
@@ -167,6 +173,26 @@ class NameMap:
 
 def name_map(arch: str) -> NameMap:
     return NameMap(arch)
+
+
+def glm4moe_metadata(c, head_dim: int) -> dict[str, tuple[str, object]]:
+    """The ``glm4moe.*`` keys llama.cpp's converter writes beyond the common ones (partial rotary,
+    sigmoid routing, dense first layers, shared experts)."""
+    A = "glm4moe"
+    rope_dim = int(head_dim * c.rope_parameters.get("partial_rotary_factor", 0.5))
+    return {
+        f"{A}.rope.dimension_count": ("u32", rope_dim),
+        f"{A}.expert_count": ("u32", c.n_routed_experts),
+        f"{A}.expert_used_count": ("u32", c.num_experts_per_tok),
+        f"{A}.expert_feed_forward_length": ("u32", c.moe_intermediate_size),
+        f"{A}.expert_shared_count": ("u32", c.n_shared_experts),
+        f"{A}.leading_dense_block_count": ("u32", c.first_k_dense_replace),
+        f"{A}.expert_gating_func": ("u32", 2),  # sigmoid
+        f"{A}.expert_weights_scale": ("f32", float(c.routed_scaling_factor)),
+        f"{A}.expert_weights_norm": ("bool", bool(c.norm_topk_prob)),
+        f"{A}.expert_group_count": ("u32", c.n_group),
+        f"{A}.expert_group_used_count": ("u32", c.topk_group),
+    }
 
 
 # ------------------------------------------------------------------------- value transforms
