@@ -1,4 +1,4 @@
-"""MoE families with shipped rules beyond the original set: GLM-4-MoE.
+"""MoE families with shipped rules beyond the original set: GLM-4-MoE, Qwen3.5-MoE (text part).
 
 Parity (fp32 ≤ 1e-4 relative with 16 greedy tokens identical, bf16 ≤ 2e-2) runs in
 test_parity.py for every tiny config; here: which rules load_model picks, what they place,
@@ -29,6 +29,7 @@ LLAMA_CPP = Path(os.environ.get("KT_LLAMA_CPP_DIR",
 # model_type -> (architecture, shipped rule stem, MoE block class, router class or None when unreplaced)
 FAMILIES = {
     "glm4_moe": ("Glm4MoeForCausalLM", "Glm4Moe", "Glm4MoeMoE", "Glm4MoeTopkRouter"),
+    "qwen3_5_moe_text": ("Qwen3_5MoeForCausalLM", "Qwen3_5Moe", "Qwen3_5MoeSparseMoeBlock", None),
 }
 BACKEND_TOL = {"AMXBF16": 1e-2, "AMXInt8": 3e-2}  # as test_cpu_ops: bf16 weights / int8 weights
 
@@ -167,3 +168,24 @@ def test_gpu_rules_cross_device_parity(arch, tiny_model_dir):
         assert _rel(model(ids).logits.cpu(), hf(ids).logits) <= 1e-3
     a = model.generate(ids[:, :4], max_new_tokens=16, do_sample=False).cpu()
     assert torch.equal(a, hf.generate(ids[:, :4], max_new_tokens=16, do_sample=False))
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_generator_stream_equals_hf_greedy(arch, tiny_model_dir):
+    """The project's engine (chunked prefill of 5 tokens, then decode) on the shipped rules gives the
+    unmodified model's greedy tokens: for Qwen3.5-MoE the linear-attention state carries across the
+    prefill chunks and the decode steps in the cache."""
+    from transformers import AutoTokenizer
+
+    from ktransformers.generation import Generator, SamplingParams
+
+    d = tiny_model_dir(arch)
+    tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
+    gen = Generator(load_model(d, model_path=d), tok, chunk_size=5)
+    gen.eos_ids = set()
+    ids = gen.apply_chat_template([{"role": "user", "content": "Hello there, how are you today?"}])
+    ours = [e.token_id for e in gen.stream(ids, SamplingParams(max_new_tokens=16))][:-1]
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    ref = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                      pad_token_id=0)[0, len(ids):].tolist()
+    assert ours == ref

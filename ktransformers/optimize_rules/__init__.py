@@ -19,6 +19,7 @@ DEFAULT_RULES = {
     "DeepseekV3ForCausalLM": "DeepSeek-V3-Chat",
     "DeepseekV2ForCausalLM": "DeepSeek-V2-Chat",
     "Glm4MoeForCausalLM": "Glm4Moe",
+    "Qwen3_5MoeForCausalLM": "Qwen3_5Moe",
     "LlamaForCausalLM": "Dense",
     "MistralForCausalLM": "Dense",
     "Qwen2ForCausalLM": "Dense",

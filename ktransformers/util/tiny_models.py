@@ -39,6 +39,13 @@ TINY_CONFIGS: dict[str, dict] = {
                      moe_intermediate_size=32, intermediate_size=96, n_shared_experts=1, first_k_dense_replace=1,
                      n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
                      attention_bias=True, use_qk_norm=True),
+    # Qwen3.5-MoE, text part: a gated-DeltaNet linear-attention layer and a gated full-attention layer
+    # (partial rotary; the real models repeat 3 linear + 1 full); every layer sparse with a gated shared
+    # expert.  Two layers, not four: the random DeltaNet layers amplify bf16 rounding ~2.5x each.
+    "qwen3_5_moe_text": dict(_COMMON, layer_types=["linear_attention", "full_attention"], head_dim=16, num_experts=8, num_experts_per_tok=2,
+                             moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                             linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                             linear_num_value_heads=4),
     "llama": dict(_COMMON, intermediate_size=96),
     "qwen2": dict(_COMMON, intermediate_size=96),
     "qwen3": dict(_COMMON, head_dim=16, intermediate_size=96),
