@@ -1,4 +1,5 @@
-"""MoE families with shipped rules beyond the original set: GLM-4-MoE, Qwen3.5-MoE (text part).
+"""MoE families with shipped rules beyond the original set: GLM-4-MoE, Qwen3.5-MoE (text part),
+MiniMax-M2.
 
 Parity (fp32 ≤ 1e-4 relative with 16 greedy tokens identical, bf16 ≤ 2e-2) runs in
 test_parity.py for every tiny config; here: which rules load_model picks, what they place,
@@ -26,10 +27,12 @@ ROOT = Path(__file__).resolve().parents[1]
 LLAMA_CPP = Path(os.environ.get("KT_LLAMA_CPP_DIR",
                                 ROOT.parent / "peers/src/llama_cpp_python-0.3.36/vendor/llama.cpp"))
 
-# model_type -> (architecture, shipped rule stem, MoE block class, router class or None when unreplaced)
+# model_type -> (architecture, shipped rule stem, the MoE block's class once placed, the router's)
 FAMILIES = {
-    "glm4_moe": ("Glm4MoeForCausalLM", "Glm4Moe", "Glm4MoeMoE", "Glm4MoeTopkRouter"),
-    "qwen3_5_moe_text": ("Qwen3_5MoeForCausalLM", "Qwen3_5Moe", "Qwen3_5MoeSparseMoeBlock", None),
+    "glm4_moe": ("Glm4MoeForCausalLM", "Glm4Moe", "KMoEBlock", "KMoEGate"),
+    "qwen3_5_moe_text": ("Qwen3_5MoeForCausalLM", "Qwen3_5Moe", "KMoEBlock", "Qwen3_5MoeTopKRouter"),
+    # the block's own forward: its router takes the correction bias the block holds
+    "minimax_m2": ("MiniMaxM2ForCausalLM", "MiniMaxM2", "MiniMaxM2SparseMoeBlock", "MiniMaxM2TopKRouter"),
 }
 BACKEND_TOL = {"AMXBF16": 1e-2, "AMXInt8": 3e-2}  # as test_cpu_ops: bf16 weights / int8 weights
 
@@ -69,13 +72,13 @@ def test_load_model_picks_the_family_rules(arch, tiny_model_dir):
     assert default_rule_file(cfg, cuda=False) == RULES_DIR / f"{stem}-cpu.yaml"
     assert default_rule_file(cfg, cuda=True) == RULES_DIR / f"{stem}.yaml"
     model = load_model(d, model_path=d, allow_unmatched=False)
-    sparse = [layer.mlp for layer in model.model.layers if type(layer.mlp).__name__ == "KMoEBlock"]
-    assert sparse and all(m.orig_module.__class__.__name__ == block_cls for m in sparse)
+    sparse = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+    assert sparse
     for mlp in sparse:
+        assert type(mlp).__name__ == block_cls and type(mlp.gate).__name__ == router_cls
+        assert type(mlp.experts).__name__ == "KTransformersExperts"
         op = mlp.experts.generate_op
         assert op.name == "KExpertsCPU" and op.backend == "llamafile"
-        if router_cls:
-            assert type(mlp.gate).__name__ == "KMoEGate"
 
 
 def test_glm4moe_dense_first_layers_and_shared_experts(tiny_model_dir):

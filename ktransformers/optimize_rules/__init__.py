@@ -20,6 +20,7 @@ DEFAULT_RULES = {
     "DeepseekV2ForCausalLM": "DeepSeek-V2-Chat",
     "Glm4MoeForCausalLM": "Glm4Moe",
     "Qwen3_5MoeForCausalLM": "Qwen3_5Moe",
+    "MiniMaxM2ForCausalLM": "MiniMaxM2",
     "LlamaForCausalLM": "Dense",
     "MistralForCausalLM": "Dense",
     "Qwen2ForCausalLM": "Dense",

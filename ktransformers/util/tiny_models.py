@@ -46,6 +46,10 @@ TINY_CONFIGS: dict[str, dict] = {
                              moe_intermediate_size=32, shared_expert_intermediate_size=48,
                              linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
                              linear_num_value_heads=4),
+    # MiniMax-M2: every layer sparse, no shared expert, sigmoid router whose correction bias sits on the
+    # block; q/k norms over all heads; partial rotary (rotary_dim = head_dim / 2 as released)
+    "minimax_m2": dict(_COMMON, head_dim=16, rotary_dim=8, num_local_experts=8, num_experts_per_tok=2,
+                       intermediate_size=32),
     "llama": dict(_COMMON, intermediate_size=96),
     "qwen2": dict(_COMMON, intermediate_size=96),
     "qwen3": dict(_COMMON, head_dim=16, intermediate_size=96),
