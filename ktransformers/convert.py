@@ -270,6 +270,8 @@ def metadata_for(config, arch: str, tensor_names: Iterable[str]) -> dict[str, tu
         md[f"{A}.attention.sliding_window"] = ("u32", c.sliding_window)
     if A == "glm4moe":
         md.update(gn.glm4moe_metadata(c, head_dim))
+    if A == "minimax-m2":
+        md.update(gn.minimax_m2_metadata(c, head_dim))
     return md
 
 

@@ -34,6 +34,14 @@ FAMILIES = {
     # the block's own forward: its router takes the correction bias the block holds
     "minimax_m2": ("MiniMaxM2ForCausalLM", "MiniMaxM2", "MiniMaxM2SparseMoeBlock", "MiniMaxM2TopKRouter"),
 }
+# families with a llama.cpp GGUF architecture -> config fields that must come back from the metadata
+GGUF_CONFIG_KEYS = {
+    "glm4_moe": ("num_hidden_layers", "head_dim", "rope_parameters", "first_k_dense_replace", "n_shared_experts",
+                 "n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob", "attention_bias",
+                 "use_qk_norm", "moe_intermediate_size", "intermediate_size"),
+    "minimax_m2": ("num_hidden_layers", "head_dim", "rope_parameters", "num_local_experts", "num_experts_per_tok",
+                   "intermediate_size", "num_key_value_heads"),
+}
 BACKEND_TOL = {"AMXBF16": 1e-2, "AMXInt8": 3e-2}  # as test_cpu_ops: bf16 weights / int8 weights
 
 
@@ -112,7 +120,7 @@ def test_other_expert_backends(arch, backend, tiny_model_dir):
         assert _rel(model(ids).logits, hf(ids).logits) <= BACKEND_TOL[backend]
 
 
-@pytest.mark.parametrize("arch", ["glm4_moe"])
+@pytest.mark.parametrize("arch", GGUF_CONFIG_KEYS)
 def test_gguf_from_our_converter(arch, tiny_model_dir, tmp_path):
     """F32: the config comes back from the metadata alone and logits match the HF model; Q8_0 through
     the shipped rules (CPU kernels on the Q8_0 bytes) is close to the HF model on the dequantized file
@@ -126,9 +134,7 @@ def test_gguf_from_our_converter(arch, tiny_model_dir, tmp_path):
     src = GGUFSource(f32)
     src.validate()
     cfg = src.config()
-    for key in ("num_hidden_layers", "head_dim", "rope_parameters", "first_k_dense_replace", "n_shared_experts",
-                "n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob", "attention_bias",
-                "use_qk_norm", "moe_intermediate_size", "intermediate_size"):
+    for key in GGUF_CONFIG_KEYS[arch]:
         assert getattr(cfg, key) == getattr(hf.config, key), key
     ids = _ids()
     with torch.no_grad():
@@ -143,9 +149,10 @@ def test_gguf_from_our_converter(arch, tiny_model_dir, tmp_path):
 
 @pytest.mark.skipif(not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file(),
                     reason=f"llama.cpp's converter not found at {LLAMA_CPP} (set KT_LLAMA_CPP_DIR)")
-@pytest.mark.parametrize("arch", ["glm4_moe"])
+@pytest.mark.parametrize("arch", GGUF_CONFIG_KEYS)
 def test_gguf_from_llama_cpp_converter(arch, tiny_model_dir, tmp_path):
-    """llama.cpp's own names and metadata (GLM-4-MoE: block_count includes the NextN layer)."""
+    """llama.cpp's own names and metadata (GLM-4-MoE: block_count includes the NextN layer;
+    MiniMax-M2: the correction bias on the block)."""
     d = tiny_model_dir(arch)
     out = tmp_path / "lcpp.gguf"
     r = subprocess.run([sys.executable, str(ROOT / "tests" / "llama_cpp_convert.py"), str(LLAMA_CPP), str(d), str(out)],

@@ -15,6 +15,7 @@ deepseek2      DeepseekV3Config when ``expert_gating_func`` is 2 (sigmoid) or th
 gemma3         Gemma3TextConfig
 glm4moe        Glm4MoeConfig (``block_count`` counts the NextN/MTP layers llama.cpp keeps; the
                model has ``block_count - nextn_predict_layers``)
+minimax-m2     MiniMaxM2Config
 =============  ==========================================================================
 
 Conventions: the config says ``dtype=float32`` (override with ``dtype=``), and
@@ -102,7 +103,7 @@ def config_from_metadata(
     if arch not in _SUPPORTED:
         raise WeightError(
             f"{where}: GGUF architecture '{arch}' is not supported "
-            "(supported: llama, mixtral-style llama, qwen2, qwen3, qwen2moe, qwen3moe, deepseek2, gemma3, glm4moe)"
+            "(supported: llama, mixtral-style llama, qwen2, qwen3, qwen2moe, qwen3moe, deepseek2, gemma3, glm4moe, minimax-m2)"
         )
     md = _Meta(meta, arch, where)
 
@@ -236,6 +237,8 @@ def config_from_metadata(
             cfg = tf.DeepseekV2Config(**kw)
     elif arch == "glm4moe":
         cfg = _glm4moe_config(md, kw, tensor_shapes, expert_ffn)
+    elif arch == "minimax-m2":
+        cfg = _minimax_m2_config(md, kw, expert_ffn)
     elif arch == "gemma3":
         head_dim = int(key_len or 256)
         # llama.cpp scales queries by 1/sqrt(head_dim), except 27B (62 layers): 1/sqrt(hidden/heads)
@@ -260,7 +263,7 @@ def config_from_metadata(
     else:
         raise WeightError(
             f"{where}: GGUF architecture '{arch}' is not supported "
-            "(supported: llama, mixtral-style llama, qwen2, qwen3, qwen2moe, qwen3moe, deepseek2, gemma3, glm4moe)"
+            "(supported: llama, mixtral-style llama, qwen2, qwen3, qwen2moe, qwen3moe, deepseek2, gemma3, glm4moe, minimax-m2)"
         )
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
@@ -272,7 +275,7 @@ def config_from_metadata(
     return cfg
 
 
-_SUPPORTED = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "deepseek2", "gemma3", "glm4moe")
+_SUPPORTED = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "deepseek2", "gemma3", "glm4moe", "minimax-m2")
 
 _ARCH_CLASS = {
     "LlamaConfig": "LlamaForCausalLM",
@@ -285,7 +288,28 @@ _ARCH_CLASS = {
     "DeepseekV3Config": "DeepseekV3ForCausalLM",
     "Gemma3TextConfig": "Gemma3ForCausalLM",
     "Glm4MoeConfig": "Glm4MoeForCausalLM",
+    "MiniMaxM2Config": "MiniMaxM2ForCausalLM",
 }
+
+
+def _minimax_m2_config(md: _Meta, kw: dict, expert_ffn):
+    """MiniMaxM2Config: every layer sparse (``expert_feed_forward_length`` is the config's
+    ``intermediate_size``), sigmoid router, partial rotary of ``rope.dimension_count``."""
+    import transformers as tf
+
+    head_dim = int(md.get("attention.key_length") or kw["hidden_size"] // kw["num_attention_heads"])
+    rope = _rope_parameters(md, float(md.get("rope.freq_base", 10000.0)))
+    rope["partial_rotary_factor"] = int(md.get("rope.dimension_count") or head_dim) / head_dim
+    for tok in ("bos_token_id", "eos_token_id"):
+        kw.setdefault(tok, None)  # not the released model's ids when the file does not say
+    kw.update(
+        head_dim=head_dim,
+        rope_parameters=rope,
+        num_local_experts=int(md.need("expert_count")),
+        num_experts_per_tok=int(md.need("expert_used_count")),
+        intermediate_size=expert_ffn(),
+    )
+    return tf.MiniMaxM2Config(**kw)
 
 
 def _glm4moe_config(md: _Meta, kw: dict, tensor_shapes, expert_ffn):
