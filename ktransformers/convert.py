@@ -354,7 +354,7 @@ def metadata_for(config, arch: str, tensor_names: Iterable[str]) -> dict[str, tu
         if getattr(c, "num_local_experts", 0):
             md[f"{A}.expert_count"] = ("u32", c.num_local_experts)
             md[f"{A}.expert_used_count"] = ("u32", c.num_experts_per_tok)
-    if A in ("qwen3", "qwen3moe", "gemma3"):
+    if A in ("qwen3", "qwen3moe", "gemma3", "glm4moe"):
         md[f"{A}.attention.key_length"] = ("u32", head_dim)
         md[f"{A}.attention.value_length"] = ("u32", head_dim)
     if A in ("qwen2moe", "qwen3moe"):
@@ -389,6 +389,10 @@ def metadata_for(config, arch: str, tensor_names: Iterable[str]) -> dict[str, tu
         md[f"{A}.expert_gating_func"] = ("u32", 2 if sigmoid else 1)
     if A == "gemma3":
         md[f"{A}.attention.sliding_window"] = ("u32", c.sliding_window)
+    if A == "glm4moe":
+        md.update(gn.glm4moe_metadata(c, head_dim))
+    if A == "minimax-m2":
+        md.update(gn.minimax_m2_metadata(c, head_dim))
     return md
 
 

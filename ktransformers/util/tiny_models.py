@@ -33,6 +33,23 @@ TINY_CONFIGS: dict[str, dict] = {
                         n_shared_experts=2, first_k_dense_replace=1, n_group=1, topk_group=1,
                         topk_method="greedy", routed_scaling_factor=1.0, q_lora_rank=None, kv_lora_rank=32,
                         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+    # GLM-4.5 / 4.6 / 4.7: dense first layer, one shared expert, sigmoid router with correction bias,
+    # GQA with partial rotary (half of head_dim), attention biases, per-head q/k norms
+    "glm4_moe": dict(_COMMON, num_hidden_layers=3, head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+                     moe_intermediate_size=32, intermediate_size=96, n_shared_experts=1, first_k_dense_replace=1,
+                     n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                     attention_bias=True, use_qk_norm=True),
+    # Qwen3.5-MoE, text part: a gated-DeltaNet linear-attention layer and a gated full-attention layer
+    # (partial rotary; the real models repeat 3 linear + 1 full); every layer sparse with a gated shared
+    # expert.  Two layers, not four: the random DeltaNet layers amplify bf16 rounding ~2.5x each.
+    "qwen3_5_moe_text": dict(_COMMON, layer_types=["linear_attention", "full_attention"], head_dim=16, num_experts=8, num_experts_per_tok=2,
+                             moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                             linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                             linear_num_value_heads=4),
+    # MiniMax-M2: every layer sparse, no shared expert, sigmoid router whose correction bias sits on the
+    # block; q/k norms over all heads; partial rotary (rotary_dim = head_dim / 2 as released)
+    "minimax_m2": dict(_COMMON, head_dim=16, rotary_dim=8, num_local_experts=8, num_experts_per_tok=2,
+                       intermediate_size=32),
     "llama": dict(_COMMON, intermediate_size=96),
     "qwen2": dict(_COMMON, intermediate_size=96),
     "qwen3": dict(_COMMON, head_dim=16, intermediate_size=96),

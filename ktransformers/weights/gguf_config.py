@@ -13,6 +13,9 @@ qwen3moe       Qwen3MoeConfig
 deepseek2      DeepseekV3Config when ``expert_gating_func`` is 2 (sigmoid) or the file has
                ``exp_probs_b`` tensors, else DeepseekV2Config
 gemma3         Gemma3TextConfig
+glm4moe        Glm4MoeConfig (``block_count`` counts the NextN/MTP layers llama.cpp keeps; the
+               model has ``block_count - nextn_predict_layers``)
+minimax-m2     MiniMaxM2Config
 =============  ==========================================================================
 
 Conventions: the config says ``dtype=float32`` (override with ``dtype=``), and
@@ -233,6 +236,10 @@ def config_from_metadata(
         else:
             kw["topk_method"] = "group_limited_greedy" if n_group > 1 else "greedy"
             cfg = tf.DeepseekV2Config(**kw)
+    elif arch == "glm4moe":
+        cfg = _glm4moe_config(md, kw, tensor_shapes, expert_ffn)
+    elif arch == "minimax-m2":
+        cfg = _minimax_m2_config(md, kw, expert_ffn)
     elif arch == "gemma3":
         head_dim = int(key_len or 256)
         # llama.cpp scales queries by 1/sqrt(head_dim), except 27B (62 layers): 1/sqrt(hidden/heads)
@@ -257,7 +264,7 @@ def config_from_metadata(
     else:
         raise WeightError(
             f"{where}: GGUF architecture '{arch}' is not supported "
-            "(supported: llama, mixtral-style llama, qwen2, qwen3, qwen2moe, qwen3moe, deepseek2, gemma3)"
+            "(supported: llama, mixtral-style llama, qwen2, qwen3, qwen2moe, qwen3moe, deepseek2, gemma3, glm4moe, minimax-m2)"
         )
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
@@ -279,7 +286,59 @@ _ARCH_CLASS = {
     "DeepseekV2Config": "DeepseekV2ForCausalLM",
     "DeepseekV3Config": "DeepseekV3ForCausalLM",
     "Gemma3TextConfig": "Gemma3ForCausalLM",
+    "Glm4MoeConfig": "Glm4MoeForCausalLM",
+    "MiniMaxM2Config": "MiniMaxM2ForCausalLM",
 }
+
+
+def _minimax_m2_config(md: _Meta, kw: dict, expert_ffn):
+    """MiniMaxM2Config: every layer sparse (``expert_feed_forward_length`` is the config's
+    ``intermediate_size``), sigmoid router, partial rotary of ``rope.dimension_count``."""
+    import transformers as tf
+
+    head_dim = int(md.get("attention.key_length") or kw["hidden_size"] // kw["num_attention_heads"])
+    rope = _rope_parameters(md, float(md.get("rope.freq_base", 10000.0)))
+    rope["partial_rotary_factor"] = int(md.get("rope.dimension_count") or head_dim) / head_dim
+    for tok in ("bos_token_id", "eos_token_id"):
+        kw.setdefault(tok, None)  # not the released model's ids when the file does not say
+    kw.update(
+        head_dim=head_dim,
+        rope_parameters=rope,
+        num_local_experts=int(md.need("expert_count")),
+        num_experts_per_tok=int(md.need("expert_used_count")),
+        intermediate_size=expert_ffn(),
+    )
+    return tf.MiniMaxM2Config(**kw)
+
+
+def _glm4moe_config(md: _Meta, kw: dict, tensor_shapes, expert_ffn):
+    """Glm4MoeConfig: GQA with partial rotary (``rope.dimension_count`` of ``key_length``), sigmoid
+    router with correction bias, ``leading_dense_block_count`` dense layers, shared experts."""
+    import transformers as tf
+
+    n_layers = kw["num_hidden_layers"] - int(md.get("nextn_predict_layers", 0) or 0)
+    head_dim = int(md.get("attention.key_length") or kw["hidden_size"] // kw["num_attention_heads"])
+    rope_dim = int(md.get("rope.dimension_count") or head_dim // 2)
+    rope = _rope_parameters(md, float(md.get("rope.freq_base", 10000.0)))
+    rope["partial_rotary_factor"] = rope_dim / head_dim
+    kw.update(
+        num_hidden_layers=n_layers,
+        head_dim=head_dim,
+        rope_parameters=rope,
+        partial_rotary_factor=rope_dim / head_dim,
+        attention_bias="blk.0.attn_q.bias" in tensor_shapes,
+        use_qk_norm="blk.0.attn_q_norm.weight" in tensor_shapes,
+        n_routed_experts=int(md.need("expert_count")),
+        num_experts_per_tok=int(md.need("expert_used_count")),
+        moe_intermediate_size=expert_ffn(),
+        n_shared_experts=int(md.get("expert_shared_count", 1) or 0),
+        first_k_dense_replace=int(md.get("leading_dense_block_count", 0) or 0),
+        routed_scaling_factor=float(md.get("expert_weights_scale", 1.0) or 1.0),
+        norm_topk_prob=bool(md.get("expert_weights_norm", True)),
+        n_group=int(md.get("expert_group_count", 1) or 1),
+        topk_group=int(md.get("expert_group_used_count", 1) or 1),
+    )
+    return tf.Glm4MoeConfig(**kw)
 
 
 def tokenizer_from_gguf(path, meta: Mapping[str, Any]):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 #: architectures the source and the converter handle (GGUF ``general.architecture`` values)
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "deepseek2", "gemma3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "deepseek2", "gemma3", "glm4moe", "minimax-m2")
 
 #: transformers ``model_type`` -> GGUF arch
 MODEL_TYPE_TO_ARCH = {
@@ -40,6 +40,8 @@ MODEL_TYPE_TO_ARCH = {
     "deepseek_v3": "deepseek2",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
+    "glm4_moe": "glm4moe",
+    "minimax_m2": "minimax-m2",
 }
 
 # (gguf leaf without .weight/.bias, hf leaf without .weight/.bias)
@@ -80,6 +82,13 @@ def _shexp(hf_prefix: str):
     ]
 
 
+# GLM-4-MoE: llama.cpp names the norm before the MLP ``post_attention_norm`` (not ``ffn_norm``)
+_GLM4MOE_BLOCK = [(g, h) for g, h in _COMMON_BLOCK if g != "ffn_norm"] + [
+    ("post_attention_norm", "post_attention_layernorm")] + _shexp("mlp.shared_experts")
+
+#: where ``exp_probs_b.bias`` (the router's correction bias) lives; MiniMax-M2 keeps it on the block
+_EXP_PROBS_B = {"minimax-m2": "mlp.e_score_correction_bias"}
+
 _BLOCK_TABLES = {
     "llama": _COMMON_BLOCK,
     "qwen2": _COMMON_BLOCK,
@@ -88,6 +97,8 @@ _BLOCK_TABLES = {
     "qwen3moe": _COMMON_BLOCK,
     "deepseek2": _COMMON_BLOCK + _MLA_BLOCK + _shexp("mlp.shared_experts"),
     "gemma3": _GEMMA3_BLOCK,
+    "glm4moe": _GLM4MOE_BLOCK,
+    "minimax-m2": _COMMON_BLOCK,
 }
 
 _TOP = [
@@ -136,7 +147,7 @@ class NameMap:
         for g, h in _BLOCK_TABLES[self.arch]:
             for suf in (".weight", ".bias"):
                 g2h[g + suf] = h + suf
-        g2h["exp_probs_b.bias"] = "mlp.gate.e_score_correction_bias"
+        g2h["exp_probs_b.bias"] = _EXP_PROBS_B.get(self.arch, "mlp.gate.e_score_correction_bias")
         for hf_leaf, g in EXPERT_GGUF.items():
             g2h[f"{g}.weight"] = f"mlp.experts.{hf_leaf}"
         object.__setattr__(self, "_g2h", g2h)
@@ -155,6 +166,40 @@ class NameMap:
 
 def name_map(arch: str) -> NameMap:
     return NameMap(arch)
+
+
+def glm4moe_metadata(c, head_dim: int) -> dict[str, tuple[str, object]]:
+    """The ``glm4moe.*`` keys llama.cpp's converter writes beyond the common ones (partial rotary,
+    sigmoid routing, dense first layers, shared experts)."""
+    A = "glm4moe"
+    rope_dim = int(head_dim * c.rope_parameters.get("partial_rotary_factor", 0.5))
+    return {
+        f"{A}.rope.dimension_count": ("u32", rope_dim),
+        f"{A}.expert_count": ("u32", c.n_routed_experts),
+        f"{A}.expert_used_count": ("u32", c.num_experts_per_tok),
+        f"{A}.expert_feed_forward_length": ("u32", c.moe_intermediate_size),
+        f"{A}.expert_shared_count": ("u32", c.n_shared_experts),
+        f"{A}.leading_dense_block_count": ("u32", c.first_k_dense_replace),
+        f"{A}.expert_gating_func": ("u32", 2),  # sigmoid
+        f"{A}.expert_weights_scale": ("f32", float(c.routed_scaling_factor)),
+        f"{A}.expert_weights_norm": ("bool", bool(c.norm_topk_prob)),
+        f"{A}.expert_group_count": ("u32", c.n_group),
+        f"{A}.expert_group_used_count": ("u32", c.topk_group),
+    }
+
+
+def minimax_m2_metadata(c, head_dim: int) -> dict[str, tuple[str, object]]:
+    """The ``minimax-m2.*`` keys llama.cpp's converter writes beyond the common ones."""
+    A = "minimax-m2"
+    return {
+        f"{A}.attention.key_length": ("u32", head_dim),
+        f"{A}.attention.value_length": ("u32", head_dim),
+        f"{A}.rope.dimension_count": ("u32", int(head_dim * c.rope_parameters.get("partial_rotary_factor", 1.0))),
+        f"{A}.expert_count": ("u32", c.num_local_experts),
+        f"{A}.expert_used_count": ("u32", c.num_experts_per_tok),
+        f"{A}.expert_feed_forward_length": ("u32", c.intermediate_size),
+        f"{A}.expert_gating_func": ("u32", 2),  # sigmoid
+    }
 
 
 # ------------------------------------------------------------------------- value transforms
