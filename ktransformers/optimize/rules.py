@@ -259,8 +259,8 @@ def _did_you_mean_module(text: str) -> str:
     mod_name = compat.MODULE_PATHS.get(mod_name, mod_name)
     try:
         mod = importlib.import_module(mod_name)
-    except ImportError:
-        return f" (module '{mod_name}' not found)"
+    except (ImportError, TypeError, ValueError):  # also ".." or "a..b": not a module path
+        return f" ('{mod_name}' is not an importable module)"
     names = [n for n in dir(mod) if isinstance(getattr(mod, n, None), type)]
     near = difflib.get_close_matches(leaf, names, n=1, cutoff=0.5)
     return f"; did you mean '{text.rpartition('.')[0]}.{near[0]}'?" if near else f" (no class '{leaf}' in {mod_name})"

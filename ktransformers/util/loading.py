@@ -128,6 +128,7 @@ def load_tokenizer(model_path: str | os.PathLike | None, source):
             tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
         except (OSError, ValueError) as e:
             raise ConfigError(f"{folder}: cannot load its tokenizer: {str(e).splitlines()[0]}") from None
+        tok.kt_template_origin = f"{folder} (tokenizer_config.json)"
     else:
         get = getattr(source, "tokenizer", None)
         tok = get() if callable(get) else None
@@ -138,6 +139,9 @@ def load_tokenizer(model_path: str | os.PathLike | None, source):
         tpl = (getattr(source, "metadata", None) or {}).get("tokenizer.chat_template")
         if isinstance(tpl, str) and tpl.strip():
             tok.chat_template = tpl
+            tok.kt_template_origin = f"{source.path} (tokenizer.chat_template)"
+    if not hasattr(tok, "kt_template_origin"):
+        tok.kt_template_origin = f"{source.path} (tokenizer.chat_template)"
     return tok
 
 
@@ -204,7 +208,7 @@ def load_for_generation(
     tokenizer = load_tokenizer(model_path, source)
     from ..weights.gguf_checks import preflight
 
-    preflight(source, tokenizer, str(model_path or weights), check_tensors, log)
+    preflight(source, tokenizer, tokenizer.kt_template_origin, check_tensors, log)  # where errors point
     n = len(source.names()) if hasattr(source, "names") else 0
     say(f"loading {n} tensors onto {', '.join(sorted(str(d) for d in plan.devices()))} ...")
     inject(model, rule_list, source, default_device=device, allow_unmatched=True, progress=progress)

@@ -17,7 +17,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-RULES_DIR = Path(__file__).resolve().parents[1] / "ktransformers" / "optimize_rules"
+RULES_DIR = Path(__file__).resolve().parents[2] / "ktransformers" / "optimize_rules"
 SHIPPED = sorted(RULES_DIR.glob("*.yaml"))
 ONE_LINE = re.compile(r"^[^\n]*:\d+: [^\n]+$|^[^\n]*: [^\n]+$")
 

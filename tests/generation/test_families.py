@@ -34,10 +34,9 @@ from transformers import AutoModelForCausalLM
 from ktransformers import load_model
 from ktransformers.optimize_rules import RULES_DIR, default_rule_file
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # llama.cpp source tree (its convert_hf_to_gguf.py); the team's checkout keeps one beside shared/
-LLAMA_CPP = Path(os.environ.get("KT_LLAMA_CPP_DIR",
-                                ROOT.parent / "peers/src/llama_cpp_python-0.3.36/vendor/llama.cpp"))
+LLAMA_CPP = Path(os.environ.get("KT_LLAMA_CPP_DIR", "/nonexistent"))  # a llama.cpp source tree (bench-only peer)
 
 # model_type -> (architecture, shipped rule stem, the MoE block's class once placed, the router's)
 FAMILIES = {
