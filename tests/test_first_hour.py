@@ -86,7 +86,7 @@ def test_inject_refuses_unmatched_rule_unless_allowed(tiny_model_dir):
 
 
 def test_device_map_parsing_and_rewrite():
-    from ktransformers.util.device_map import map_device, parse_device_map, remap_rules_text
+    from ktransformers.optimize.device_map import map_device, parse_device_map, remap_rules_text
 
     m = parse_device_map("cuda=cpu, cuda:1=cuda:0")
     assert m == {"cuda": "cpu", "cuda:1": "cuda:0"}

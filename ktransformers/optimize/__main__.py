@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _explain(args) -> int:
-    from ..util.loading import load_config
+    from ..weights.model_config import load_config
     from ..weights import open_weights
     from .explain import explain_plan, format_explanation
     from .inject import build_model
@@ -53,7 +53,7 @@ def _explain(args) -> int:
     source = open_weights(args.gguf_path) if args.gguf_path else None
     config = load_config(args.model_path, source)
     model = build_model(config)
-    from ..util.device_map import load_rules_mapped
+    from .device_map import load_rules_mapped
 
     plan = plan_model(model, load_rules_mapped(args.rules, args.device_map), args.device)
     ex = explain_plan(model, plan, source)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,48 +9,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError, RuleError
-
-
-def load_config(model_path: str | os.PathLike | None, source=None):
-    """transformers config from ``model_path/config.json``, else from the weights' metadata."""
-    from transformers import AutoConfig
-
-    if model_path:
-        p = Path(model_path)
-        if not p.exists():
-            raise ConfigError(f"{p}: --model_path does not exist")
-        cfg_file = p / "config.json" if p.is_dir() else p
-        if cfg_file.is_file():
-            try:
-                json.loads(cfg_file.read_text())
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{cfg_file}: not valid JSON ({e})") from None
-            try:
-                return AutoConfig.from_pretrained(str(cfg_file.parent), local_files_only=True)
-            except (ValueError, KeyError, OSError) as e:
-                raise ConfigError(f"{cfg_file}: transformers cannot read this config: {e}") from None
-        if source is None:
-            raise ConfigError(f"{p}: no config.json here, and no weights with metadata were given")
-    if source is not None:
-        cfg = source.config()
-        if cfg is not None:
-            return cfg
-        folder = weights_folder(source)
-        if folder is not None and (folder / "config.json").is_file():
-            return load_config(folder)
-        raise ConfigError(f"{source.path}: no model config in these weights and no config.json beside them; "
-                          "pass model_path (a folder with config.json)")
-    raise ConfigError("no model config: pass --model_path (a folder with config.json) or GGUF weights")
-
-
-def weights_folder(source) -> Path | None:
-    """The folder holding non-GGUF weights (a safetensors folder, or a file's folder), or None."""
-    from ..weights.gguf_source import GGUFSource
-
-    if source is None or isinstance(source, GGUFSource) or not getattr(source, "path", None):
-        return None
-    p = Path(source.path)
-    return p if p.is_dir() else p.parent
+from ..weights.model_config import load_config, weights_folder  # noqa: F401 - load_config is public here too
 
 
 def load_model(
@@ -77,7 +35,7 @@ def load_model(
     from ..optimize.inject import build_model, inject
     from ..optimize_rules import default_rule_file
     from ..weights import WeightSource, open_weights
-    from .device_map import load_rules_mapped, parse_device_map
+    from ..optimize.device_map import load_rules_mapped, parse_device_map
 
     source = weights if isinstance(weights, WeightSource) else open_weights(weights)
     if config is None:
@@ -175,7 +133,7 @@ def load_for_generation(
     from ..optimize.plan import check_devices_available, plan_model
     from ..optimize_rules import default_rule_file
     from ..weights import open_weights
-    from .device_map import load_rules_mapped, parse_device_map
+    from ..optimize.device_map import load_rules_mapped, parse_device_map
 
     say = log or (lambda msg: None)
     t0 = time.perf_counter()

@@ -98,7 +98,7 @@ def remap_rules_text(text: str, device_map: dict[str, str]) -> str:
 
 def load_rules_mapped(rules, device_map: dict[str, str] | str | None = None):
     """Parsed, validated rules (as :func:`ktransformers.optimize.rules.load_rules`) after the device map."""
-    from ..optimize.rules import load_rules, parse_rules
+    from .rules import load_rules, parse_rules
 
     if isinstance(device_map, str):
         device_map = parse_device_map(device_map)
