@@ -74,62 +74,6 @@ float from_half(uint16_t h) {
 
 inline float round_half(float v) { return from_half(to_half(v)); }
 
-// scale and min (dequant = scale * q - min, min >= 0) of n values with weights w, q in [0, nmax]
-float search_scale_min(int n, int nmax, const float* x, const float* w, uint8_t* L, float* the_min,
-                       uint8_t* Laux, float rmin, float rdelta, int nstep) {
-  float mn = x[0], mx = x[0], sum_w = w[0], sum_x = w[0] * x[0];
-  for (int i = 1; i < n; ++i) {
-    mn = std::min(mn, x[i]);
-    mx = std::max(mx, x[i]);
-    sum_w += w[i];
-    sum_x += w[i] * x[i];
-  }
-  if (mn > 0) mn = 0;
-  if (mx == mn) {
-    std::memset(L, 0, n);
-    *the_min = -mn;
-    return 0.f;
-  }
-  float iscale = nmax / (mx - mn), scale = 1.f / iscale, best = 0.f;
-  for (int i = 0; i < n; ++i) {
-    const int l = std::clamp(nearest(iscale * (x[i] - mn)), 0, nmax);
-    L[i] = static_cast<uint8_t>(l);
-    const float d = scale * l + mn - x[i];
-    best += w[i] * d * d;
-  }
-  for (int s = 0; s <= nstep; ++s) {
-    iscale = (rmin + rdelta * s + nmax) / (mx - mn);
-    float sl = 0, sl2 = 0, sxl = 0;
-    for (int i = 0; i < n; ++i) {
-      const int l = std::clamp(nearest(iscale * (x[i] - mn)), 0, nmax);
-      Laux[i] = static_cast<uint8_t>(l);
-      sl += w[i] * l;
-      sl2 += w[i] * l * l;
-      sxl += w[i] * l * x[i];
-    }
-    const float D = sum_w * sl2 - sl * sl;
-    if (D <= 0) continue;
-    float ts = (sum_w * sxl - sum_x * sl) / D, tm = (sl2 * sum_x - sl * sxl) / D;
-    if (tm > 0) {
-      tm = 0;
-      ts = sxl / sl2;
-    }
-    float err = 0;
-    for (int i = 0; i < n; ++i) {
-      const float d = ts * Laux[i] + tm - x[i];
-      err += w[i] * d * d;
-    }
-    if (err < best) {
-      std::memcpy(L, Laux, n);
-      best = err;
-      scale = ts;
-      mn = tm;
-    }
-  }
-  *the_min = -mn;
-  return scale;
-}
-
 // symmetric scale of n values, q in [-nmax, nmax - 1], x^2-weighted search over 19 grids
 float search_scale_sym(int n, int nmax, const float* x, int8_t* L) {
   float mx = 0, amax = 0;
@@ -172,8 +116,9 @@ float search_scale_sym(int n, int nmax, const float* x, int8_t* L) {
 
 inline float rnd(float v) { return (v + 12582912.f) - 12582912.f; }  // half to even, |v| < 2^22
 
-// search_scale_min for the 8 sub-blocks of 32 of one block at once: lane j is sub-block j, each
-// lane does exactly the scalar search's arithmetic in the same order (so the bytes are the same),
+// Scale and min (dequant = scale * q - min, min >= 0, q in [0, nmax]) of the 8 sub-blocks of 32
+// of one block at once, weighted by w: lane j is sub-block j, each lane does the scalar search's
+// arithmetic in the reference order (so the bytes equal the reference quantizer's),
 // and the loops over lanes vectorise without reassociating any sum.
 void search_scale_min8(int nmax, const float* x, const float* w, uint8_t* L, float* scale, float* the_min,
                        float rmin, float rdelta, int nstep) {
