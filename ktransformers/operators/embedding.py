@@ -61,7 +61,6 @@ class KEmbeddingQuant(EmbeddingOp):
 
     def load(self, weights, dtype):
         from ..weights.dequant import block_dequantizer
-        from ..weights.ggml_types import ggml_type_info
 
         name = f"{self.key}.weight"
         self.check_shape(weights, name)
@@ -69,12 +68,12 @@ class KEmbeddingQuant(EmbeddingOp):
         raw = weights.raw(name)
         self.weight = None
         self._rows = None
-        if raw is None:
+        if raw is None or raw.type is None:  # float source (or FP8 blocks): the table as loaded
             self.weight = weights.tensor(name, dtype=dtype, device=self.device)
             return
-        info = ggml_type_info(raw.ggml_type)
+        info = raw.type
         self._block = (info.block_bytes, info.block_elems)
-        self._dequant = block_dequantizer(info.id)
+        self._dequant = block_dequantizer(info)
         with warnings.catch_warnings():  # the mapped file is read-only; the view is never written
             warnings.simplefilter("ignore", UserWarning)
             flat = torch.from_numpy(raw.data)

@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from ..weights.dequant import dequantize
-from ..weights.ggml_types import ggml_type_info
 from .linear import LinearOp
 from .registry import register
 
@@ -28,14 +27,14 @@ class KLinearGPUQ(LinearOp):
         name = f"{self.key}.weight"
         self.check_shape(weights, name)
         self.dtype = dtype
-        raw = weights.raw(name) if hasattr(weights, "raw") else None
-        info = ggml_type_info(raw.ggml_type) if raw is not None else None
-        if raw is None or info.name in ("F32", "F16", "BF16"):
+        raw = weights.raw(name)
+        info = raw.type if raw is not None else None  # None also for FP8 blocks: kept dense
+        if info is None or info.name in ("F32", "F16", "BF16"):
             self.qweight = None
             self.weight_dense = weights.tensor(name, dtype=dtype, device=self.device)
         else:
             self.qweight = torch.from_numpy(np.ascontiguousarray(raw.data)).to(self.device)
-            self.ggml_type = raw.ggml_type
+            self.ggml_type = info
             self.shape = tuple(raw.shape)
             self.weight_dense = None
         self.bias = weights.tensor(f"{self.key}.bias", dtype=dtype, device=self.device) if self.has_bias else None
