@@ -258,9 +258,10 @@ class Generator:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools=None) -> list[int]:
+                            tools=None, **template_kwargs) -> list[int]:
         """Token ids of a conversation through the tokenizer's chat template.
 
+        ``template_kwargs`` are variables the template may read (``enable_thinking`` ...).
         A tokenizer without a template (a base model) gets plain concatenation: each message's
         text in order, an assistant message continuing the text before it directly, and a
         newline before a user/system message that does not follow whitespace.
@@ -268,7 +269,7 @@ class Generator:
         if self.has_chat_template():
             kw = {"tools": tools} if tools else {}
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kw
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kw, **template_kwargs
             )
             return self.encode(text, add_special_tokens=False)
         text = ""

@@ -67,8 +67,8 @@ class Collected:
 
 async def pieces(stream: EngineStream, got: Collected, parser=None):
     """The one loop over an engine stream: records ids, text and the finish reason in ``got`` and
-    yields ``("text", str)`` items, or with a :class:`~.prompting.ToolCallStream` ``parser`` its
-    ``("text", str)`` / ``("call", tool_call)`` items (the held-back rest when the stream ends)."""
+    yields ``("text", str)`` items, or with a ``parser`` (:class:`~.prompting.OutputParser`) its
+    ``("reasoning" | "text" | "call", value)`` items (the held-back rest when the stream ends)."""
     async for ev in stream:
         if ev.token_id is not None:
             got.token_ids.append(ev.token_id)

@@ -235,12 +235,13 @@ class Engine:
         return "tools" in t
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
-                            add_generation_prompt: bool = True) -> list[int]:
+                            add_generation_prompt: bool = True, template_kwargs: dict | None = None) -> list[int]:
+        """Prompt ids; ``template_kwargs`` are variables for the template (``enable_thinking`` ...)."""
         for i, m in enumerate(messages):
             _check_unicode(m.get("content"), f"messages[{i}].content")
         try:
             return list(self.generator.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                           tools=tools))
+                                                           tools=tools, **(template_kwargs or {})))
         except APIError:
             raise
         except Exception as e:  # jinja TemplateError, raise_exception() in the template, bad roles ...

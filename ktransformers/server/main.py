@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top_p", type=float, help="default top_p [model's generation_config, else 1.0]")
     g.add_argument("--top_k", type=int, help="default top_k (0 = off) [model's generation_config, else 0]")
     g.add_argument("--repetition_penalty", type=float, help="default repetition penalty [1.0]")
+    g.add_argument("--force_think", type=_bool, nargs="?", const=True,
+                   help="start every chat answer with '<think>' (reasoning models whose template does not)")
     g = p.add_argument_group("server")
     g.add_argument("--host", help="address to bind [127.0.0.1: this machine only]")
     g.add_argument("--port", type=int, help="port [10002]")

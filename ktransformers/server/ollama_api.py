@@ -19,7 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from .common import Collected, check_model, collect, guarded, ndjson, pieces, stats_numbers, stop_list
 from .engine import Engine, EngineStream, GenerationRequest
 from .errors import APIError
-from .prompting import ToolCallStream, fim_prompt, fim_tokens, parse_tool_calls, render_go_template
+from .prompting import fim_prompt, fim_tokens, render_go_template
 from .schemas import OllamaChatRequest, OllamaGenerateRequest, OllamaOptions, OllamaShowRequest
 
 router = APIRouter()
@@ -75,24 +75,30 @@ def _load_reply(model: str, chat: bool) -> dict:
     return out
 
 
-def _generate_ids(engine: Engine, body: OllamaGenerateRequest) -> list[int]:
+def _generate_prompt(request: Request, body: OllamaGenerateRequest):
+    """The prompt of ``/api/generate``: a ChatPrompt through the chat template (reasoning read
+    from the answer), else the raw / Go-template / fill-in-the-middle text (nothing read)."""
+    from .openai_api import request_prompt
+    from .prompting import ChatPrompt
+
+    engine = _engine(request)
     prompt = body.prompt or ""
     context = engine.check_token_ids(body.context or [], "context")
     special = not context  # a continuation of a context gets no second BOS
     if body.template:
         text = render_go_template(body.template, {"System": body.system or "", "Prompt": prompt,
                                                   "Suffix": body.suffix or ""})
-        ids = engine.encode(text, special)
-    elif body.suffix:
+        return ChatPrompt(context + engine.encode(text, special)), False
+    if body.suffix:
         text, _ = fim_prompt(engine.tokenizer, prompt, body.suffix)
-        ids = engine.encode(text, special)
-    elif body.raw:
-        ids = engine.encode(prompt, special)
-    else:
-        msgs = ([{"role": "system", "content": body.system}] if body.system else []) + \
-               [{"role": "user", "content": prompt}]
-        ids = engine.apply_chat_template(msgs)
-    return context + ids
+        return ChatPrompt(context + engine.encode(text, special)), False
+    if body.raw:
+        return ChatPrompt(context + engine.encode(prompt, special)), False
+    msgs = ([{"role": "system", "content": body.system}] if body.system else []) + \
+           [{"role": "user", "content": prompt}]
+    p = request_prompt(request.app, msgs, None, think=body.think)
+    p.ids = context + p.ids
+    return p, True
 
 
 @router.post("/generate")
@@ -103,22 +109,27 @@ async def generate(body: OllamaGenerateRequest, request: Request):
         raise APIError(400, "images are not supported: this model takes text only")
     if not (body.prompt or body.suffix):
         return _load_reply(model, chat=False)
-    ids = await run_in_threadpool(_generate_ids, engine, body)
+    prompt, templated = await run_in_threadpool(_generate_prompt, request, body)
+    ids = prompt.ids
     stream = await engine.submit(_request(engine, ids, body.options, "ollama.generate"))
     with_context = not body.raw
 
     if not body.stream:
         got = await collect(stream, request)
-        out = {"model": model, "created_at": _ts(), "response": got.text, "done": True,
+        thinking, text, _ = prompt.parser(False).parse(got.text) if templated else (None, got.text, [])
+        out = {"model": model, "created_at": _ts(), "response": text, "done": True,
                **_done_fields(stream, len(got.token_ids), got.finish_reason)}
+        if thinking is not None:
+            out["thinking"] = thinking
         if with_context:
             out["context"] = ids + got.token_ids
         return out
 
     async def lines():
         got = Collected()
-        async for _, val in pieces(stream, got):
-            yield ndjson({"model": model, "created_at": _ts(), "response": val, "done": False})
+        async for kind, val in pieces(stream, got, prompt.parser(False) if templated else None):
+            key = "thinking" if kind == "reasoning" else "response"
+            yield ndjson({"model": model, "created_at": _ts(), "response": "", key: val, "done": False})
         last = {"model": model, "created_at": _ts(), "response": "", "done": True,
                 **_done_fields(stream, len(got.token_ids), got.finish_reason)}
         if with_context:
@@ -146,15 +157,15 @@ def _ollama_calls(calls: list[dict]) -> list[dict]:
     return out
 
 
-def _chat_ids(engine: Engine, body: OllamaChatRequest, tools: list[dict] | None) -> list[int]:
-    from .openai_api import chat_prompt_ids
+def _chat_prompt(request: Request, body: OllamaChatRequest, tools: list[dict] | None):
+    from .openai_api import request_prompt
 
     messages = []
     for i, m in enumerate(body.messages):
         if m.images:
             raise APIError(400, f"messages[{i}].images: images are not supported; this model takes text only")
         messages.append({"role": m.role, "content": m.content or "", "tool_calls": m.tool_calls})
-    return chat_prompt_ids(engine, messages, tools, None)
+    return request_prompt(request.app, messages, tools, think=body.think)
 
 
 @router.post("/chat")
@@ -164,13 +175,15 @@ async def chat(body: OllamaChatRequest, request: Request):
     if not body.messages:
         return _load_reply(model, chat=True)
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    ids = await run_in_threadpool(_chat_ids, engine, body, tools)
-    stream = await engine.submit(_request(engine, ids, body.options, "ollama.chat"))
+    prompt = await run_in_threadpool(_chat_prompt, request, body, tools)
+    stream = await engine.submit(_request(engine, prompt.ids, body.options, "ollama.chat"))
 
     if not body.stream:
         got = await collect(stream, request)
-        content, calls = parse_tool_calls(got.text) if tools else (got.text, [])
+        thinking, content, calls = prompt.parser(bool(tools)).parse(got.text)
         msg = {"role": "assistant", "content": content}
+        if thinking is not None:
+            msg["thinking"] = thinking
         if calls:
             msg["tool_calls"] = _ollama_calls(calls)
         return {"model": model, "created_at": _ts(), "message": msg, "done": True,
@@ -178,8 +191,10 @@ async def chat(body: OllamaChatRequest, request: Request):
 
     async def lines():
         got = Collected()
-        async for kind, val in pieces(stream, got, ToolCallStream() if tools else None):
+        async for kind, val in pieces(stream, got, prompt.parser(bool(tools))):
             msg = {"role": "assistant", "content": val if kind == "text" else ""}
+            if kind == "reasoning":
+                msg["thinking"] = val
             if kind == "call":
                 msg["tool_calls"] = _ollama_calls([val])
             yield ndjson({"model": model, "created_at": _ts(), "message": msg, "done": False})

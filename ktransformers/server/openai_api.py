@@ -9,8 +9,7 @@ from starlette.concurrency import run_in_threadpool
 from .common import SSE_HEADERS, Collected, check_model, collect, guarded, new_id, now, pieces, sse, stop_list
 from .engine import Engine, GenerationRequest
 from .errors import APIError, error_body
-from .prompting import (OutputParser, add_tool_prompt, fim_prompt, parse_tool_calls, prompt_opens_think,
-                        split_reasoning, template_messages)
+from .prompting import chat_prompt, fim_prompt, think_setting
 from .schemas import (ChatChoice, ChatCompletion, ChatCompletionRequest, Completion, CompletionChoice,
                       CompletionRequest, ModelCard, ModelList, ResponseMessage, Usage)
 
@@ -49,13 +48,13 @@ async def get_model(model_id: str, request: Request):
 
 # ---- chat ---------------------------------------------------------------------------------
 
-def chat_prompt_ids(engine: Engine, messages: list[dict], tools: list[dict] | None, tool_choice) -> list[int]:
-    native = engine.template_supports_tools
-    msgs = template_messages(messages, native)
-    if tools and not native:
-        msgs = add_tool_prompt(msgs, tools, tool_choice)
-        tools = None
-    return engine.apply_chat_template(msgs, tools=tools if native else None)
+def request_prompt(app, messages: list[dict], tools: list[dict] | None, tool_choice=None, *,
+                   effort: str | None = None, think=None, template_kwargs: dict | None = None):
+    """The :class:`~.prompting.ChatPrompt` of a chat request, with the server's ``--force_think``."""
+    settings = getattr(app.state, "settings", None)
+    want = think_setting(effort, think, template_kwargs)
+    return chat_prompt(app.state.engine, messages, tools, tool_choice, think=want, effort=effort,
+                       template_kwargs=template_kwargs, force_think=bool(getattr(settings, "force_think", False)))
 
 
 @router.post("/chat/completions")
@@ -66,19 +65,19 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     use_tools = bool(body.tools) and body.tool_choice != "none"
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if use_tools else None
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    ids = await run_in_threadpool(chat_prompt_ids, engine, messages, tools, body.tool_choice)
+    prompt = await run_in_threadpool(request_prompt, request.app, messages, tools, body.tool_choice,
+                                     effort=body.reasoning_effort, template_kwargs=body.chat_template_kwargs)
+    ids = prompt.ids
     req = GenerationRequest(
         ids, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
         max_new_tokens=body.max_completion_tokens or body.max_tokens, stop=stop_list(body.stop),
         seed=body.seed, repetition_penalty=body.repetition_penalty, tag="openai.chat")
     stream = await engine.submit(req)
     cid, created = new_id("chatcmpl-"), now()
-    inside_think = prompt_opens_think(engine.decode(ids[-4:]))  # <think> → reasoning_content
 
     if not body.stream:
         got = await collect(stream, request)
-        reasoning, text = split_reasoning(got.text, inside_think)
-        content, calls = parse_tool_calls(text) if use_tools else (text, [])
+        reasoning, content, calls = prompt.parser(use_tools).parse(got.text)  # <think> → reasoning_content
         n_out = len(got.token_ids)
         return ChatCompletion(
             id=cid, created=created, model=model,
@@ -102,7 +101,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         yield chunk({"role": "assistant", "content": ""})
         got = Collected()
         n_calls = 0
-        async for kind, val in pieces(stream, got, OutputParser(use_tools, inside_think)):
+        async for kind, val in pieces(stream, got, prompt.parser(use_tools)):
             if kind in ("text", "reasoning"):
                 if val:
                     yield chunk({"content" if kind == "text" else "reasoning_content": val})

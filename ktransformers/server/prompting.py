@@ -2,9 +2,7 @@
 
 * chat messages (OpenAI / Ollama / Assistants shapes) → the plain dicts chat templates expect;
 * tools: passed to the chat template when it knows about tools, else described in a
-  Hermes-style system prompt; tool calls are parsed from ``<tool_call>{json}</tool_call>``
-  blocks or DeepSeek's tool-call tokens in the output, whole (:func:`parse_tool_calls`) or
-  while streaming (:class:`ToolCallStream`);
+  Hermes-style system prompt (the calls in the output are read by :mod:`.tool_calls`);
 * reasoning: ``<think>…</think>`` split from the answer (:class:`ThinkStream`);
 * fill-in-the-middle prompts from the tokenizer's FIM tokens (:func:`fim_prompt`);
 * the small subset of Ollama's Go templates that ``/api/generate`` accepts in ``template``.
@@ -14,10 +12,12 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import APIError
+from .harmony import HarmonyStream, is_harmony_template
+from .tool_calls import ToolCallStream, held_back
 
 # ---------------------------------------------------------------------------------------------
 # messages
@@ -137,156 +137,6 @@ def add_tool_prompt(messages: list[dict], tools: list[dict], tool_choice: Any) -
 
 
 # ---------------------------------------------------------------------------------------------
-# tool calls in model output
-
-TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
-# DeepSeek V3 / R1 / V3.1: <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>…<｜tool▁call▁end｜>…<｜tool▁calls▁end｜>
-DS_CALLS_BEGIN, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
-DS_CALL_BEGIN, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
-#: opening marker of one call → its closing marker
-CALL_MARKERS = {TOOL_OPEN: TOOL_CLOSE, DS_CALL_BEGIN: DS_CALL_END}
-#: wrappers around a group of calls: removed from the text, nothing else
-CALL_WRAPPERS = (DS_CALLS_BEGIN, DS_CALLS_END)
-_MARKERS = (*CALL_MARKERS, *CALL_WRAPPERS)
-
-
-def new_call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
-
-
-def _unfence(body: str) -> str:
-    body = body.strip()
-    if body.startswith("```"):
-        body = body.strip("`").strip()
-        body = body[4:] if body.startswith("json") else body
-    return body.strip()
-
-
-def _make_call(name: Any, args: Any) -> dict | None:
-    if not isinstance(name, str) or not name.strip():
-        return None
-    if isinstance(args, str):
-        try:
-            json.loads(args)
-            arg_text = args
-        except json.JSONDecodeError:
-            arg_text = json.dumps(args)
-    else:
-        arg_text = json.dumps(args, ensure_ascii=False)
-    return {"id": new_call_id(), "type": "function", "function": {"name": name.strip(), "arguments": arg_text}}
-
-
-def _parse_deepseek_call(body: str) -> dict | None:
-    """V3 / R1: ``function<｜tool▁sep｜>NAME`` then the arguments in a json code fence;
-    V3.1: ``NAME<｜tool▁sep｜>ARGS``."""
-    head, sep, rest = body.partition(DS_SEP)
-    if not sep:
-        return None
-    head = head.strip()
-    if head == "function":
-        name, _, rest = rest.strip().partition("\n")
-    else:
-        name = head
-    try:
-        args = json.loads(_unfence(rest) or "{}")
-    except json.JSONDecodeError:
-        return None
-    return _make_call(name, args) if isinstance(args, dict) else None
-
-
-def _parse_call(body: str, opener: str = TOOL_OPEN) -> dict | None:
-    if opener == DS_CALL_BEGIN:
-        return _parse_deepseek_call(body)
-    try:
-        obj = json.loads(_unfence(body))
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(obj, dict):
-        return None
-    return _make_call(obj.get("name"), obj.get("arguments", obj.get("parameters", {})))
-
-
-def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
-    """Split model output into (content outside tool-call blocks, OpenAI ``tool_calls``).
-
-    Blocks are Hermes/Qwen ``<tool_call>{json}</tool_call>`` or DeepSeek's tool-call tokens; a
-    block that does not parse stays in the content as text."""
-    p = ToolCallStream()
-    items = p.feed(text) + p.finish()
-    content = "".join(v for k, v in items if k == "text")
-    return (content.strip() if p.calls else text), p.calls
-
-
-def _held_back(buf: str, markers) -> int:
-    """Length of the longest tail of ``buf`` that could still grow into one of ``markers``."""
-    for k in range(min(max(map(len, markers)) - 1, len(buf)), 0, -1):
-        tail = buf[-k:]
-        if any(m.startswith(tail) for m in markers):
-            return k
-    return 0
-
-
-class ToolCallStream:
-    """Incremental version of :func:`parse_tool_calls` for streamed output.
-
-    ``feed(text)`` returns a list of ``("text", str)`` and ``("call", tool_call)`` items;
-    text that might be the start of a call marker is held back until it is decided.
-    """
-
-    def __init__(self):
-        self.buf = ""
-        self.opener: str | None = None  # the marker of the call being read
-        self.calls: list[dict] = []
-
-    @property
-    def in_call(self) -> bool:
-        return self.opener is not None
-
-    def feed(self, text: str) -> list[tuple[str, Any]]:
-        self.buf += text
-        out: list[tuple[str, Any]] = []
-        while True:
-            if self.opener is None:
-                hits = [(i, m) for m in _MARKERS if (i := self.buf.find(m)) >= 0]
-                if hits:
-                    i, m = min(hits)
-                    if i:
-                        out.append(("text", self.buf[:i]))
-                    self.buf = self.buf[i + len(m):]
-                    self.opener = m if m in CALL_MARKERS else None
-                    continue
-                keep = _held_back(self.buf, _MARKERS)
-                emit = self.buf[:len(self.buf) - keep]
-                if emit:
-                    out.append(("text", emit))
-                self.buf = self.buf[len(self.buf) - keep:]
-                return out
-            close = CALL_MARKERS[self.opener]
-            j = self.buf.find(close)
-            if j < 0:
-                return out
-            body, self.buf = self.buf[:j], self.buf[j + len(close):]
-            out.append(self._call(body, close))
-
-    def _call(self, body: str, close: str) -> tuple[str, Any]:
-        opener, self.opener = self.opener, None
-        call = _parse_call(body, opener)
-        if call is None:
-            return "text", opener + body + close
-        self.calls.append(call)
-        return "call", call
-
-    def finish(self) -> list[tuple[str, Any]]:
-        out: list[tuple[str, Any]] = []
-        if self.opener is not None:
-            out.append(self._call(self.buf, ""))
-        elif self.buf:
-            out.append(("text", self.buf))
-        self.buf = ""
-        return out
-
-
-# ---------------------------------------------------------------------------------------------
 # reasoning in model output
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -335,7 +185,7 @@ class ThinkStream:
                         out.append(("reasoning", self.buf[:j].rstrip()))
                     self.buf, self.state = self.buf[j + len(THINK_CLOSE):], "answer_start"
                     continue
-                tag = _held_back(self.buf, (THINK_CLOSE,))
+                tag = held_back(self.buf, (THINK_CLOSE,))
                 rest = self.buf[:len(self.buf) - tag]
                 keep = tag + len(rest) - len(rest.rstrip())  # whitespace waits: it may precede </think>
                 emit = self.buf[:len(self.buf) - keep]
@@ -359,20 +209,13 @@ class ThinkStream:
         return out
 
 
-def split_reasoning(text: str, inside: bool = False) -> tuple[str | None, str]:
-    """(reasoning or None, answer) of a whole model output; see :class:`ThinkStream`."""
-    p = ThinkStream(inside)
-    items = p.feed(text) + p.finish()
-    reasoning = "".join(v for k, v in items if k == "reasoning")
-    answer = "".join(v for k, v in items if k == "text")
-    return (reasoning if p.saw_reasoning else None), answer
-
-
 class OutputParser:
     """Model output → ``("reasoning" | "text" | "call", value)`` items, whole or streamed:
-    :class:`ThinkStream` first, then (with ``tools``) :class:`ToolCallStream` on the answer."""
+    :class:`ThinkStream` first, then (with ``tools``) :class:`ToolCallStream` on the answer; or,
+    for harmony models (gpt-oss), :class:`~.harmony.HarmonyStream`."""
 
-    def __init__(self, tools: bool, inside_think: bool = False):
+    def __init__(self, tools: bool, inside_think: bool = False, harmony: bool = False):
+        self.harmony = HarmonyStream(tools) if harmony else None
         self.think = ThinkStream(inside_think)
         self.calls = ToolCallStream() if tools else None
 
@@ -384,13 +227,106 @@ class OutputParser:
 
     @property
     def thinking(self) -> bool:
+        if self.harmony is not None:
+            return self.harmony.thinking
         return self.think.state.startswith("reasoning")
 
     def feed(self, text: str) -> list[tuple[str, Any]]:
+        if self.harmony is not None:
+            return self.harmony.feed(text)
         return self._answer(self.think.feed(text))
 
     def finish(self) -> list[tuple[str, Any]]:
+        if self.harmony is not None:
+            return self.harmony.finish()
         return self._answer(self.think.finish()) + (self.calls.finish() if self.calls else [])
+
+    def parse(self, text: str) -> tuple[str | None, str, list[dict]]:
+        """(reasoning or None, answer, tool calls) of a whole output."""
+        items = self.feed(text) + self.finish()
+        calls = [v for k, v in items if k == "call"]
+        reasoning = "".join(v for k, v in items if k == "reasoning")
+        answer = "".join(v for k, v in items if k == "text")
+        saw = self.think.saw_reasoning or any(k == "reasoning" for k, _ in items)
+        return (reasoning if saw else None), (answer.strip() if calls else answer), calls
+
+
+# ---------------------------------------------------------------------------------------------
+# chat prompts, with the reasoning switched on or off per request
+
+#: OpenAI ``reasoning_effort`` / Responses ``reasoning.effort`` values; "none" switches it off
+EFFORTS = ("none", "minimal", "low", "medium", "high")
+
+
+def think_setting(effort: Any = None, think: Any = None, template_kwargs: dict | None = None) -> bool | None:
+    """Whether the request wants the model to reason: None = the model's default.
+
+    ``effort`` is OpenAI's level ("none" = off), ``think`` Ollama's flag (True/False or a level),
+    and ``enable_thinking`` / ``thinking`` in ``chat_template_kwargs`` (vLLM's spelling) win."""
+    want: bool | None = None
+    if isinstance(effort, str):
+        if effort not in EFFORTS:
+            raise APIError(400, f"reasoning effort '{effort}' is not one of {', '.join(EFFORTS)}",
+                           param="reasoning_effort")
+        want = effort != "none"
+    if isinstance(think, bool):
+        want = think
+    elif isinstance(think, str):
+        if think not in EFFORTS[2:]:
+            raise APIError(400, f"'think' must be true, false, low, medium or high (got '{think}')", param="think")
+        want = True
+    for key in ("enable_thinking", "thinking"):
+        v = (template_kwargs or {}).get(key)
+        if isinstance(v, bool):
+            want = v
+    return want
+
+
+THINK_PREFIX, THINK_SKIP = "<think>\n", "\n\n</think>\n\n"
+
+
+@dataclass
+class ChatPrompt:
+    """A chat request's prompt ids and how to read the model's answer to it."""
+
+    ids: list[int]
+    inside_think: bool = False  # the prompt opened <think>: the answer starts in the reasoning
+    harmony: bool = False       # gpt-oss channels
+
+    def parser(self, tools: bool) -> OutputParser:
+        return OutputParser(tools, self.inside_think, self.harmony)
+
+
+def chat_prompt(engine, messages: list[dict], tools: list[dict] | None, tool_choice: Any = None, *,
+                think: bool | None = None, effort: str | None = None, template_kwargs: dict | None = None,
+                force_think: bool = False) -> ChatPrompt:
+    """Prompt ids of a chat through the model's template, tools and reasoning settings applied.
+
+    The template is told ``enable_thinking`` / ``thinking`` (Qwen3, GLM, DeepSeek-V3.1) and
+    ``reasoning_effort`` (gpt-oss); a prompt the template leaves inside ``<think>`` is closed when
+    the request turns reasoning off, and one that does not open it gets ``<think>`` when the
+    request asks for reasoning on a think-tag model, or always with ``--force_think``."""
+    native = engine.template_supports_tools
+    msgs = template_messages(messages, native)
+    if tools and not native:
+        msgs = add_tool_prompt(msgs, tools, tool_choice)
+        tools = None
+    kw: dict = {}
+    if think is not None:
+        kw.update(enable_thinking=think, thinking=think)
+    if effort and effort != "none":
+        kw["reasoning_effort"] = effort
+    kw.update(template_kwargs or {})
+    ids = engine.apply_chat_template(msgs, tools=tools if native else None, template_kwargs=kw or None)
+    template = engine.chat_template or ""
+    if is_harmony_template(template):
+        return ChatPrompt(ids, harmony=True)
+    inside = prompt_opens_think(engine.decode(ids[-8:]))
+    if inside and think is False:
+        ids, inside = ids + engine.encode(THINK_SKIP, add_special_tokens=False), False
+    elif not inside and (force_think or (think and THINK_OPEN in template)):
+        ids, inside = ids + engine.encode(THINK_PREFIX, add_special_tokens=False), True
+    return ChatPrompt(ids, inside)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from .common import SSE_HEADERS, cancel_on_disconnect, check_model, new_id, sse,
 from .db import Database
 from .engine import Engine, GenerationRequest, QueueFull
 from .errors import APIError
-from .prompting import OutputParser, content_text, prompt_opens_think
+from .prompting import ChatPrompt, content_text
 from .responses_store import (ConversationRow, ResponseRow, add_conversation_items, conversation_items,
                               create_tables, expire_unfinished_responses, response_chain_items)
 from .schemas import StopType, _check_stop, _Req
@@ -246,7 +246,7 @@ class Job:
     input_items: list[dict]
     conversation_id: str | None
     use_tools: bool
-    inside_think: bool
+    prompt: ChatPrompt  # how to read the answer (reasoning, harmony)
     metadata: dict
     status: str = "in_progress"
     stream: Any = None
@@ -438,7 +438,7 @@ async def run_job(app, job: Job) -> AsyncIterator[dict]:
             await run_in_threadpool(_save, db, job, job.snapshot(), final=False)
         if not job.cancelled:
             yield event("response.in_progress", response=job.snapshot())
-        parser = OutputParser(job.use_tools, job.inside_think)
+        parser = job.prompt.parser(job.use_tools)
         n_out = n_reasoning = 0
         reason = "cancelled" if job.cancelled else "stop"
         last_save = time.monotonic()
@@ -507,7 +507,7 @@ def _prepare(app, body: ResponseCreate) -> Job:
     """Validate, build the prompt and write the response row (and the conversation's new input)."""
     db: Database = app.state.db
     engine: Engine = app.state.engine
-    from .openai_api import chat_prompt_ids
+    from .openai_api import request_prompt
 
     model = check_model(engine, body.model)
     metadata = check_metadata(body.metadata)
@@ -537,10 +537,12 @@ def _prepare(app, body: ResponseCreate) -> Job:
         items_to_messages(history + items)
     if not messages:
         raise APIError(400, "nothing to answer: 'input' and the conversation are empty", param="input")
-    ids = chat_prompt_ids(engine, messages, tools if use_tools else None, body.tool_choice)
+    effort = (body.reasoning or {}).get("effort")
+    prompt = request_prompt(app, messages, tools if use_tools else None, body.tool_choice, effort=effort)
+    ids = prompt.ids
     job = Job(id=new_id("resp_"), created_at=int(time.time()), model=model, body=body, ids=ids, input_items=items,
               conversation_id=conv_id, use_tools=use_tools, metadata=metadata,
-              inside_think=prompt_opens_think(engine.decode(ids[-4:])),
+              prompt=prompt,
               status="queued" if body.background else "in_progress")
     engine.make_params(generation_request(job))  # 400s before anything is written
     return job

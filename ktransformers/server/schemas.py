@@ -133,6 +133,8 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     logprobs: bool | None = None
     response_format: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # variables for the chat template (vLLM's name)
 
     @field_validator("messages")
     @classmethod

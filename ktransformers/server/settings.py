@@ -36,6 +36,7 @@ class Settings:
     top_p: float | None = None
     top_k: int | None = None
     repetition_penalty: float | None = None
+    force_think: bool = False  # every chat answer starts inside <think> (reasoning models)
     max_queue: int = 16
     max_body_mb: float = 16.0
     device: str | None = None

@@ -95,8 +95,9 @@ class ScriptedGenerator:
         self.real, self.replies, self.prompts = real, list(replies), []
         self.last_stats = None
 
-    def apply_chat_template(self, messages, add_generation_prompt=True, tools=None):
-        return self.real.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+    def apply_chat_template(self, messages, add_generation_prompt=True, tools=None, **template_kwargs):
+        return self.real.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                             **template_kwargs)
 
     def stream(self, input_ids, params, cancel=None):
         from ktransformers.generation import GenerationStats, TokenEvent

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from ktransformers.server.errors import APIError
-from ktransformers.server.prompting import (ToolCallStream, fim_prompt, parse_tool_calls, render_go_template,
-                                            template_messages)
+from ktransformers.server.prompting import fim_prompt, render_go_template, template_messages
+from ktransformers.server.tool_calls import ToolCallStream, parse_tool_calls
 
 
 def test_parse_tool_calls():

@@ -6,9 +6,13 @@ import json
 
 import pytest
 
-from ktransformers.server.prompting import (DS_CALL_BEGIN, DS_CALL_END, DS_CALLS_BEGIN, DS_CALLS_END, DS_SEP,
-                                            ThinkStream, ToolCallStream, parse_tool_calls, prompt_opens_think,
-                                            split_reasoning)
+from ktransformers.server.prompting import OutputParser, ThinkStream, prompt_opens_think
+from ktransformers.server.tool_calls import (DS_CALL_BEGIN, DS_CALL_END, DS_CALLS_BEGIN, DS_CALLS_END, DS_SEP,
+                                             ToolCallStream, parse_tool_calls)
+
+
+def split_reasoning(text, inside=False):
+    return OutputParser(False, inside).parse(text)[:2]
 
 V3 = (f"Checking.{DS_CALLS_BEGIN}{DS_CALL_BEGIN}function{DS_SEP}get_weather\n```json\n{{\"city\": \"Paris\"}}\n```"
       f"{DS_CALL_END}{DS_CALL_BEGIN}function{DS_SEP}get_time\n```json\n{{}}\n```{DS_CALL_END}{DS_CALLS_END}")
