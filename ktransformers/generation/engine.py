@@ -16,7 +16,7 @@ import torch
 
 from ..errors import ConfigError
 from .sampling import Sampler, SamplingParams
-from .text import IncrementalDetokenizer, StopStrings
+from .text import IncrementalDetokenizer, StopStrings, token_ids_of
 
 #: end-of-turn markers of common chat templates; a tokenizer holding one as a single token
 #: stops on it (the reference system stops on the ChatML end marker the same way)
@@ -118,7 +118,13 @@ class Generator:
         self.device = (_module_device(model.get_input_embeddings()) or _module_device(model)
                        or torch.device("cpu"))
         self.eos_ids = eos_token_ids(model, tokenizer)
+        self.keep_special_ids: frozenset[int] = frozenset()  # special tokens the streamed text keeps
         self._lock = threading.Lock()
+
+    def keep_special_tokens(self, texts) -> None:
+        """Keep these special tokens in the streamed text (tool-call markers, harmony channels that
+        the server parses); other special tokens are left out as before."""
+        self.keep_special_ids = token_ids_of(self.tokenizer, texts)
 
     # ---------------------------------------------------------------------------------- model
     def new_cache(self, max_cache_len: int):
@@ -177,7 +183,7 @@ class Generator:
         if max_new == 0:
             yield TokenEvent(None, "", "length")
             return
-        detok = IncrementalDetokenizer(self.tokenizer, input_ids)
+        detok = IncrementalDetokenizer(self.tokenizer, input_ids, keep_ids=self.keep_special_ids)
         stops = StopStrings(params.stop)
         eos = self.eos_ids
 

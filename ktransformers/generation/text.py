@@ -7,6 +7,20 @@ REPLACEMENT_CHAR = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 5
 
 
+def special_ids(tokenizer) -> frozenset[int]:
+    """Ids that ``decode(skip_special_tokens=True)`` leaves out: added tokens marked special."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids = {i for i, t in decoder.items() if getattr(t, "special", False)}
+    return frozenset(ids | set(getattr(tokenizer, "all_special_ids", []) or []))
+
+
+def token_ids_of(tokenizer, texts) -> frozenset[int]:
+    """Ids of the added tokens whose text is one of ``texts`` (markers spelled as one token)."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    want = set(texts)
+    return frozenset(i for i, t in decoder.items() if str(getattr(t, "content", t)) in want)
+
+
 class IncrementalDetokenizer:
     """Decode a growing token list into text deltas, in O(1) work per token.
 
@@ -18,9 +32,12 @@ class IncrementalDetokenizer:
     right.
     """
 
-    def __init__(self, tokenizer, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True,
+                 keep_ids: frozenset[int] = frozenset()):
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
+        # special tokens that carry structure the caller parses (tool-call markers, channels) stay
+        self.drop = special_ids(tokenizer) - keep_ids if (skip_special_tokens and keep_ids) else None
         self.tokens: list[int] = list(prompt_ids or [])[-PROMPT_CONTEXT_TOKENS:]
         self.prefix = 0
         self.read = len(self.tokens)
@@ -29,6 +46,9 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         if not ids:
             return ""
+        if self.drop is not None:
+            ids = [i for i in ids if i not in self.drop]
+            return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip, clean_up_tokenization_spaces=False)
 
     def add(self, token_id: int) -> str:

@@ -211,6 +211,11 @@ def create_app(engine: Engine, settings: Settings | None = None, *, db: Database
                   docs_url="/docs", redoc_url=None)
     app.state.engine = engine
     app.state.settings = settings
+    keep = getattr(getattr(engine, "generator", None), "keep_special_tokens", None)
+    if keep is not None:  # the markers the output parsers read survive detokenization
+        from .prompting import output_markers
+
+        keep(output_markers())
     app.state.db = database
     app.state.runs = RunRegistry()
     install_error_handlers(app)

@@ -19,6 +19,7 @@ from .tool_calls import held_back, make_call
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
+MARKERS = (START, CHANNEL, MESSAGE, CONSTRAIN, *ENDS)
 _RECIPIENT = re.compile(r"\bto=(\S+?)(?=\s|<\||$)")
 _CHANNEL = re.compile(re.escape(CHANNEL) + r"\s*(\w+)")
 

@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from . import harmony, tool_calls
 from .errors import APIError
 from .harmony import HarmonyStream, is_harmony_template
 from .tool_calls import ToolCallStream, held_back
@@ -207,6 +208,12 @@ class ThinkStream:
             out.append(("reasoning", self.buf.rstrip()))
         self.buf = ""
         return out
+
+
+def output_markers() -> tuple[str, ...]:
+    """Marker strings the output parsers read: a tokenizer's special tokens among them must stay in
+    the streamed text (Kimi-K2's tool-call section, gpt-oss's channels are special tokens)."""
+    return (THINK_OPEN, THINK_CLOSE, *tool_calls.ALL_MARKERS, *harmony.MARKERS)
 
 
 class OutputParser:

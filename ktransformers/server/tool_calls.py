@@ -157,6 +157,8 @@ FORMATS = (
 _BY_OPEN = {f.open: f for f in FORMATS}
 _WRAPPERS = tuple(w for f in FORMATS for w in f.wrappers)
 _MARKERS = (*_BY_OPEN, *_WRAPPERS)
+#: every marker string of every syntax (what the streamed text must not lose as a special token)
+ALL_MARKERS = (*_MARKERS, *(f.close for f in FORMATS), DS_SEP, KIMI_ARGS)
 
 
 def held_back(buf: str, markers) -> int:

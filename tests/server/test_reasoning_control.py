@@ -152,3 +152,15 @@ def test_per_request_switch_reaches_the_template(scripted):
             c.chat.completions.create(extra_body={"reasoning_effort": "lots"}, **kw)
         c.chat.completions.create(extra_body={"chat_template_kwargs": {"enable_thinking": False}}, **kw)
     assert len(gen.prompts) == 2
+
+
+def test_app_keeps_the_parsed_markers_in_the_stream(make_engine, tmp_path):
+    from ktransformers.generation.text import token_ids_of
+    from ktransformers.server import Settings, create_app
+    from ktransformers.server.prompting import output_markers
+
+    engine = make_engine()
+    create_app(engine, Settings(data_dir=str(tmp_path)))
+    tok = engine.generator.tokenizer
+    assert engine.generator.keep_special_ids == token_ids_of(tok, output_markers())
+    assert tok.convert_tokens_to_ids("<think>") in engine.generator.keep_special_ids
