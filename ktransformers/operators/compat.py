@@ -96,12 +96,16 @@ MODULE_PATHS: dict[str, str] = {
     "ktransformers.models.modeling_glm4_moe": "transformers.models.glm4_moe.modeling_glm4_moe",
 }
 
+_V3 = "transformers.models.deepseek_v3.modeling_deepseek_v3."
+
 #: class names the reference modeling files spell differently; a tuple value matches any of them
-#: (its Qwen3-MoE rules name Qwen2-MoE's rotary class for Qwen3-MoE models)
+#: (its Qwen3-MoE rules name Qwen2-MoE's rotary class for Qwen3-MoE models, and its DeepSeek-V3
+#: rules name classes of ``modeling_deepseek``, V2's file, for V3 models)
 CLASS_NAMES: dict[tuple[str, str], tuple[str, ...]] = {
-    ("ktransformers.models.modeling_deepseek", "MoEGate"): ("DeepseekV2TopkRouter",),
-    ("ktransformers.models.modeling_deepseek", "DeepseekV2MoE"): ("DeepseekV2Moe",),
+    ("ktransformers.models.modeling_deepseek", "MoEGate"): ("DeepseekV2TopkRouter", _V3 + "DeepseekV3TopkRouter"),
+    ("ktransformers.models.modeling_deepseek", "DeepseekV2MoE"): ("DeepseekV2Moe", _V3 + "DeepseekV3MoE"),
     ("ktransformers.models.modeling_deepseek", "DeepseekV2YarnRotaryEmbedding"): ("DeepseekV2RotaryEmbedding",),
+    ("ktransformers.models.modeling_deepseek", "DeepseekV3YarnRotaryEmbedding"): (_V3 + "DeepseekV3RotaryEmbedding",),
     ("ktransformers.models.modeling_deepseek_v2", "MoEGate"): ("DeepseekV2TopkRouter",),
     ("ktransformers.models.modeling_deepseek_v2", "DeepseekV2MoE"): ("DeepseekV2Moe",),
     ("ktransformers.models.modeling_deepseek_v2", "DeepseekV2YarnRotaryEmbedding"): ("DeepseekV2RotaryEmbedding",),

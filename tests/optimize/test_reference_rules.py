@@ -3,6 +3,7 @@ loads unmodified and generates what the unmodified transformers model generates.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -64,13 +65,25 @@ DEEPSEEK_V3_REF = r"""
 """
 
 
-def test_reference_style_deepseek_v3_rules_generate_like_transformers(tiny_model_dir):
-    lines = alias_lines(parse_rules(DEEPSEEK_V3_REF, "DeepSeek-V3-Chat.yaml"))
+# its newer DeepSeek-V3 files name the classes of ``modeling_deepseek`` (V2's file) with V3's rope class
+DEEPSEEK_V3_REF_V2_PATHS = (DEEPSEEK_V3_REF
+                            .replace("modeling_deepseek_v3.DeepseekV3RotaryEmbedding",
+                                     "modeling_deepseek.DeepseekV3YarnRotaryEmbedding")
+                            .replace("modeling_deepseek_v3.DeepseekV3MoE", "modeling_deepseek.DeepseekV2MoE")
+                            .replace("modeling_deepseek_v3.MoEGate", "modeling_deepseek.MoEGate"))
+
+
+@pytest.mark.parametrize("rules", [DEEPSEEK_V3_REF, DEEPSEEK_V3_REF_V2_PATHS], ids=["v3_paths", "v2_paths"])
+def test_reference_style_deepseek_v3_rules_generate_like_transformers(tiny_model_dir, rules):
+    assert "modeling_deepseek_v3" not in rules or rules is DEEPSEEK_V3_REF
+    lines = alias_lines(parse_rules(rules, "DeepSeek-V3-Chat.yaml"))
     assert "KDeepseekV3MoE → KMoEBlock (MoE block: router, routed experts overlapped with shared experts)" in lines
     assert "KMoEGateDeepSeekV3 → KMoEGate (DeepSeek-style router)" in lines
     d = tiny_model_dir("deepseek_v3")
     ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-    model = load_model(d, model_path=d, rules=DEEPSEEK_V3_REF)
+    model = load_model(d, model_path=d, rules=rules)
+    assert type(model.model.layers[1].mlp).__name__ == "KMoEBlock"
+    assert type(model.model.layers[1].mlp.gate).__name__ == "KMoEGate"
     assert model.model.layers[1].mlp.experts.generate_op.name == "KExpertsCPU"
     assert model.model.layers[1].self_attn.chunk_size == 16  # chunck_size, the reference spelling
     assert type(model.model.layers[0].mlp).__name__ == "DeepseekV3MLP"  # dense layer 0 left alone
