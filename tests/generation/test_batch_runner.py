@@ -13,8 +13,11 @@ import torch
 
 from ktransformers import load_model
 from ktransformers.generation.paged import PAGED_ATTENTION, BatchRunner, OutOfPages
+from ktransformers.util.tiny_models import TINY_CONFIGS
 
-ARCHS = ["llama", "qwen3_moe", "deepseek_v2", "gemma3_text"]  # GQA, CPU experts, MLA latent pages, sliding window
+# every family with softmax or MLA attention: GQA (llama, qwen*), CPU experts (qwen3_moe, mixtral, ...),
+# MLA latent pages (deepseek_v2/v3), sliding window (gemma3_text)
+ARCHS = [a for a in TINY_CONFIGS if a != "qwen3_5_moe_text"]
 TOL = 1e-4
 
 
@@ -237,6 +240,11 @@ def test_moe_experts_run_once_per_step_for_all_tokens(models, one_torch_thread):
         for e in experts:
             del e.submit
     assert calls == [12] * len(experts)
+
+
+def test_linear_attention_model_is_refused_by_name(models):
+    with pytest.raises(ValueError, match="linear-attention"):
+        BatchRunner(models("qwen3_5_moe_text"), page_size=4, num_pages=4)
 
 
 def test_bad_chunks_are_named(models):
