@@ -20,8 +20,10 @@ Every non-attention op (linears, norms, MoE: the CPU experts get all ``T`` token
 grouped per expert by the kernel) runs once for the whole step.  Attention writes the new K/V (or
 latent) rows into the pages, then attends per sequence:
 
-* all single-token sequences of the step together in one padded batched call (keys gathered from
-  the pages into ``[N, L_max]`` with a validity / sliding-window mask);
+* the single-token sequences of the step in padded batched calls (keys gathered from the pages
+  into ``[n, L_max]`` with a validity / sliding-window mask), one call per group of similar
+  lengths (``_length_buckets``: equal lengths share one call, very unequal ones do not pay for
+  reading padding);
 * each multi-token chunk in its own call over its gathered keys (causal, offset by its past).
 
 For softmax attention this is ``torch.nn.functional.scaled_dot_product_attention``, registered in
@@ -216,13 +218,7 @@ class _PagedBatch:
         self.write_slots = torch.cat(write)
         self.position_ids = torch.cat(positions).unsqueeze(0)
         self.last_index = torch.tensor([t for *_, t in seqs]).cumsum(0) - 1
-        self.decode = None
-        if dec:
-            lmax = max(p + 1 for _, p, _ in dec)
-            read = torch.zeros(len(dec), lmax, dtype=torch.long)
-            for j, (_, past, slots) in enumerate(dec):
-                read[j, : past + 1] = slots
-            self.decode = (torch.tensor([s for s, _, _ in dec]), torch.tensor([p for _, p, _ in dec]), read)
+        self.decode = [self._bucket(b) for b in _length_buckets(dec)]
         self._devcache: dict = {}
 
     # -- device copies and masks, built once per step per device / window
@@ -233,11 +229,20 @@ class _PagedBatch:
             got = self._devcache[key] = t.to(device)
         return got
 
-    def _decode_mask(self, device, window: int | None):
-        """``[N, 1, 1, L_max]`` keep-mask of the single-token group, or None if every key is seen."""
-        key = ("decode_mask", device, window)
+    @staticmethod
+    def _bucket(dec):
+        """(packed query index ``[n]``, past lengths ``[n]``, key rows ``[n, L_max]`` padded with row 0)."""
+        lmax = max(p + 1 for _, p, _ in dec)
+        read = torch.zeros(len(dec), lmax, dtype=torch.long)
+        for j, (_, past, slots) in enumerate(dec):
+            read[j, : past + 1] = slots
+        return torch.tensor([s for s, _, _ in dec]), torch.tensor([p for _, p, _ in dec]), read
+
+    def _decode_mask(self, b: int, device, window: int | None):
+        """``[n, 1, 1, L_max]`` keep-mask of single-token bucket ``b``, or None if every key is seen."""
+        key = ("decode_mask", b, device, window)
         if key not in self._devcache:
-            _, past, read = self.decode
+            _, past, read = self.decode[b]
             kpos = torch.arange(read.shape[1])
             keep = kpos[None, :] <= past[:, None]
             if window is not None:
@@ -286,13 +291,13 @@ class _PagedBatch:
         H = query.shape[1]
         gqa = H != k_store.shape[1]
         out = query.new_empty(1, self.num_tokens, H, v_store.shape[-1])
-        if self.decode is not None:
-            qi = self._on("dec_q", self.decode[0], dev)
-            read = self._on("dec_read", self.decode[2], k_store.device)
+        for b, (qi, _, read) in enumerate(self.decode):
+            qi = self._on(("dec_q", b), qi, dev)
+            read = self._on(("dec_read", b), read, k_store.device)
             q = query[0][:, qi].transpose(0, 1).unsqueeze(2)  # [N, H, 1, d]
             k = k_store[read].transpose(1, 2).to(dev)  # [N, kvH, L, d]
             v = v_store[read].transpose(1, 2).to(dev)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=self._decode_mask(dev, window), scale=scaling,
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=self._decode_mask(b, dev, window), scale=scaling,
                                                enable_gqa=gqa)
             out[0, qi] = o[:, :, 0].to(out.dtype)
         for i, (s, t, past, slots) in enumerate(self.chunks):
@@ -328,14 +333,14 @@ class _PagedBatch:
         q_pe = q_pe.to(rk.dtype)
         H = q_nope.shape[1]
         out = q_nope.new_empty(1, H, self.num_tokens, attn.v_head_dim)
-        if self.decode is not None:
-            qi = self._on("dec_q", self.decode[0], dev)
-            read = self._on("dec_read", self.decode[2], lat.device)
+        for b, (qi, _, read) in enumerate(self.decode):
+            qi = self._on(("dec_q", b), qi, dev)
+            read = self._on(("dec_read", b), read, lat.device)
             qn = q_nope[0][:, qi].transpose(0, 1).unsqueeze(2)  # [N, H, 1, nope]
             qp = q_pe[0][:, qi].transpose(0, 1).unsqueeze(2)
             c = lat[read].unsqueeze(1).to(dev)  # [N, 1, L, C]
             r = rk[read].unsqueeze(1).to(dev)
-            mask = self._decode_mask(dev, None)
+            mask = self._decode_mask(b, dev, None)
             if attn.absorb_decode:
                 o = absorbed_attention(qn, qp, c, r, w_uk, w_uv, attn.scaling, mask)
             else:
@@ -365,6 +370,26 @@ class _PagedBatch:
                                            v_all[:, :, :hi], attn.scaling, mask)
                 out[:, :, s + a : s + b] = o.to(out.dtype)
         return out
+
+
+PAD_WASTE = 1.5  # a decode bucket reads at most this many times the keys its sequences hold
+
+
+def _length_buckets(dec: list) -> list[list]:
+    """Single-token sequences grouped so that padding each group to its longest costs little:
+    sorted by length, a group grows while ``n * L_max <= PAD_WASTE * sum(L)``.  Equal lengths: one
+    call; very unequal lengths: one call each (padded keys are real memory traffic on CPU)."""
+    out, cur, total = [], [], 0
+    for d in sorted(dec, key=lambda d: -d[1]):
+        length = d[1] + 1
+        if cur and (len(cur) + 1) * (cur[0][1] + 1) > PAD_WASTE * (total + length):
+            out.append(cur)
+            cur, total = [], 0
+        cur.append(d)
+        total += length
+    if cur:
+        out.append(cur)
+    return out
 
 
 def _slots(pages: list[int], n: int, page_size: int) -> torch.Tensor:

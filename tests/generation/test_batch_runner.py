@@ -269,3 +269,16 @@ def test_bad_chunks_are_named(models):
         runner.release(1)
     with pytest.raises(ValueError, match="already free"):
         runner.pool.decref(0)
+
+
+def test_decode_buckets_bound_the_padding():
+    from ktransformers.generation.paged import PAD_WASTE, _length_buckets
+
+    def lengths(pasts):
+        return [[d[1] + 1 for d in b] for b in _length_buckets([(i, p, None) for i, p in enumerate(pasts)])]
+
+    assert lengths([99] * 8) == [[100] * 8]
+    assert lengths([4095, 1023, 255, 63]) == [[4096], [1024], [256], [64]]
+    mixed = lengths([10, 500, 11, 490, 12, 480])
+    assert sorted(sum(mixed, [])) == sorted([11, 501, 12, 491, 13, 481])
+    assert all(len(b) * max(b) <= PAD_WASTE * sum(b) for b in mixed) and len(mixed) == 2
