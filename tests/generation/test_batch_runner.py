@@ -282,3 +282,32 @@ def test_decode_buckets_bound_the_padding():
     mixed = lengths([10, 500, 11, 490, 12, 480])
     assert sorted(sum(mixed, [])) == sorted([11, 501, 12, 491, 13, 481])
     assert all(len(b) * max(b) <= PAD_WASTE * sum(b) for b in mixed) and len(mixed) == 2
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gemma3_text"])
+def test_unmodified_transformers_model_batches_too(arch, tiny_model_dir, one_torch_thread):
+    """No injection needed for softmax attention: the plain transformers model, same check."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir(arch), dtype=torch.float32).eval()
+    prompts = [_prompt(n, seed=10 + i) for i, n in enumerate([7, 15, 22])]
+    got = _drive(BatchRunner(model, page_size=8, num_pages=32), prompts, starts=[0, 1, 1], new=8, chunk=5)
+    for i, p in enumerate(prompts):
+        want_toks, want_logits = _alone(model, p, 8)
+        assert got[i][0] == want_toks
+        assert (got[i][1] - want_logits).abs().max().item() <= TOL * want_logits.abs().max().item()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
+def test_bf16_pages(arch, tiny_model_dir, one_torch_thread):
+    """bf16 model: the pages are bf16; logits within the bf16 parity tolerance of the single path."""
+    d = tiny_model_dir(arch)
+    model = load_model(d, model_path=d, dtype=torch.bfloat16)
+    runner = BatchRunner(model, page_size=4, num_pages=32)
+    assert {t.dtype for t in runner.pool.tensors.values()} == {torch.bfloat16}
+    prompts = [_prompt(n, seed=20 + i) for i, n in enumerate([6, 13])]
+    got = _drive(runner, prompts, starts=[0, 1], new=6, chunk=4)
+    for i, p in enumerate(prompts):
+        _, want_logits = _alone(model, p, 6)
+        n = len(got[i][0])
+        assert (got[i][1] - want_logits[:n]).abs().max().item() <= 2e-2 * want_logits.abs().max().item()
