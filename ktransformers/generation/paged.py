@@ -489,7 +489,8 @@ class BatchRunner:
       allocates itself); the caller's own references are untouched.
     * ``step(chunks)``: ONE forward for ``[(seq_id, new_token_ids), ...]`` (each seq at most once,
       ``len >= 1``; a prefill chunk or one decode token); appends the tokens to their sequences and
-      returns fp32 logits of each chunk's last token, ``[len(chunks), vocab]``, in chunk order.  It
+      returns fp32 logits of each chunk's last token, ``[len(chunks), vocab]``, in chunk order, on
+      the device of the model's head.  It
       takes ``sum(pages_needed)`` pages with ``pool.reserve`` first: ``OutOfPages`` (or a bad chunk,
       ``ValueError``/``KeyError``) is raised before any state changed; an error inside the forward
       gives the new pages back and leaves the sequences as they were.
@@ -606,7 +607,7 @@ class BatchRunner:
             c._attn_implementation = PAGED_ATTENTION
         try:
             out = self.model(input_ids=ids, position_ids=batch.position_ids.to(dev), cache=batch, use_cache=True,
-                             logits_to_keep=batch.last_index.to(dev))
+                             logits_to_keep=batch.last_index)
         finally:
             for c, v in zip(self._configs, saved):
                 c._attn_implementation = v
