@@ -295,8 +295,8 @@ class _PagedBatch:
             qi = self._on(("dec_q", b), qi, dev)
             read = self._on(("dec_read", b), read, k_store.device)
             q = query[0][:, qi].transpose(0, 1).unsqueeze(2)  # [N, H, 1, d]
-            k = k_store[read].transpose(1, 2).to(dev)  # [N, kvH, L, d]
-            v = v_store[read].transpose(1, 2).to(dev)
+            k = _rows(k_store, read).transpose(1, 2).to(dev)  # [N, kvH, L, d]
+            v = _rows(v_store, read).transpose(1, 2).to(dev)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=self._decode_mask(b, dev, window), scale=scaling,
                                                enable_gqa=gqa)
             out[0, qi] = o[:, :, 0].to(out.dtype)
@@ -306,8 +306,8 @@ class _PagedBatch:
                 k, v = key[:, :, s : s + t], value[:, :, s : s + t]
             else:
                 rd = self._on(("slots", i), slots, k_store.device)
-                k = k_store[rd].transpose(0, 1).unsqueeze(0).to(dev)
-                v = v_store[rd].transpose(0, 1).unsqueeze(0).to(dev)
+                k = _rows(k_store, rd).transpose(0, 1).unsqueeze(0).to(dev)
+                v = _rows(v_store, rd).transpose(0, 1).unsqueeze(0).to(dev)
             mask = self._chunk_mask(i, t, past, dev, window)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling,
                                                enable_gqa=gqa)
@@ -338,8 +338,8 @@ class _PagedBatch:
             read = self._on(("dec_read", b), read, lat.device)
             qn = q_nope[0][:, qi].transpose(0, 1).unsqueeze(2)  # [N, H, 1, nope]
             qp = q_pe[0][:, qi].transpose(0, 1).unsqueeze(2)
-            c = lat[read].unsqueeze(1).to(dev)  # [N, 1, L, C]
-            r = rk[read].unsqueeze(1).to(dev)
+            c = _rows(lat, read).unsqueeze(1).to(dev)  # [N, 1, L, C]
+            r = _rows(rk, read).unsqueeze(1).to(dev)
             mask = self._decode_mask(b, dev, None)
             if attn.absorb_decode:
                 o = absorbed_attention(qn, qp, c, r, w_uk, w_uv, attn.scaling, mask)
@@ -353,7 +353,7 @@ class _PagedBatch:
                 c, r = c_kv[:, :, s : s + t].to(lat.dtype), k_pe[:, :, s : s + t].to(rk.dtype)
             else:
                 rd = self._on(("slots", i), slots, lat.device)
-                c, r = lat[rd][None, None].to(dev), rk[rd][None, None].to(dev)
+                c, r = _rows(lat, rd)[None, None].to(dev), _rows(rk, rd)[None, None].to(dev)
             if not attn.absorb_for_prefill:
                 kn_all, v_all = expand_latent(c, w_uk, w_uv)
             qn, qp = q_nope[:, :, s : s + t], q_pe[:, :, s : s + t]
@@ -370,6 +370,12 @@ class _PagedBatch:
                                            v_all[:, :, :hi], attn.scaling, mask)
                 out[:, :, s + a : s + b] = o.to(out.dtype)
         return out
+
+
+def _rows(store: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``store[index]`` for an index of any shape, by ``index_select`` on the flat index: CPU
+    advanced indexing with a 2-D index was 100x slower with 2 threads (16 ms vs 23 us for 2k rows)."""
+    return store.index_select(0, index.reshape(-1)).view(*index.shape, *store.shape[1:])
 
 
 PAD_WASTE = 1.5  # a decode bucket reads at most this many times the keys its sequences hold
