@@ -322,7 +322,8 @@ class _PagedBatch:
         all of them in one padded call.  Chunks: expanded per-head keys (or absorbed when the rule
         says ``absorb_for_prefill``), queries in pieces of the operator's ``chunk_size``.
         Returns ``[1, H, T, v_head_dim]``."""
-        from ..operators.mla import absorbed_attention, build_chunk_mask, expand_latent, expanded_attention
+        from ..operators.mla import (absorbed_attention, absorbed_decode_attention, build_chunk_mask, expand_latent,
+                                     expanded_attention)
 
         li = attn.layer_idx
         lat = self._write(f"layers.{li}.latent", c_kv[0, 0])
@@ -342,7 +343,7 @@ class _PagedBatch:
             r = _rows(rk, read).unsqueeze(1).to(dev)
             mask = self._decode_mask(b, dev, None)
             if attn.absorb_decode:
-                o = absorbed_attention(qn, qp, c, r, w_uk, w_uv, attn.scaling, mask)
+                o = absorbed_decode_attention(qn, qp, c, r, w_uk, w_uv, attn.scaling, mask)
             else:
                 kn, vv = expand_latent(c, w_uk, w_uv)
                 o = expanded_attention(qn, qp, kn, r, vv, attn.scaling, mask)

@@ -311,3 +311,19 @@ def test_bf16_pages(arch, tiny_model_dir, one_torch_thread):
         _, want_logits = _alone(model, p, 6)
         n = len(got[i][0])
         assert (got[i][1] - want_logits[:n]).abs().max().item() <= 2e-2 * want_logits.abs().max().item()
+
+
+def test_batched_absorbed_decode_equals_per_row_attention():
+    from ktransformers.operators.mla import absorbed_attention, absorbed_decode_attention, build_chunk_mask
+
+    g = torch.Generator().manual_seed(0)
+    N, H, nope, rope, C, v, L = 3, 4, 16, 8, 32, 16, 11
+    r = lambda *s: torch.randn(*s, generator=g)
+    qn, qp, c, k, w_uk, w_uv = r(N, H, 1, nope), r(N, H, 1, rope), r(N, 1, L, C), r(N, 1, L, rope), r(H, nope, C), r(H, v, C)
+    lengths = [11, 4, 7]
+    mask = (torch.arange(L)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]
+    got = absorbed_decode_attention(qn, qp, c, k, w_uk, w_uv, 0.3, mask)
+    for i, n in enumerate(lengths):
+        want = absorbed_attention(qn[i : i + 1], qp[i : i + 1], c[i : i + 1, :, :n], k[i : i + 1, :, :n], w_uk, w_uv,
+                                  0.3, build_chunk_mask(None, 0, 1, n, 1, n))
+        assert torch.allclose(got[i : i + 1], want, atol=1e-5)
