@@ -1,6 +1,6 @@
 """Cost of one BatchRunner step with N decoding sequences vs N single-sequence decode steps.
 
-    python bench/batch_step.py [--arch qwen3_moe] [--small] [--threads 2] [--context 64]
+    python bench/batch_step.py [--arch qwen3_moe] [--small] [--threads 2] [--context 64] [--gguf FILE]
 
 Builds a random model (``--small``: 4 layers, hidden 512, 32 experts top-4, vocab 1024 for the MoE;
 otherwise the tests' tiny config), injects the shipped CPU rules, prefills N sequences of
@@ -51,6 +51,7 @@ def main(argv=None):
     ap.add_argument("--batch", default="1,2,4,8")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--gguf", help="a GGUF file instead of a random model (e.g. gemma-3-270m-q4_k_m.gguf)")
     ap.add_argument("--hf", action="store_true", help="also time transformers' generate_batch")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -61,9 +62,13 @@ def main(argv=None):
     from ktransformers.generation.paged import BatchRunner
     from ktransformers.util.tiny_models import write_tiny_model
 
-    d = tempfile.mkdtemp(prefix="bench-batch-")
-    write_tiny_model(args.arch, d, seed=0, with_tokenizer=False, **(SMALL[args.arch] if args.small else {}))
-    model = load_model(d, model_path=d)
+    if args.gguf:
+        model = load_model(args.gguf)
+        args.arch = args.gguf.rsplit("/", 1)[-1]
+    else:
+        d = tempfile.mkdtemp(prefix="bench-batch-")
+        write_tiny_model(args.arch, d, seed=0, with_tokenizer=False, **(SMALL[args.arch] if args.small else {}))
+        model = load_model(d, model_path=d)
     vocab = model.config.get_text_config().vocab_size
     ctx = args.context
     prompt = lambda i: torch.randint(0, vocab, (ctx,), generator=torch.Generator().manual_seed(i)).tolist()
@@ -103,7 +108,7 @@ def main(argv=None):
         for n in ns:
             times[n].append(best(batched(n), 1) / args.steps)
     t_single = min(times["single"])
-    print(f"{args.arch}{' small' if args.small else ' tiny'}, {args.threads} threads, context {ctx}: "
+    print(f"{args.arch}{'' if args.gguf else ' small' if args.small else ' tiny'}, {args.threads} threads, context {ctx}: "
           f"single-request decode step {t_single * 1e3:.2f} ms")
     print(f"{'N':>3} {'batched step ms':>16} {'ms/token':>9} {'vs N single steps':>18}")
     for n in ns:
