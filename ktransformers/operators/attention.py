@@ -149,6 +149,11 @@ class KDeepseekV2Attention(BaseInjectedModule):
         k_pe = k_pe.view(B, 1, q_len, rope)
         q_pe, k_pe = apply_mla_rope(q_pe, k_pe, position_embeddings, self.rope_interleave)
 
+        if getattr(cache, "is_paged_batch", False):  # BatchRunner.step: latent pages, per-sequence attention
+            o = cache.mla_attention(self, q_nope, q_pe, c_kv, k_pe)
+            o = o.transpose(1, 2).reshape(B, q_len, H * self.v_head_dim).to(hidden_states.dtype)
+            return mods["o_proj"](o), None
+
         if cache is not None:
             c_kv, k_pe = cache.update(c_kv, k_pe, self.layer_idx, kwargs=kwargs)
             valid = int(cache.get_seq_length(self.layer_idx))

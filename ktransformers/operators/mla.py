@@ -128,6 +128,23 @@ def absorbed_attention(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale: float, mask)
     return torch.matmul(o_lat, w_uv.transpose(-1, -2))  # [B,H,q,v]
 
 
+def absorbed_decode_attention(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale: float, mask) -> torch.Tensor:
+    """Latent-space attention of ONE query token per row over that row's own latent (batched decode).
+    ``q_nope [N,H,1,nope]``, ``q_pe [N,H,1,rope]``, ``c_kv [N,1,L,C]``, ``k_pe [N,1,L,rope]``, ``mask``
+    None or ``[N,1,1,L]``; returns ``[N,H,1,v]``.  Same maths as ``absorbed_attention``, but the heads
+    are the rows of one ``[H, L]`` score matrix per sequence and the absorptions are per-head ``bmm``s,
+    so neither the latent nor ``W_UK``/``W_UV`` is broadcast (copied) over heads or rows."""
+    q_abs = torch.bmm(q_nope[:, :, 0].transpose(0, 1), w_uk)  # [H,N,C]
+    qa = q_abs.transpose(0, 1).unsqueeze(1)  # [N,1,H,C]
+    qp = q_pe[:, :, 0].unsqueeze(1)  # [N,1,H,rope]
+    scores = torch.matmul(qa, c_kv.transpose(-1, -2)) + torch.matmul(qp, k_pe.transpose(-1, -2))  # [N,1,H,L]
+    scores = apply_mask(scores.float() * scale, mask)
+    probs = torch.softmax(scores, dim=-1).to(c_kv.dtype)
+    o_lat = torch.matmul(probs, c_kv)  # [N,1,H,C]
+    o = torch.bmm(o_lat[:, 0].transpose(0, 1), w_uv.transpose(-1, -2))  # [H,N,v]
+    return o.transpose(0, 1).unsqueeze(2)
+
+
 def expand_latent(c_kv, w_uk, w_uv):
     """``c_kv [B,1,S,C]`` -> (k_nope [B,H,S,nope], value [B,H,S,v])."""
     return torch.matmul(c_kv, w_uk.transpose(-1, -2)), torch.matmul(c_kv, w_uv.transpose(-1, -2))
