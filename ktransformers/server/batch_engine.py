@@ -258,3 +258,37 @@ class BatchEngine(Engine):
         if reason not in ("cancelled", "error") and job.started_at is not None:
             self._durations.append(job.ended_at - job.started_at)
         self._emit(job, _END)
+
+
+def make_prefix_cache(settings, model, pool):
+    """The prefix cache over ``pool`` with the tiers the settings ask for, or None when the
+    prefix-cache module is not installed (the engine then recomputes every prompt)."""
+    wanted = settings.prefix_cache_ram_gb > 0 or settings.prefix_cache_dir
+    try:
+        from .prefix_cache import PrefixCache, model_fingerprint
+    except ImportError:
+        if wanted:
+            log.warning("--prefix_cache_* given but this build has no prefix cache; prompts are recomputed")
+        return None
+    weights = settings.gguf_path or settings.model_path
+    return PrefixCache(pool, fingerprint=model_fingerprint(model, weights), page_size=pool.page_size,
+                       ram_bytes=int(settings.prefix_cache_ram_gb * 2**30), disk_dir=settings.prefix_cache_dir,
+                       disk_bytes=int(settings.prefix_cache_disk_gb * 2**30))
+
+
+def build_batch_engine(settings, model, tokenizer, max_positions: int, **common) -> BatchEngine:
+    """A BatchEngine over ``model``: a pool of ``--cache_lens`` tokens in ``--page_size`` pages."""
+    from ..generation import Generator
+
+    from .settings import DEFAULT_POOL_TOKENS
+
+    pool_tokens = settings.cache_lens or min(max_positions, DEFAULT_POOL_TOKENS)
+    num_pages = max(1, pool_tokens // settings.page_size)
+    runner = runner_class()(model, page_size=settings.page_size, num_pages=num_pages)
+    prefix_cache = make_prefix_cache(settings, model, runner.pool)
+    generator = Generator(model, tokenizer, chunk_size=settings.prefill_chunk)  # prompt helpers, EOS ids
+    log.info("batching: %d KV pages of %d tokens, up to %d requests, %d tokens per step (%s)", num_pages,
+             settings.page_size, settings.max_batch_size, settings.prefill_chunk, type(runner).__module__)
+    return BatchEngine(generator, tokenizer, runner, max_context=min(max_positions, num_pages * settings.page_size),
+                       max_batch_size=settings.max_batch_size, chunk_size=settings.prefill_chunk,
+                       prefix_cache=prefix_cache, **common)
