@@ -276,3 +276,69 @@ def test_cancel_frees_pages_at_once():
     assert runner.pool.used_count() == 3
     sched.drop(s)
     assert runner.pool.used_count() == 0 and not sched.has_work()
+
+
+# ---- the prefix-cache interface, with a minimal in-test cache --------------------------------
+
+class DictPrefixCache:
+    """The PrefixCache interface over a dict of full-page token prefixes (no tiers, no eviction)."""
+
+    def __init__(self, pool):
+        self.pool, self.index, self.hits, self.inserts = pool, {}, 0, 0
+
+    def match(self, token_ids):
+        ps, pages = self.pool.page_size, []
+        k = 1
+        while k * ps < len(token_ids) and tuple(token_ids[:k * ps]) in self.index:
+            pages = self.index[tuple(token_ids[:k * ps])]
+            k += 1
+        for p in pages:
+            self.pool.incref(p)
+        self.hits += bool(pages)
+        return list(pages), len(pages) * ps, {"device": len(pages), "ram": 0, "disk": 0}
+
+    def insert(self, token_ids, pages):
+        ps = self.pool.page_size
+        for k in range(1, len(token_ids) // ps + 1):
+            key = tuple(token_ids[:k * ps])
+            if key not in self.index:
+                for p in pages[:k]:
+                    self.pool.incref(p)
+                self.index[key] = list(pages[:k])
+                self.inserts += 1
+
+    def stats(self):
+        return {"hits": self.hits, "entries": len(self.index)}
+
+
+def test_prefix_cache_reuse_prefills_only_the_rest(tiny_llama):
+    model, tok = tiny_llama
+    gen = Generator(model, tok)
+    shared = tok.encode("You are a helpful assistant. Answer briefly and politely. ")
+    first, second = shared + tok.encode("Question one?"), shared + tok.encode("Another question!")
+    expected = _alone(gen, second, {})
+    runner = ReferenceRunner(model, page_size=8, num_pages=64)
+    cache = DictPrefixCache(runner.pool)
+    engine = BatchEngine(gen, tok, runner, model_name="tiny", max_context=512, max_batch_size=2, chunk_size=16,
+                         prefix_cache=cache, defaults=SamplingDefaults(max_new_tokens=MAX_NEW), max_queue=4)
+    fed = []
+    step = runner.step
+    runner.step = lambda chunks: (fed.extend(n for sid, ids in chunks if sid == 2 for n in [len(ids)]), step(chunks))[1]
+
+    async def main():
+        a = await _run(engine, first, {}, 0)
+        s = await engine.submit(GenerationRequest(second, max_new_tokens=MAX_NEW))
+        toks = [ev.token_id async for ev in s if ev.token_id is not None]
+        return a, s, toks
+
+    engine.start()
+    try:
+        _, stream, toks = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    n_cached = (len(shared) // 8) * 8
+    assert stream.cached_tokens == n_cached > 0 and stream.stats.cached_tokens == n_cached
+    assert sum(fed) == len(second) - n_cached + len(toks) - 1  # only the rest was prefilled, then decoded
+    assert toks == expected[0]  # reused K/V gives the cold run's tokens
+    st = engine.status()
+    assert st["prefix_cache"]["hits"] == 1 and st["running"] == 0
