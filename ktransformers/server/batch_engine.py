@@ -190,8 +190,12 @@ class BatchEngine(Engine):
                 job.cached_tokens = s.cached_tokens or 0
         try:
             logits = self.runner.step([(s.seq_id, s.chunk(n)) for s, n in chunks])
-        except self._out_of_pages:  # planned pages were not there (a pool shared with someone else)
-            self.scheduler.preempt(self.scheduler.running[-1])
+        except self._out_of_pages as e:  # the planned pages were not there after all
+            youngest = self.scheduler.running[-1]
+            if len(self.scheduler.running) > 1:
+                self.scheduler.preempt(youngest)
+            else:
+                self._end(youngest.owner, "error", APIError(500, f"out of KV pages: {e}", type="server_error"))
             return
         self.steps += 1
         rows = {id(s): i for i, (s, _) in enumerate(chunks)}
