@@ -47,8 +47,8 @@ def _engine(model, tok, *, num_pages=128, page_size=16, max_batch_size=3, chunk_
 def _cases(gen, tok):
     """(prompt ids, request kwargs): different lengths, stop strings taken from the greedy answer, a
     seeded sampler, a repetition penalty."""
-    texts = ["Hi", "The quick brown fox jumps over the lazy dog. " * 3, "a b c d e f g", "Once upon a time",
-             "Numbers: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20", "zz"]
+    texts = ["Hi", "Dear Sir or Madam, I write to you about", "a b c d e f g", "Once upon a time",
+             "one two three four five six", "zz"]
     cases = [(tok.encode(t), {}) for t in texts]
     for i in (1, 3):  # stop on a piece of what greedy would say
         text, _, _ = gen.generate(cases[i][0], SamplingParams(max_new_tokens=MAX_NEW))
@@ -57,6 +57,13 @@ def _cases(gen, tok):
     cases[2] = (cases[2][0], {"temperature": 0.9, "top_p": 0.9, "top_k": 20, "seed": 1234})
     cases[4] = (cases[4][0], {"repetition_penalty": 1.3})
     return cases
+
+
+def _assert_varied(expected):
+    """The prompts are chosen so that the tiny random models' answers depend on their context (not
+    one token repeated): a wrong cache would change them."""
+    varied = [len(set(toks)) >= 4 for toks, _, reason in expected if reason != "stop"]
+    assert sum(varied) >= len(varied) - 1, [e[0] for e in expected]
 
 
 def _alone(gen, ids, kw):
@@ -96,8 +103,9 @@ def test_batched_equals_alone(model_tok):
     model, tok = model_tok
     gen = Generator(model, tok)
     cases = _cases(gen, tok)
-    cases.append((tok.encode("cancel me after three tokens please"), {}))
+    cases.append((tok.encode("Q: what is 17 + 25? A:"), {}))
     expected = [_alone(gen, ids, kw) for ids, kw in cases]
+    _assert_varied(expected)
     engine = _engine(model, tok)
     got = _serve_all(engine, cases, cancel_index=len(cases) - 1)
     for i, ((toks, text, reason), (etoks, etext, ereason)) in enumerate(zip(got[:-1], expected[:-1])):
@@ -112,14 +120,16 @@ def test_batched_equals_alone(model_tok):
     assert engine.steps < sum(len(ids) + MAX_NEW for ids, _ in cases)  # requests did share steps
 
 
-def test_preemption_keeps_outputs(tiny_llama):
+def test_preemption_keeps_outputs(model_tok):
     """A pool too small for the batch: the youngest is preempted and recomputed; every request
     finishes with the tokens it gets alone."""
-    model, tok = tiny_llama
+    model, tok = model_tok
     gen = Generator(model, tok)
-    texts = ["alpha beta gamma delta " * 2, "one two three four five six", "x" * 40, "hello there " * 3]
+    texts = ["Dear Sir or Madam, I write to you about", "Once upon a time", "def fib(n):\n    return",
+             "Q: what is 17 + 25? A:", "one two three four five six"]
     cases = [(tok.encode(t), {}) for t in texts]
     expected = [_alone(gen, ids, kw) for ids, kw in cases]
+    _assert_varied(expected)
     longest = max(len(ids) for ids, _ in cases) + MAX_NEW
     engine = _engine(model, tok, num_pages=-(-longest // 8) + 1, page_size=8, max_batch_size=4, chunk_size=24)
     got = _serve_all(engine, cases)
