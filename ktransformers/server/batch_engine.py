@@ -140,7 +140,7 @@ class BatchEngine(Engine):
                 continue
             try:
                 self._step()
-            except Exception as e:  # never let the worker die: fail the requests in flight
+            except Exception as e:  # a bug outside the model call: never let the worker die
                 log.exception("engine step failed")
                 for job in list(self._jobs):
                     self._end(job, "error", APIError(500, f"generation failed: {type(e).__name__}: {e}",
@@ -196,6 +196,12 @@ class BatchEngine(Engine):
                 self.scheduler.preempt(youngest)
             else:
                 self._end(youngest.owner, "error", APIError(500, f"out of KV pages: {e}", type="server_error"))
+            return
+        except Exception as e:  # the model failed on this batch: fail its requests, keep serving the others
+            log.exception("engine step failed for requests %s", [s.seq_id for s, _ in chunks])
+            for s, _ in chunks:
+                self._end(s.owner, "error", APIError(500, f"generation failed: {type(e).__name__}: {e}",
+                                                     type="server_error"))
             return
         self.steps += 1
         rows = {id(s): i for i, (s, _) in enumerate(chunks)}

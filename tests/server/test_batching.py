@@ -352,3 +352,34 @@ def test_prefix_cache_reuse_prefills_only_the_rest(tiny_llama):
     assert toks == expected[0]  # reused K/V gives the cold run's tokens
     st = engine.status()
     assert st["prefix_cache"]["hits"] == 1 and st["running"] == 0
+
+
+def test_model_failure_fails_only_its_batch(tiny_llama):
+    """A forward that raises ends the requests of that step with an error; the engine keeps serving."""
+    model, tok = tiny_llama
+    engine = _engine(model, tok)
+    step, calls = engine.runner.step, []
+
+    def failing_once(chunks):
+        calls.append(chunks)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return step(chunks)
+
+    engine.runner.step = failing_once
+
+    async def main():
+        s = await engine.submit(GenerationRequest(tok.encode("Hi"), max_new_tokens=3))
+        with pytest.raises(Exception, match="boom"):
+            async for _ in s:
+                pass
+        return await _run(engine, tok.encode("Once upon a time"), {}, 0)
+
+    engine.start()
+    try:
+        toks, _, reason = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert reason == "length" and len(toks) == MAX_NEW
+    st = engine.status()
+    assert st["failed"] == 1 and st["completed"] == 1 and st["kv_pages"]["free"] == st["kv_pages"]["total"]
