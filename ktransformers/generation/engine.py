@@ -32,6 +32,47 @@ class TokenEvent:
     finish_reason: str | None = None   # "stop" (EOS or stop string), "length", "cancelled"
 
 
+class StreamOutput:
+    """Turns one request's sampled token ids into TokenEvents: EOS, stop strings, the token limit
+    and UTF-8-safe incremental text.  Shared by the single-request Generator and the batching
+    engine, so both end a stream the same way.
+
+    ``add(token)`` returns the event for the token (None for an EOS token, which is not emitted)
+    and sets ``finish_reason`` once the stream is done; ``final(reason)`` is the last event,
+    carrying whatever text was held back.
+    """
+
+    def __init__(self, tokenizer, prompt_ids: list[int], params: SamplingParams, eos_ids: set[int],
+                 max_new_tokens: int, keep_ids: frozenset[int] = frozenset()):
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, keep_ids=keep_ids)
+        self.stops = StopStrings(params.stop)
+        self.eos = eos_ids
+        self.max_new = max_new_tokens
+        self.generated = 0
+        self.finish_reason: str | None = "length" if max_new_tokens <= 0 else None
+        self._stopped_by_string = False
+
+    def add(self, token: int) -> "TokenEvent | None":
+        self.generated += 1
+        if token in self.eos:
+            self.finish_reason = "stop"
+            return None
+        text, stopped = self.stops.feed(self.detok.add(token))
+        if stopped:
+            self.finish_reason = "stop"
+            self._stopped_by_string = True
+        elif self.generated >= self.max_new:
+            self.finish_reason = "length"
+        return TokenEvent(token, text)
+
+    def final(self, reason: str | None = None) -> "TokenEvent":
+        tail = ""
+        if not self._stopped_by_string:
+            rest, hit = self.stops.feed(self.detok.flush())
+            tail = rest if hit else rest + self.stops.flush()
+        return TokenEvent(None, tail, reason or self.finish_reason)
+
+
 @dataclass
 class GenerationStats:
     """Timings of one request.
@@ -46,6 +87,7 @@ class GenerationStats:
     prefill_seconds: float
     generated_tokens: int
     decode_seconds: float
+    cached_tokens: int = 0       # prompt tokens reused from a prefix cache, not evaluated again
 
     @property
     def prefill_tps(self) -> float:
@@ -183,9 +225,8 @@ class Generator:
         if max_new == 0:
             yield TokenEvent(None, "", "length")
             return
-        detok = IncrementalDetokenizer(self.tokenizer, input_ids, keep_ids=self.keep_special_ids)
-        stops = StopStrings(params.stop)
-        eos = self.eos_ids
+        out = StreamOutput(self.tokenizer, input_ids, params, self.eos_ids, max_new,
+                           keep_ids=self.keep_special_ids)
 
         t0 = time.perf_counter()
         cache = self.new_cache(n + max_new)
@@ -197,35 +238,26 @@ class Generator:
             history = torch.zeros((1, n + max_new), dtype=torch.long, device=sampler_device(logits, self.device))
             history[0, :n] = torch.tensor(input_ids, dtype=torch.long)
         pos = n
-        generated = 0
         finish = None
         first = True
-        stopped_by_string = False
         while True:
             if logits is None or (cancel is not None and cancel.is_set()):
                 finish = "cancelled"
                 break
             with torch.inference_mode():
                 token = sampler(logits, history[:, :pos] if history is not None else None)
-            generated += 1
-            stats.generated_tokens = generated
+            event = out.add(token)
+            stats.generated_tokens = out.generated
             now = time.perf_counter()
             if first:
                 stats.prefill_seconds = now - t0
                 first = False
             else:
                 stats.decode_seconds += now - t0
-            if token in eos:
-                finish = "stop"
-                break
-            text, stopped = stops.feed(detok.add(token))
-            yield TokenEvent(token, text)
-            if stopped:
-                finish = "stop"
-                stopped_by_string = True
-                break
-            if generated >= max_new:
-                finish = "length"
+            if event is not None:
+                yield event
+            if out.finish_reason is not None:
+                finish = out.finish_reason
                 break
             if cancel is not None and cancel.is_set():
                 finish = "cancelled"
@@ -236,11 +268,7 @@ class Generator:
             with torch.inference_mode():
                 logits = self._forward(torch.tensor([[token]], dtype=torch.long, device=self.device), pos, cache)
             pos += 1
-        tail = ""
-        if not stopped_by_string:
-            rest, hit = stops.feed(detok.flush())
-            tail = rest if hit else rest + stops.flush()
-        yield TokenEvent(None, tail, finish)
+        yield out.final(finish)
 
     def generate(self, input_ids: list[int], params: SamplingParams,
                  cancel: threading.Event | None = None) -> tuple[str, list[int], str]:

@@ -155,10 +155,11 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def stats_numbers(stream: EngineStream, generated: int) -> dict:
-    """prompt/eval counts and durations (ns) from the Generator's stats, else wall-clock."""
+    """prompt/eval counts and durations from the Generator's stats, else wall-clock.  The prompt
+    count is what was evaluated: prompt tokens reused from the prefix cache are not."""
     st = stream.stats
     if st is not None:
-        prompt_n, prompt_s = st.prompt_tokens, st.prefill_seconds
+        prompt_n, prompt_s = st.prompt_tokens - st.cached_tokens, st.prefill_seconds
         gen_n, gen_s = st.generated_tokens, st.decode_seconds
     else:
         prompt_n, prompt_s, gen_n, gen_s = stream.prompt_tokens, 0.0, generated, 0.0

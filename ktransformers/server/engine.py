@@ -7,7 +7,7 @@ generations in order, so the event loop never blocks on the model.  A full queue
 stream (client gone, stop button) sets the generation's cancel Event so the worker stops at
 the next token and moves on.
 
-Batching is a later step: it replaces the worker loop, not this interface.
+The batching engine (batch_engine.py) keeps this interface and replaces the worker loop.
 """
 
 from __future__ import annotations
@@ -37,10 +37,15 @@ class QueueFull(APIError):
 
 
 class PromptTooLong(APIError):
-    def __init__(self, n: int, limit: int):
-        super().__init__(400, f"prompt is {n} tokens but this server's context holds {limit} tokens "
-                              f"(--cache_lens); shorten the prompt or restart with a larger --cache_lens",
-                         code="context_length_exceeded", param="messages")
+    def __init__(self, n: int, limit: int, max_new: int | None = None):
+        if max_new is None:
+            msg = (f"prompt is {n} tokens but this server's context holds {limit} tokens "
+                   f"(--cache_lens); shorten the prompt or restart with a larger --cache_lens")
+        else:
+            msg = (f"prompt of {n} tokens + {max_new} max tokens is {n + max_new} tokens but this server's context "
+                   f"holds {limit} tokens (--cache_lens); ask for at most {limit - n} tokens")
+        super().__init__(400, msg, code="context_length_exceeded",
+                         param="messages" if max_new is None else "max_tokens")
 
 
 #: temperatures below this sample as greedy: it is their limit, and dividing logits by less overflows
@@ -133,6 +138,11 @@ class EngineStream:
     def finish_reason(self) -> str | None:
         return self._job.finish_reason
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens reused from the prefix cache (not evaluated again)."""
+        return self._job.cached_tokens
+
 
 @dataclass
 class _Job:
@@ -147,6 +157,7 @@ class _Job:
     ended_at: float | None = None
     stats: Any = None
     finish_reason: str | None = None
+    cached_tokens: int = 0
 
 
 class Engine:
@@ -262,6 +273,8 @@ class Engine:
         max_new = d.max_new_tokens if req.max_new_tokens is None else int(req.max_new_tokens)
         if max_new < 1:
             raise APIError(400, f"max tokens must be at least 1 (got {max_new})", param="max_tokens")
+        if req.max_new_tokens is not None and max_new > room:  # the server's default is capped instead
+            raise PromptTooLong(n, self.max_context, max_new)
         top_p = float(d.top_p if req.top_p is None else req.top_p)
         temperature = float(d.temperature if req.temperature is None else req.temperature)
         if temperature < MIN_TEMPERATURE:  # logits / 1e-300 overflow to inf and NaN; the limit is greedy
@@ -289,17 +302,27 @@ class Engine:
             raise APIError(503, "server is shutting down", headers={"Retry-After": "5"})
         loop = asyncio.get_running_loop()
         with self._lock:
-            busy = self._running is not None
-            if len(self._waiting) >= self.max_queue and (busy or self._waiting):
-                raise QueueFull(self._retry_after(), len(self._waiting))
-            job = _Job(next(self._ids), req, params, loop, asyncio.Queue())
+            if self._queue_full():
+                raise QueueFull(self._retry_after(), self._queued())
+            job = self._new_job(next(self._ids), req, params, loop, asyncio.Queue())
             self._waiting.append(job)
         self._wakeup.put(job)
         return EngineStream(job)
 
+    def _new_job(self, job_id, req, params, loop, events) -> _Job:
+        return _Job(job_id, req, params, loop, events)
+
+    def _queued(self) -> int:
+        """Requests accepted but not yet running."""
+        return len(self._waiting)
+
+    def _queue_full(self) -> bool:
+        """A new request would wait beyond ``max_queue`` (the lock is held)."""
+        return self._queued() >= self.max_queue and (self._running is not None or bool(self._waiting))
+
     def _retry_after(self) -> int:
         avg = (sum(self._durations) / len(self._durations)) if self._durations else 2.0
-        return int(min(60, max(1, round(avg * (len(self._waiting) + 1) / 2))))
+        return int(min(60, max(1, round(avg * (self._queued() + 1) / 2))))
 
     def status(self) -> dict:
         with self._lock:

@@ -17,7 +17,8 @@ from collections import Counter
 from pathlib import Path
 
 from ..errors import ConfigError, KTError
-from .settings import DEFAULT_DATA_DIR, Settings, coerce, load_config_file, parse_bool
+from .settings import (BACKENDS, DEFAULT_CHUNK_SIZE, DEFAULT_DATA_DIR, DEFAULT_POOL_TOKENS, Settings, coerce,
+                       load_config_file, parse_bool)
 
 log = logging.getLogger("ktransformers.server")
 
@@ -49,10 +50,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device_map", help="rewrite the rule file's devices, e.g. cuda=cpu (a GPU rule file on a CPU)")
     g.add_argument("--cpu_infer", type=int, help="CPU threads for inference (default: torch's choice)")
     g.add_argument("--cache_lens", type=int,
-                   help="context length in tokens, prompt + answer (default: the model's max positions)")
-    g.add_argument("--chunk_size", type=int, help="prompt tokens per prefill step [8192]")
+                   help="KV cache in tokens: balance_serve: shared by all running requests (one request's "
+                        "prompt + answer must fit) [the model's max positions, at most "
+                        f"{DEFAULT_POOL_TOKENS}]; ktransformers: the context of a request [the model's max positions]")
+    g.add_argument("--chunk_size", type=int,
+                   help="balance_serve: tokens per engine step, decodes + prefill chunks "
+                        f"[{DEFAULT_CHUNK_SIZE['balance_serve']}]; ktransformers: prompt tokens per prefill step "
+                        f"[{DEFAULT_CHUNK_SIZE['ktransformers']}]")
     g.add_argument("--check_tensors", type=_bool, nargs="?", const=True,
                    help="read every weight once at start and refuse NaN/Inf (as llama.cpp's flag)")
+    g = p.add_argument_group("batching (--backend_type balance_serve)")
+    g.add_argument("--backend_type", choices=list(BACKENDS),
+                   help="balance_serve: continuous batching over a shared paged KV cache [default]; "
+                        "ktransformers: one request at a time on a static cache, for models the batch runner "
+                        "cannot page (linear-attention layers) and for comparison")
+    g.add_argument("--max_batch_size", type=int, help="requests decoded together; more wait in the queue [8]")
+    g.add_argument("--page_size", type=int, help="tokens per KV page [64]")
+    g.add_argument("--prefix_cache_ram_gb", type=float,
+                   help="host RAM for evicted prefix-cache pages, GiB (0 = only the device pool) [0]")
+    g.add_argument("--prefix_cache_dir", help="folder for the on-disk prefix cache (survives restarts)")
+    g.add_argument("--prefix_cache_disk_gb", type=float, help="disk budget of --prefix_cache_dir, GiB [0]")
     g = p.add_argument_group("generation defaults (a request's own values win)")
     g.add_argument("--max_new_tokens", type=int, help="answer length when the request gives none [1024]")
     g.add_argument("--temperature", type=float,
@@ -174,13 +191,17 @@ def build_engine(settings: Settings):
                                  check_tensors=settings.check_tensors)
     model, tokenizer, source = loaded.model, loaded.tokenizer, loaded.source
     load_s = time.perf_counter() - t0
-    max_pos = getattr(model.config, "max_position_embeddings", None) or 4096
-    max_context = settings.cache_lens or int(max_pos)
-    generator = Generator(model, tokenizer, chunk_size=settings.chunk_size, max_cache_len=max_context)
+    max_pos = int(getattr(model.config, "max_position_embeddings", None) or 4096)
     name = settings.model_name or settings.default_model_name()
-    return Engine(generator, tokenizer, model_name=name, max_context=max_context,
-                  defaults=_sampling_defaults(settings, model), max_queue=settings.max_queue,
+    common = dict(model_name=name, defaults=_sampling_defaults(settings, model), max_queue=settings.max_queue,
                   model_info=_model_info(settings, model, source, load_s))
+    if settings.backend_type == "balance_serve":
+        from .batch_engine import build_batch_engine
+
+        return build_batch_engine(settings, model, tokenizer, max_pos, **common)
+    max_context = settings.cache_lens or max_pos
+    generator = Generator(model, tokenizer, chunk_size=settings.prefill_chunk, max_cache_len=max_context)
+    return Engine(generator, tokenizer, max_context=max_context, **common)
 
 
 def _setup_logging(settings: Settings) -> Path:

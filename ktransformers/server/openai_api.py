@@ -84,7 +84,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             choices=[ChatChoice(message=ResponseMessage(content=content if (content or not calls) else None,
                                                         reasoning_content=reasoning, tool_calls=calls or None),
                                 finish_reason="tool_calls" if calls else _finish(got.finish_reason))],
-            usage=Usage(prompt_tokens=len(ids), completion_tokens=n_out, total_tokens=len(ids) + n_out),
+            usage=Usage(prompt_tokens=len(ids), completion_tokens=n_out, total_tokens=len(ids) + n_out,
+                        prompt_tokens_details={"cached_tokens": stream.cached_tokens}),
         ).model_dump(exclude_none=False)
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -114,7 +115,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             yield sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                        "system_fingerprint": None, "choices": [],
                        "usage": {"prompt_tokens": len(ids), "completion_tokens": n_out,
-                                 "total_tokens": len(ids) + n_out}})
+                                 "total_tokens": len(ids) + n_out,
+                                 "prompt_tokens_details": {"cached_tokens": stream.cached_tokens}}})
         yield sse("[DONE]")
 
     return StreamingResponse(guarded(events(), request, _sse_error, stream.cancel), media_type="text/event-stream",
@@ -170,16 +172,17 @@ async def completions(body: CompletionRequest, request: Request):
     n_prompt = sum(len(r.input_ids) for r in reqs)
 
     if not body.stream:
-        choices, n_out = [], 0
+        choices, n_out, n_cached = [], 0, 0
         for i, ((text, _), r) in enumerate(zip(prompts, reqs)):
             stream = await engine.submit(r)
             got = await collect(stream, request)
             n_out += len(got.token_ids)
+            n_cached += stream.cached_tokens
             choices.append(CompletionChoice(index=i, text=(text if body.echo else "") + got.text,
                                             finish_reason=_finish(got.finish_reason)))
         return Completion(id=cid, created=created, model=model, choices=choices,
-                          usage=Usage(prompt_tokens=n_prompt, completion_tokens=n_out,
-                                      total_tokens=n_prompt + n_out)).model_dump()
+                          usage=Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out,
+                                      prompt_tokens_details={"cached_tokens": n_cached})).model_dump()
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     first = await engine.submit(reqs[0])  # a full queue answers 503 before the stream starts
@@ -195,7 +198,7 @@ async def completions(body: CompletionRequest, request: Request):
     current = {"stream": first}
 
     async def events():
-        n_out = 0
+        n_out = n_cached = 0
         for i, ((text, _), r) in enumerate(zip(prompts, reqs)):
             stream = first if i == 0 else await engine.submit(r)
             current["stream"] = stream
@@ -205,11 +208,13 @@ async def completions(body: CompletionRequest, request: Request):
             async for _, val in pieces(stream, got):
                 yield chunk(i, val)
             n_out += len(got.token_ids)
+            n_cached += stream.cached_tokens
             yield chunk(i, "", _finish(got.finish_reason))
         if include_usage:
             yield sse({"id": cid, "object": "text_completion", "created": created, "model": model,
                        "choices": [], "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out,
-                                                "total_tokens": n_prompt + n_out}})
+                                                "total_tokens": n_prompt + n_out,
+                                                "prompt_tokens_details": {"cached_tokens": n_cached}}})
         yield sse("[DONE]")
 
     return StreamingResponse(guarded(events(), request, _sse_error, lambda: current["stream"].cancel()),

@@ -398,7 +398,8 @@ def _save(db: Database, job: Job, resp: dict, *, final: bool) -> None:
 
 def _usage(job: Job, n_out: int, n_reasoning: int) -> dict:
     n_in = len(job.ids)
-    return {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": n_out,
+    cached = job.stream.cached_tokens if getattr(job, "stream", None) is not None else 0
+    return {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": n_out,
             "output_tokens_details": {"reasoning_tokens": n_reasoning}, "total_tokens": n_in + n_out}
 
 

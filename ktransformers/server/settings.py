@@ -12,6 +12,16 @@ from ..errors import ConfigError
 
 DEFAULT_DATA_DIR = "./.ktransformers-data"
 
+#: --backend_type values: continuous batching over a shared paged KV pool (the default), or one
+#: request at a time on a static cache (for models the batch runner cannot page, e.g. linear attention)
+BACKENDS = ("balance_serve", "ktransformers")
+#: --chunk_size default per backend: batching shares each step's budget between decodes and prefill,
+#: so a smaller budget keeps running streams moving while a long prompt is prefilled
+DEFAULT_CHUNK_SIZE = {"balance_serve": 512, "ktransformers": 8192}
+#: --cache_lens default for batching when not given: the model's max positions, at most this many
+#: tokens (the pool is allocated once for all requests)
+DEFAULT_POOL_TOKENS = 32768
+
 
 @dataclass
 class Settings:
@@ -24,7 +34,13 @@ class Settings:
     cpu_infer: int | None = None
     max_new_tokens: int = 1024
     cache_lens: int | None = None
-    chunk_size: int = 8192
+    chunk_size: int | None = None  # DEFAULT_CHUNK_SIZE[backend_type] when not given
+    backend_type: str = "balance_serve"
+    max_batch_size: int = 8
+    page_size: int = 64
+    prefix_cache_ram_gb: float = 0.0
+    prefix_cache_dir: str | None = None
+    prefix_cache_disk_gb: float = 0.0
     check_tensors: bool = False
     api_key: str | None = None
     api_key_file: str | None = None
@@ -49,6 +65,11 @@ class Settings:
 
     def replace(self, **kw) -> "Settings":
         return dataclasses.replace(self, **kw)
+
+    @property
+    def prefill_chunk(self) -> int:
+        """Prompt tokens per step (single-request) / tokens per engine step (batching)."""
+        return self.chunk_size or DEFAULT_CHUNK_SIZE[self.backend_type]
 
     @property
     def max_body_bytes(self) -> int:
@@ -90,13 +111,24 @@ class Settings:
         """Raise ConfigError (one line) on a value the server cannot start with."""
         if not (0 < self.port < 65536):
             raise ConfigError(f"--port {self.port}: must be 1..65535")
-        for name in ("max_new_tokens", "chunk_size", "max_body_mb"):
-            if getattr(self, name) <= 0:
+        for name in ("max_new_tokens", "chunk_size", "max_body_mb", "max_batch_size", "page_size"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ConfigError(f"--{name} {getattr(self, name)}: must be positive")
+        if self.backend_type not in BACKENDS:
+            raise ConfigError(f"--backend_type {self.backend_type}: must be one of {', '.join(BACKENDS)}")
+        for name in ("prefix_cache_ram_gb", "prefix_cache_disk_gb"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name} {getattr(self, name)}: must be 0 (off) or more")
+        if self.prefix_cache_disk_gb > 0 and not self.prefix_cache_dir:
+            raise ConfigError(f"--prefix_cache_disk_gb {self.prefix_cache_disk_gb}: needs --prefix_cache_dir")
         if self.cpu_infer is not None and self.cpu_infer < 1:
             raise ConfigError(f"--cpu_infer {self.cpu_infer}: must be at least 1")
         if self.cache_lens is not None and self.cache_lens < 16:
             raise ConfigError(f"--cache_lens {self.cache_lens}: must be at least 16 tokens")
+        if (self.backend_type == "balance_serve" and self.cache_lens is not None
+                and self.cache_lens < self.page_size):
+            raise ConfigError(f"--cache_lens {self.cache_lens}: must hold at least one page (--page_size "
+                              f"{self.page_size})")
         if self.max_queue < 0:
             raise ConfigError(f"--max_queue {self.max_queue}: must be 0 or more")
         if self.temperature is not None and not (0 <= self.temperature <= 2):

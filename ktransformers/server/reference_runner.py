@@ -1,0 +1,195 @@
+"""A simple batch runner with the paged runner's interface: the oracle and the fallback.
+
+Each sequence keeps its own transformers ``DynamicCache`` and runs its own forward; the page
+pool only *counts* pages (``ceil(len / page_size)`` per sequence), so the scheduler's page
+accounting, preemption and the prefix cache's reference counting behave exactly as over the
+real pool.  A page's K/V can still be read (sliced out of its owner's cache) and written (kept
+in the pool), so a prefix cache works over it too.  It is correct for every architecture the
+single-request Generator serves, and slow: one forward per sequence per step.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..errors import KTError
+
+
+class OutOfPages(Exception):
+    """No free page, even after the pressure callback released what it could."""
+
+
+class PagePool:
+    """Reference-counted page ids; ``on_pressure(n)`` may release up to n evictable pages."""
+
+    def __init__(self, num_pages: int, page_size: int):
+        if num_pages < 1 or page_size < 1:
+            raise KTError(f"page pool needs at least 1 page of at least 1 token (got {num_pages} x {page_size})")
+        self.num_pages = int(num_pages)
+        self.page_size = int(page_size)
+        self._ref = [0] * self.num_pages
+        self._free = list(range(self.num_pages - 1, -1, -1))  # pop() hands out low ids first
+        self._stored: dict[int, dict[str, torch.Tensor]] = {}
+        self.on_pressure: Callable[[int], int] | None = None
+        self.reader: Callable[[int], dict[str, torch.Tensor] | None] | None = None  # set by the runner
+
+    def alloc(self) -> int:
+        if not self._free and self.on_pressure is not None:
+            self.on_pressure(1)
+        if not self._free:
+            raise OutOfPages(f"all {self.num_pages} KV pages are in use")
+        p = self._free.pop()
+        self._ref[p] = 1
+        return p
+
+    def incref(self, page: int) -> None:
+        if self._ref[page] <= 0:
+            raise KTError(f"page {page} is free; only a held page can be shared")
+        self._ref[page] += 1
+
+    def decref(self, page: int) -> None:
+        if self._ref[page] <= 0:
+            raise KTError(f"page {page} is already free")
+        self._ref[page] -= 1
+        if self._ref[page] == 0:
+            self._stored.pop(page, None)
+            self._free.append(page)
+
+    def refcount(self, page: int) -> int:
+        return self._ref[page]
+
+    def free_count(self) -> int:
+        return len(self._free)
+
+    def used_count(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def read_page(self, page: int) -> dict[str, torch.Tensor]:
+        if page in self._stored:
+            return self._stored[page]
+        got = self.reader(page) if self.reader is not None else None
+        if got is None:
+            raise KTError(f"page {page} holds no K/V (free, or not yet written)")
+        return got
+
+    def write_page(self, page: int, payload: dict[str, torch.Tensor]) -> None:
+        if self._ref[page] <= 0:
+            raise KTError(f"page {page} is free; allocate it before writing")
+        self._stored[page] = {k: v.detach().to("cpu").clone() for k, v in payload.items()}
+
+
+class _Seq:
+    __slots__ = ("cache", "pages", "length")
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.pages: list[int] = []
+        self.length = 0
+
+
+def _module_device(model) -> torch.device:
+    emb = model.get_input_embeddings()
+    for t in emb.parameters():
+        if t.device.type != "meta":
+            return t.device
+    return torch.device("cpu")
+
+
+class BatchRunner:
+    """``step`` runs each chunk through its own sequence's cache; pages are only accounted."""
+
+    def __init__(self, model, *, page_size: int, num_pages: int):
+        self.model = model
+        self.pool = PagePool(num_pages, page_size)
+        self.pool.reader = self._read_owned_page
+        self.device = _module_device(model)
+        self._seqs: dict[int, _Seq] = {}
+
+    # ---- sequences -------------------------------------------------------------------
+    def begin(self, seq_id: int, prefix_pages=(), prefix_len: int = 0) -> None:
+        from transformers import DynamicCache
+
+        if seq_id in self._seqs:
+            raise KTError(f"sequence {seq_id} already begun")
+        ps = self.pool.page_size
+        prefix_pages = list(prefix_pages)
+        if prefix_len != len(prefix_pages) * ps:
+            raise KTError(f"prefix of {prefix_len} tokens is not {len(prefix_pages)} full pages of {ps}")
+        seq = _Seq(DynamicCache(config=self.model.config))
+        if prefix_pages:
+            payloads = [self.pool.read_page(p) for p in prefix_pages]
+            n_layers = len({k.split(".")[1] for k in payloads[0]})
+            for i in range(n_layers):
+                k = torch.cat([pl[f"layers.{i}.keys"] for pl in payloads], dim=-2).to(self.device)
+                v = torch.cat([pl[f"layers.{i}.values"] for pl in payloads], dim=-2).to(self.device)
+                seq.cache.update(k, v, i)
+            for p in prefix_pages:
+                self.pool.incref(p)
+            seq.pages = prefix_pages
+            seq.length = prefix_len
+        self._seqs[seq_id] = seq
+
+    def seq_len(self, seq_id: int) -> int:
+        return self._seqs[seq_id].length
+
+    def seq_pages(self, seq_id: int) -> list[int]:
+        return list(self._seqs[seq_id].pages)
+
+    def pages_needed(self, seq_id: int, n_new: int) -> int:
+        seq = self._seqs.get(seq_id)
+        have = len(seq.pages) if seq else 0
+        length = seq.length if seq else 0
+        return max(0, -(-(length + n_new) // self.pool.page_size) - have)
+
+    def release(self, seq_id: int) -> None:
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            return
+        for p in seq.pages:
+            if self.pool.refcount(p) > 1 and p not in self.pool._stored:
+                # someone else (the prefix cache) keeps the page: keep its K/V with it
+                self.pool._stored[p] = self._page_payload(seq, seq.pages.index(p))
+            self.pool.decref(p)
+
+    # ---- pages' contents ----------------------------------------------------------------
+    def _page_payload(self, seq: _Seq, index: int) -> dict[str, torch.Tensor]:
+        ps = self.pool.page_size
+        out = {}
+        for i, layer in enumerate(seq.cache.layers):
+            keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+            if keys is None or keys.shape[-2] != seq.length:
+                raise KTError(f"layer {i} does not keep every token's K/V ({type(layer).__name__}); "
+                              "its pages cannot be read")
+            out[f"layers.{i}.keys"] = keys[..., index * ps:(index + 1) * ps, :].detach().to("cpu").clone()
+            out[f"layers.{i}.values"] = values[..., index * ps:(index + 1) * ps, :].detach().to("cpu").clone()
+        return out
+
+    def _read_owned_page(self, page: int) -> dict[str, torch.Tensor] | None:
+        for seq in self._seqs.values():
+            if page in seq.pages:
+                index = seq.pages.index(page)
+                if (index + 1) * self.pool.page_size <= seq.length:
+                    return self._page_payload(seq, index)
+        return None
+
+    # ---- the step ----------------------------------------------------------------------
+    def step(self, chunks: list[tuple[int, list[int]]]) -> torch.Tensor:
+        need = sum(self.pages_needed(sid, len(ids)) for sid, ids in chunks)
+        if need > self.pool.free_count() and self.pool.on_pressure is not None:
+            self.pool.on_pressure(need - self.pool.free_count())
+        if need > self.pool.free_count():
+            raise OutOfPages(f"step needs {need} pages, {self.pool.free_count()} free")
+        rows = []
+        with torch.inference_mode():
+            for sid, ids in chunks:
+                seq = self._seqs[sid]
+                for _ in range(self.pages_needed(sid, len(ids))):
+                    seq.pages.append(self.pool.alloc())
+                x = torch.tensor([ids], dtype=torch.long, device=self.device)
+                pos = torch.arange(seq.length, seq.length + len(ids), device=self.device).unsqueeze(0)
+                out = self.model(input_ids=x, cache=seq.cache, position_ids=pos, use_cache=True, logits_to_keep=1)
+                seq.length += len(ids)
+                rows.append(out.logits[0, -1].float())
+        return torch.stack(rows)
