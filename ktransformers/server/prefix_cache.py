@@ -59,6 +59,11 @@ TIERS = ("device", "ram", "disk")
 
 Payload = dict[str, torch.Tensor]
 
+#: defaults of the server flags --prefix_cache_ram_gb and --prefix_cache_disk_gb (the disk tier
+#: is on only with --prefix_cache_dir)
+DEFAULT_RAM_GB = 1.0
+DEFAULT_DISK_GB = 16.0
+
 
 class PageFileError(Exception):
     """A prefix-cache file that must not be loaded (the message says why)."""
@@ -291,6 +296,32 @@ def read_page_file(path: Path, *, fingerprint: str, page_size: int, key: bytes) 
 # ------------------------------------------------------------------------------- the cache
 
 
+def cache_limits(ram_gb: float | None = None, disk_dir: str | os.PathLike | None = None,
+                 disk_gb: float | None = None) -> dict:
+    """:class:`PrefixCache` keyword arguments from the server flags (GiB -> bytes); a bad value
+    is a one-line ConfigError naming its flag."""
+    from ..errors import ConfigError
+
+    ram_gb = DEFAULT_RAM_GB if ram_gb is None else ram_gb
+    disk_gb = DEFAULT_DISK_GB if disk_gb is None else disk_gb
+    for flag, v in (("--prefix_cache_ram_gb", ram_gb), ("--prefix_cache_disk_gb", disk_gb)):
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not (0 <= v < 1 << 20):
+            raise ConfigError(f"{flag} {v!r}: must be a number of GiB, 0 or more (0 = tier off)")
+    if disk_dir:
+        p = Path(disk_dir)
+        if p.exists() and not p.is_dir():
+            raise ConfigError(f"--prefix_cache_dir {disk_dir}: exists and is not a directory")
+        try:
+            p.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"--prefix_cache_dir {disk_dir}: cannot create it ({e.strerror})") from None
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise ConfigError(f"--prefix_cache_dir {disk_dir}: not writable")
+    return {"ram_bytes": int(ram_gb * 2**30), "disk_dir": str(disk_dir) if disk_dir else None,
+            "disk_bytes": int(disk_gb * 2**30) if disk_dir else 0}
+
+
+
 class _TierStats:
     __slots__ = ("hits", "misses", "tokens")
 
@@ -425,9 +456,16 @@ class PrefixCache:
             return self.release(len(self._device))
 
     def close(self) -> None:
-        """Spill and release the device tier and unhook from the pool (at shutdown: what the
-        device held reaches the disk tier)."""
+        """At shutdown: write what the RAM and device tiers hold to the disk tier (least recent
+        first, so the file mtimes keep the LRU order), release the device pages and unhook from
+        the pool.  Without a disk tier the cached pages are simply released."""
         with self._lock:
+            if self.disk_dir is not None:
+                for key, payload in list(self._ram.items()):
+                    self._disk_put(key, payload)
+                for key, page in list(self._device.items()):
+                    if key not in self._disk:
+                        self._disk_put(key, {k: v.detach().cpu() for k, v in self.pool.read_page(page).items()})
             self.clear_device()
             if getattr(self.pool, "on_pressure", None) == self.release:
                 self.pool.on_pressure = self._previous_pressure

@@ -309,3 +309,34 @@ def test_bf16_pages_round_trip_through_disk(tmp_path):
     c2 = PrefixCache(pool2, fingerprint=FP, page_size=PS, disk_dir=tmp_path, disk_bytes=10 ** 9)
     got, n, _ = c2.match(a)
     assert n == 8 and torch.equal(pool2.storage[got[0]], want)
+
+
+def test_close_writes_ram_and_device_tiers_to_disk(tmp_path):
+    pool = FakePool(16, PS)
+    cache = PrefixCache(pool, fingerprint=FP, page_size=PS, ram_bytes=10 ** 9, disk_dir=tmp_path,
+                        disk_bytes=10 ** 9)
+    a, b = toks(9, 1), toks(9, 2)
+    run_request(cache, pool, a)
+    cache.clear_device()            # a: RAM only
+    run_request(cache, pool, b)     # b: device only
+    assert cache.stats()["tiers"]["disk"]["pages"] == 0
+    cache.close()
+    assert pool.free_count() == pool.num_pages and pool.on_pressure is None
+    c2 = PrefixCache(FakePool(16, PS), fingerprint=FP, page_size=PS, disk_dir=tmp_path, disk_bytes=10 ** 9)
+    assert run_request(c2, c2.pool, a, insert=False)[1]["disk"] == 2
+    assert run_request(c2, c2.pool, b, insert=False)[1]["disk"] == 2
+
+
+def test_cache_limits_from_flags(tmp_path):
+    from ktransformers.errors import ConfigError
+    from ktransformers.server.prefix_cache import DEFAULT_RAM_GB, cache_limits
+
+    assert cache_limits() == {"ram_bytes": int(DEFAULT_RAM_GB * 2**30), "disk_dir": None, "disk_bytes": 0}
+    got = cache_limits(0.5, tmp_path / "kv", 2)
+    assert got == {"ram_bytes": 2**29, "disk_dir": str(tmp_path / "kv"), "disk_bytes": 2 * 2**30}
+    assert (tmp_path / "kv").is_dir()
+    with pytest.raises(ConfigError, match="--prefix_cache_ram_gb"):
+        cache_limits(-1)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="--prefix_cache_dir .*not a directory"):
+        cache_limits(1, tmp_path / "file", 1)
