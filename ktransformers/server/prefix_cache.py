@@ -422,6 +422,8 @@ class PrefixCache:
                 self.pool.incref(page)
                 self._device[key] = page
                 self._page_key[page] = key
+                if self._page_bytes is None:  # once, for the device tier's byte count
+                    self._page_bytes = payload_nbytes(self.pool.read_page(page))
             self._touch(keys)
 
     def release(self, n: int) -> int:

@@ -293,7 +293,7 @@ def test_stats_shape():
     assert s["lookups"] == 2 and s["lookup_tokens"] == 18 and s["matched_tokens"] == 8
     assert set(s["tiers"]) == {"device", "ram", "disk"}
     assert s["tiers"]["device"]["hits"] == 2 and s["tiers"]["device"]["pages"] == 2
-    assert s["tiers"]["device"]["bytes"] is None or s["tiers"]["device"]["bytes"] > 0
+    assert s["tiers"]["device"]["bytes"] == 2 * page_bytes(pool)
 
 
 def test_bf16_pages_round_trip_through_disk(tmp_path):
