@@ -175,7 +175,7 @@ class Result:
 
 
 async def stream_request(client: httpx.AsyncClient, url: str, ids: list[int], new_tokens: int) -> Result:
-    """One streaming /v1/completions request; TTFT = first chunk carrying text."""
+    """One streaming /v1/completions request; TTFT = arrival of the first token's chunk."""
     body = {"prompt": ids, "max_tokens": new_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": True, "cache_prompt": True}
     res = Result(time.perf_counter())
@@ -196,7 +196,8 @@ async def stream_request(client: httpx.AsyncClient, url: str, ids: list[int], ne
                     res.error = str(d["error"])[:200]
                     break
                 for ch in d.get("choices") or []:
-                    if ch.get("text"):
+                    # a token: text, or (llama.cpp on a vocab-less file) a chunk that is not the final one
+                    if ch.get("text") or ch.get("finish_reason") is None:
                         chunks += 1
                         if res.first is None:
                             res.first = time.perf_counter()
