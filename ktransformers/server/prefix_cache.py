@@ -321,7 +321,6 @@ def cache_limits(ram_gb: float | None = None, disk_dir: str | os.PathLike | None
             "disk_bytes": int(disk_gb * 2**30) if disk_dir else 0}
 
 
-
 class _TierStats:
     __slots__ = ("hits", "misses", "tokens")
 
