@@ -15,7 +15,8 @@ Three tiers, searched in this order for each page of a prompt:
   goes to disk.
 * **disk**: one safetensors file per page under ``disk_dir``, at most ``disk_bytes`` in all,
   LRU by file mtime so the order survives restarts.  The index is rebuilt from the folder at
-  start.  See :func:`write_page_file` for the header.  A file that is corrupt, truncated, of
+  start; files are written by a background thread (a page bound for disk is served from memory
+  until its file exists).  See :func:`write_page_file` for the header.  A file that is corrupt, truncated, of
   another format version or of another model is skipped with a warning and deleted.
 
 RAM and disk are inclusive: a page promoted to the device stays in the lower tiers, so
@@ -37,6 +38,7 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import struct
 import threading
 import time
@@ -192,7 +194,7 @@ def payload_checksum(payload: Payload) -> str:
         t = payload[name].detach().contiguous().cpu()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         if t.numel():
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            h.update(t.reshape(-1).view(torch.uint8).numpy())  # the buffer itself, no copy
     return "sha256:" + h.hexdigest()
 
 
@@ -355,6 +357,9 @@ class PrefixCache:
         self._ram_used = 0
         self._disk: OrderedDict[bytes, int] = OrderedDict()  # key -> file size
         self._disk_used = 0
+        self._pending: dict[bytes, Payload] = {}  # bound for disk, file not written yet
+        self._writes: queue.Queue = queue.Queue()
+        self._writer: threading.Thread | None = None
         self._meta: dict[bytes, tuple[bytes, tuple]] = {}  # key -> (parent key, tokens), for spills
         self._page_bytes: int | None = getattr(pool, "page_bytes", None)
         self._tiers = {t: _TierStats() for t in TIERS}
@@ -367,6 +372,9 @@ class PrefixCache:
         pool.on_pressure = self.release
         if self.disk_dir is not None:
             self._scan_disk()
+            # files are written off the engine thread: a page costs ~10 ms to serialise and write
+            self._writer = threading.Thread(target=self._write_loop, name="kt-prefix-disk", daemon=True)
+            self._writer.start()
 
     # ---- public ------------------------------------------------------------------------
     def match(self, token_ids) -> tuple[list[int], int, dict]:
@@ -458,18 +466,29 @@ class PrefixCache:
 
     def close(self) -> None:
         """At shutdown: write what the RAM and device tiers hold to the disk tier (least recent
-        first, so the file mtimes keep the LRU order), release the device pages and unhook from
-        the pool.  Without a disk tier the cached pages are simply released."""
+        first, so the file mtimes keep the LRU order), release the device pages, wait for the
+        files to be written and unhook from the pool.  Without a disk tier the cached pages are
+        simply released."""
         with self._lock:
             if self.disk_dir is not None:
                 for key, payload in list(self._ram.items()):
                     self._disk_put(key, payload)
                 for key, page in list(self._device.items()):
                     if key not in self._disk:
-                        self._disk_put(key, {k: v.detach().cpu() for k, v in self.pool.read_page(page).items()})
+                        payload = {k: v.detach().to("cpu", copy=True) for k, v in self.pool.read_page(page).items()}
+                        self._disk_put(key, payload)
             self.clear_device()
             if getattr(self.pool, "on_pressure", None) == self.release:
                 self.pool.on_pressure = self._previous_pressure
+            writer, self._writer = self._writer, None
+        if writer is not None:
+            self._writes.put(None)
+            writer.join()
+
+    def flush(self) -> None:
+        """Wait until every page bound for disk is written (do not call with the lock held)."""
+        if self._writer is not None:
+            self._writes.join()
 
     @property
     def device_pages(self) -> int:
@@ -488,7 +507,8 @@ class PrefixCache:
                          "bytes": resident[t][1], "capacity_bytes": capacity[t], "evicted": self.evicted[t]}
                      for t, s in self._tiers.items()}
             return {"page_size": self.page_size, "lookups": self.lookups, "lookup_tokens": self.lookup_tokens,
-                    "matched_tokens": self.matched_tokens, "dropped_files": self.dropped_files, "tiers": tiers}
+                    "matched_tokens": self.matched_tokens, "dropped_files": self.dropped_files,
+                    "pending_writes": len(self._pending), "tiers": tiers}
 
     # ---- tiers -------------------------------------------------------------------------
     def _touch(self, keys: list[bytes]) -> None:
@@ -510,7 +530,7 @@ class PrefixCache:
                     pass
 
     def _forget_if_gone(self, key: bytes) -> None:
-        if key not in self._device and key not in self._ram and key not in self._disk:
+        if key not in self._device and key not in self._ram and key not in self._disk and key not in self._pending:
             self._meta.pop(key, None)
 
     def _promote(self, key: bytes, parent: bytes, tokens) -> tuple[int | None, str]:
@@ -538,7 +558,8 @@ class PrefixCache:
         return page, tier
 
     def _spill_from_device(self, key: bytes, page: int) -> None:
-        if key in self._ram or (not self.ram_bytes and (self.disk_dir is None or key in self._disk)):
+        if key in self._ram or (not self.ram_bytes and (self.disk_dir is None or key in self._disk
+                                                          or key in self._pending)):
             return
         payload = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in self.pool.read_page(page).items()}
         if self._page_bytes is None:
@@ -578,21 +599,49 @@ class PrefixCache:
             log.warning("prefix cache: could not delete %s (%s)", path, e.strerror)
 
     def _disk_put(self, key: bytes, payload: Payload) -> None:
-        if self.disk_dir is None or key in self._disk or key not in self._meta:
+        """Queue ``payload`` (owned by the cache: never a view of a pool page) for the disk tier."""
+        if self.disk_dir is None or key in self._disk or key in self._pending or key not in self._meta:
             return
-        parent, tokens = self._meta[key]
         if payload_nbytes(payload) > self.disk_bytes:
             return
-        try:
-            size = write_page_file(self._path(key), payload, fingerprint=self.fingerprint, page_size=self.page_size,
-                                   key=key, parent=parent, tokens=tokens)
-        except OSError as e:
-            log.warning("prefix cache: could not write a page under %s (%s); disk tier skipped for it",
-                        self.disk_dir, e.strerror or e)
-            return
-        self._disk[key] = size
-        self._disk_used += size
-        self._evict_disk()
+        self._pending[key] = payload
+        if self._writer is None:  # closed: write here
+            self._write_one(key)
+        else:
+            self._writes.put(key)
+
+    def _write_loop(self) -> None:
+        while True:
+            key = self._writes.get()
+            try:
+                if key is None:
+                    return
+                self._write_one(key)
+            except Exception:  # never let the writer die: the page simply stays off disk
+                log.exception("prefix cache: writing a page failed")
+                with self._lock:
+                    self._pending.pop(key, None)
+            finally:
+                self._writes.task_done()
+
+    def _write_one(self, key: bytes) -> None:
+        with self._lock:
+            payload, meta = self._pending.get(key), self._meta.get(key)
+        size = None
+        if payload is not None and meta is not None:
+            try:
+                size = write_page_file(self._path(key), payload, fingerprint=self.fingerprint,
+                                       page_size=self.page_size, key=key, parent=meta[0], tokens=meta[1])
+            except OSError as e:
+                log.warning("prefix cache: could not write a page under %s (%s); disk tier skipped for it",
+                            self.disk_dir, e.strerror or e)
+        with self._lock:
+            self._pending.pop(key, None)
+            if size is not None:
+                self._disk[key] = size
+                self._disk_used += size
+                self._evict_disk()
+            self._forget_if_gone(key)
 
     def _evict_disk(self) -> None:
         while self._disk_used > self.disk_bytes and self._disk:
@@ -603,6 +652,8 @@ class PrefixCache:
             self._forget_if_gone(key)
 
     def _load_disk(self, key: bytes) -> Payload | None:
+        if key in self._pending:  # spilled, not written yet
+            return self._pending[key]
         if key not in self._disk:
             return None
         path = self._path(key)

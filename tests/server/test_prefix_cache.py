@@ -125,6 +125,7 @@ def test_spill_device_to_ram_to_disk_with_byte_limits(tmp_path):
     a = toks(21, 1)
     run_request(cache, pool, a)
     assert cache.clear_device() == 5
+    cache.flush()  # files are written by a background thread
     st = cache.stats()["tiers"]
     assert st["ram"]["pages"] == 3 and st["ram"]["bytes"] <= 3 * pb
     assert st["disk"]["pages"] == 2 and len(list(tmp_path.glob("*" + FILE_SUFFIX))) == 2
@@ -157,11 +158,12 @@ def test_disk_limit_evicts_least_recent_files(tmp_path):
     cache = PrefixCache(pool, fingerprint=FP, page_size=PS, disk_dir=tmp_path, disk_bytes=1)
     run_request(cache, pool, toks(5, 1))
     cache.clear_device()
+    cache.flush()
     assert next(tmp_path.glob("*" + FILE_SUFFIX), None) is None  # a page larger than the tier is not written
     cache2 = PrefixCache(FakePool(16, PS), fingerprint=FP, page_size=PS, disk_dir=tmp_path / "b",
                          disk_bytes=10 ** 9)
     run_request(cache2, cache2.pool, toks(5, 1))
-    cache2.clear_device()
+    cache2.close()
     fsize = next((tmp_path / "b").glob("*" + FILE_SUFFIX)).stat().st_size
     pool = FakePool(16, PS)
     cache = PrefixCache(pool, fingerprint=FP, page_size=PS, disk_dir=tmp_path / "c", disk_bytes=int(2.5 * fsize))
@@ -170,6 +172,7 @@ def test_disk_limit_evicts_least_recent_files(tmp_path):
     cache.clear_device()
     run_request(cache, pool, b)
     cache.clear_device()
+    cache.flush()
     assert cache.stats()["tiers"]["disk"]["pages"] == 2
     assert cache.stats()["tiers"]["disk"]["bytes"] <= 2.5 * fsize
     assert len(list((tmp_path / "c").glob("*" + FILE_SUFFIX))) == 2
@@ -340,3 +343,28 @@ def test_cache_limits_from_flags(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="--prefix_cache_dir .*not a directory"):
         cache_limits(1, tmp_path / "file", 1)
+
+
+def test_disk_writes_leave_the_caller_and_pending_pages_still_hit(tmp_path, monkeypatch):
+    import threading
+
+    import ktransformers.server.prefix_cache as pc
+
+    gate = threading.Event()
+    real = pc.write_page_file
+
+    def slow_write(*a, **kw):
+        gate.wait(10)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(pc, "write_page_file", slow_write)
+    pool = FakePool(16, PS)
+    cache = PrefixCache(pool, fingerprint=FP, page_size=PS, disk_dir=tmp_path, disk_bytes=10 ** 9)
+    a = toks(9, 1)
+    run_request(cache, pool, a)
+    assert cache.clear_device() == 2             # returns while the writer waits
+    assert cache.stats()["pending_writes"] == 2 and not list(tmp_path.glob("*" + FILE_SUFFIX))
+    assert run_request(cache, pool, a, insert=False)[1]["disk"] == 2   # served from the pending copy
+    gate.set()
+    cache.close()
+    assert len(list(tmp_path.glob("*" + FILE_SUFFIX))) == 2 and cache.stats()["pending_writes"] == 0
