@@ -415,8 +415,10 @@ class PrefixCache:
     def insert(self, token_ids, pages) -> None:
         """Index the full pages of a sequence: ``pages`` hold the K/V of ``token_ids`` in order
         (pass exactly the tokens whose K/V are written, e.g. ``runner.seq_len`` of them; a token
-        sampled but not yet run through the model must not be included).  Pages already cached
-        under the same key keep the existing copy; new ones are incref'd by the cache."""
+        sampled but not yet run through the model must not be included), before the sequence
+        releases them.  Pages already cached under the same key keep the existing copy; new ones
+        are incref'd by the cache.  Call it (and :meth:`match`) from the one thread that drives
+        the pool: the pool calls back into :meth:`release` from ``alloc``."""
         n = min(len(token_ids) // self.page_size, len(pages))
         with self._lock:
             keys = page_keys(self._root, token_ids, self.page_size, n)
