@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -229,6 +229,16 @@ def create_app(engine: Engine, settings: Settings | None = None, *, db: Database
     @app.get("/health", operation_id="health")
     async def health():
         return {"status": "ok", "version": __version__, **engine.status()}
+
+    @app.get("/metrics", response_class=PlainTextResponse, operation_id="metrics")
+    async def metrics():
+        """Prometheus text format (see docs/server.md); needs the API key when one is set."""
+        from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
+
+        m = getattr(engine, "metrics", None)
+        if m is None:  # an engine that records nothing itself: its status() gauges only
+            m = engine.metrics = ServerMetrics(engine)
+        return Response(m.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/", response_class=PlainTextResponse)
     async def root():

@@ -184,6 +184,9 @@ class Engine:
         self.last_finish_reason: str | None = None
         self._worker: threading.Thread | None = None
         self._stopping = False
+        from .metrics import ServerMetrics
+
+        self.metrics = ServerMetrics(self)  # GET /metrics
 
     # ---- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
@@ -373,9 +376,15 @@ class Engine:
                 reason = "cancelled"
                 self._emit(job, TokenEvent(None, "", "cancelled"))
             else:
+                first = True
                 for ev in self.generator.stream(job.request.input_ids, job.params, job.cancel):
                     if ev.finish_reason is not None:
                         reason = ev.finish_reason
+                    if ev.token_id is not None:
+                        if first:
+                            self.metrics.record_first_token(time.monotonic() - job.created_at)
+                            first = False
+                        self.metrics.record_tokens(1)
                     self._emit(job, ev)
                 if reason is None:  # a generator that ended without a final event
                     reason = "cancelled" if job.cancel.is_set() else "stop"
@@ -393,5 +402,6 @@ class Engine:
             self.counts[key] += 1
             if reason != "cancelled":
                 self._durations.append(job.ended_at - job.started_at)
+            self.metrics.record_request(job.ended_at - job.created_at)
             self._emit(job, _END)
 

@@ -1,0 +1,370 @@
+"""PrefixCache over an in-test page pool: matching, chain keys, LRU per tier, spills, disk restarts
+and bad files."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+
+import pytest
+import torch
+
+from ktransformers.server.prefix_cache import (FILE_SUFFIX, PrefixCache, chain_root, page_keys, payload_nbytes)
+
+from .prefix_fakes import FakePool, OutOfPages, expected_page, prefill, release
+
+PS = 4
+FP = "fp-test-model"
+
+
+def toks(n, seed=0, lo=1, hi=500):
+    r = random.Random(seed)
+    return [r.randrange(lo, hi) for _ in range(n)]
+
+
+def page_bytes(pool):
+    return payload_nbytes(pool.read_page(0))
+
+
+def run_request(cache: PrefixCache, pool: FakePool, tokens: list[int], insert=True):
+    """What the engine does: match, prefill the rest, insert, release the sequence."""
+    pages, n, tiers = cache.match(tokens)
+    seq = prefill(pool, tokens, pages, n)
+    for i in range(len(tokens) // PS):  # every full page holds what a cold prefill computes
+        assert torch.equal(pool.storage[seq[i]], expected_page(pool, tokens, i)), f"page {i} differs"
+    if insert:
+        cache.insert(tokens, seq)
+    release(pool, seq)
+    return n, tiers
+
+
+def test_longest_prefix_of_full_pages_leaving_one_token():
+    pool = FakePool(32, PS)
+    cache = PrefixCache(pool, fingerprint=FP, page_size=PS)
+    a = toks(21)
+    assert run_request(cache, pool, a) == (0, {"device": 0, "ram": 0, "disk": 0})
+    assert cache.device_pages == 5
+    assert run_request(cache, pool, a)[0] == 20          # 5 full pages, 1 token left to prefill
+    assert run_request(cache, pool, a[:20], insert=False)[0] == 16   # must leave a token: 4 pages
+    assert run_request(cache, pool, a[:4], insert=False)[0] == 0
+    assert run_request(cache, pool, a[:5], insert=False)[0] == 4
+    assert run_request(cache, pool, a[:10] + toks(9, seed=7), insert=False)[0] == 8
+    assert run_request(cache, pool, toks(21, seed=3), insert=False)[0] == 0
+    cache.clear_device()
+    assert pool.free_count() == pool.num_pages  # nothing leaked
+
+
+def test_a_page_key_depends_on_every_earlier_token():
+    pool = FakePool(32, PS)
+    cache = PrefixCache(pool, fingerprint=FP, page_size=PS)
+    a = toks(13)
+    run_request(cache, pool, a)
+    b = [a[0] + 1] + a[1:]  # same pages 1.. but a different first token
+    assert run_request(cache, pool, b, insert=False)[0] == 0
+    root = chain_root(FP, PS)
+    ka, kb = page_keys(root, a, PS, 3), page_keys(root, b, PS, 3)
+    assert all(x != y for x, y in zip(ka, kb))
+    assert page_keys(root, a, PS, 3) == ka  # deterministic
+    assert page_keys(chain_root("other", PS), a, PS, 3)[0] != ka[0]
+    assert page_keys(chain_root(FP, 8), a, 8, 1)[0] != page_keys(root, a, PS, 2)[1]
+
+
+def test_multi_turn_reuses_previous_reply():
+    pool = FakePool(64, PS)
+    cache = PrefixCache(pool, fingerprint=FP, page_size=PS)
+    prompt, reply, follow_up = toks(10, 1), toks(9, 2), toks(6, 3)
+    run_request(cache, pool, prompt + reply)  # insert at finish: prompt + generated tokens
+    n, tiers = run_request(cache, pool, prompt + reply + follow_up)
+    assert n == 16 and tiers["device"] == 4   # (10 + 9) // 4 full pages of the first turn
+
+
+def test_device_lru_releases_least_recent_chain_tail_first_and_skips_busy_pages():
+    pool = FakePool(8, PS)
+    cache = PrefixCache(pool, fingerprint=FP, page_size=PS)
+    a, b = toks(12, 1), toks(12, 2)
+    run_request(cache, pool, a)
+    run_request(cache, pool, b)
+    run_request(cache, pool, a)  # a is the most recent now
+    pa = cache.match(a + [1])[0]  # a running request holds all of a's pages
+    assert pool.free_count() == 2
+    assert cache.release(1) == 1            # b's last page goes first
+    assert run_request(cache, pool, b + [1], insert=False)[0] == 8
+    assert cache.release(10) == 2           # only b's remaining pages: a's are busy
+    assert run_request(cache, pool, a + [1], insert=False)[0] == 12
+    release(pool, pa)
+    cache.clear_device()
+    assert pool.free_count() == pool.num_pages
+
+
+def test_pool_pressure_releases_cached_pages_on_alloc():
+    pool = FakePool(6, PS)
+    cache = PrefixCache(pool, fingerprint=FP, page_size=PS)
+    run_request(cache, pool, toks(24, 1))
+    assert pool.free_count() == 0
+    run_request(cache, pool, toks(24, 2))   # needs all 6 pages: the cache gives them back
+    assert cache.device_pages == 6
+
+
+def test_release_without_refcount_in_the_pool():
+    pool = FakePool(6, PS, with_refcount=False)
+    cache = PrefixCache(pool, fingerprint=FP, page_size=PS)
+    a = toks(12, 1)
+    run_request(cache, pool, a)
+    held = cache.match(a + [1])[0]
+    assert cache.release(3) == 0     # the pages stay in use: nothing was freed
+    release(pool, held)
+    assert pool.free_count() == pool.num_pages
+
+
+def test_spill_device_to_ram_to_disk_with_byte_limits(tmp_path):
+    pool = FakePool(16, PS)
+    pb = page_bytes(pool)
+    cache = PrefixCache(pool, fingerprint=FP, page_size=PS, ram_bytes=3 * pb, disk_dir=tmp_path,
+                        disk_bytes=100 * pb)
+    a = toks(21, 1)
+    run_request(cache, pool, a)
+    assert cache.clear_device() == 5
+    cache.flush()  # files are written by a background thread
+    st = cache.stats()["tiers"]
+    assert st["ram"]["pages"] == 3 and st["ram"]["bytes"] <= 3 * pb
+    assert st["disk"]["pages"] == 2 and len(list(tmp_path.glob("*" + FILE_SUFFIX))) == 2
+    # the chain's head stays in RAM (evicted last), its tail went to disk
+    n, tiers = run_request(cache, pool, a, insert=False)
+    assert n == 20 and tiers == {"device": 0, "ram": 3, "disk": 2}
+    st = cache.stats()["tiers"]
+    assert st["ram"]["hits"] == 3 and st["disk"]["hits"] == 2 and st["ram"]["tokens"] == 12
+    assert st["device"]["misses"] == 1 + 5  # the cold first request looked up one page
+    # promoted pages are device pages again
+    assert run_request(cache, pool, a, insert=False)[1] == {"device": 5, "ram": 0, "disk": 0}
+
+
+def test_ram_only_lru_drops_oldest():
+    pool = FakePool(16, PS)
+    pb = page_bytes(pool)
+    cache = PrefixCache(pool, fingerprint=FP, page_size=PS, ram_bytes=2 * pb)
+    a, b = toks(9, 1), toks(9, 2)
+    run_request(cache, pool, a)
+    cache.clear_device()
+    run_request(cache, pool, b)
+    cache.clear_device()
+    assert cache.stats()["tiers"]["ram"]["pages"] == 2
+    assert run_request(cache, pool, a, insert=False)[0] == 0   # a was least recent: dropped
+    assert run_request(cache, pool, b, insert=False)[1]["ram"] == 2
+
+
+def test_disk_limit_evicts_least_recent_files(tmp_path):
+    pool = FakePool(16, PS)
+    cache = PrefixCache(pool, fingerprint=FP, page_size=PS, disk_dir=tmp_path, disk_bytes=1)
+    run_request(cache, pool, toks(5, 1))
+    cache.clear_device()
+    cache.flush()
+    assert next(tmp_path.glob("*" + FILE_SUFFIX), None) is None  # a page larger than the tier is not written
+    cache2 = PrefixCache(FakePool(16, PS), fingerprint=FP, page_size=PS, disk_dir=tmp_path / "b",
+                         disk_bytes=10 ** 9)
+    run_request(cache2, cache2.pool, toks(5, 1))
+    cache2.close()
+    fsize = next((tmp_path / "b").glob("*" + FILE_SUFFIX)).stat().st_size
+    pool = FakePool(16, PS)
+    cache = PrefixCache(pool, fingerprint=FP, page_size=PS, disk_dir=tmp_path / "c", disk_bytes=int(2.5 * fsize))
+    a, b = toks(9, 1), toks(9, 2)
+    run_request(cache, pool, a)
+    cache.clear_device()
+    run_request(cache, pool, b)
+    cache.clear_device()
+    cache.flush()
+    assert cache.stats()["tiers"]["disk"]["pages"] == 2
+    assert cache.stats()["tiers"]["disk"]["bytes"] <= 2.5 * fsize
+    assert len(list((tmp_path / "c").glob("*" + FILE_SUFFIX))) == 2
+    assert run_request(cache, pool, b, insert=False)[1]["disk"] == 2
+    assert run_request(cache, pool, a, insert=False)[0] == 0
+
+
+def _spill_to_disk(tmp_path, tokens, fp=FP):
+    pool = FakePool(16, PS)
+    cache = PrefixCache(pool, fingerprint=fp, page_size=PS, disk_dir=tmp_path, disk_bytes=10 ** 9)
+    run_request(cache, pool, tokens)
+    cache.close()
+    assert pool.free_count() == pool.num_pages
+    files = sorted(tmp_path.glob("*" + FILE_SUFFIX))
+    assert len(files) == len(tokens) // PS
+    return files
+
+
+def test_disk_hit_after_restart(tmp_path):
+    a = toks(17, 5)
+    _spill_to_disk(tmp_path, a)
+    pool = FakePool(16, PS)  # a new process: new pool, new cache on the same folder
+    cache = PrefixCache(pool, fingerprint=FP, page_size=PS, disk_dir=tmp_path, disk_bytes=10 ** 9)
+    assert cache.stats()["tiers"]["disk"]["pages"] == 4
+    n, tiers = run_request(cache, pool, a + [9], insert=False)   # checks every page's content
+    assert n == 16 and tiers == {"device": 0, "ram": 0, "disk": 4}
+    assert pool.writes == 4
+
+
+def test_lru_order_survives_restart(tmp_path):
+    pool = FakePool(16, PS)
+    cache = PrefixCache(pool, fingerprint=FP, page_size=PS, disk_dir=tmp_path, disk_bytes=10 ** 9)
+    a, b = toks(9, 1), toks(9, 2)
+    run_request(cache, pool, a)
+    run_request(cache, pool, b)
+    cache.close()
+    c2 = PrefixCache(FakePool(16, PS), fingerprint=FP, page_size=PS, disk_dir=tmp_path, disk_bytes=10 ** 9)
+    run_request(c2, c2.pool, a, insert=False)  # a becomes the most recent, on disk too
+    pb = next(tmp_path.glob("*" + FILE_SUFFIX)).stat().st_size
+    c3 = PrefixCache(FakePool(16, PS), fingerprint=FP, page_size=PS, disk_dir=tmp_path, disk_bytes=2 * pb)
+    assert run_request(c3, c3.pool, a, insert=False)[0] == 8
+    assert run_request(c3, c3.pool, b, insert=False)[0] == 0
+
+
+@pytest.mark.parametrize("damage", ["flip_payload", "truncate", "empty", "garbage_header", "renamed"])
+def test_bad_file_is_skipped_with_warning_and_deleted(tmp_path, caplog, damage):
+    a = toks(13, 4)
+    files = _spill_to_disk(tmp_path, a)
+    keys = [k.hex() for k in page_keys(chain_root(FP, PS), a, PS, 3)]
+    victim = tmp_path / f"{keys[1]}{FILE_SUFFIX}"
+    data = victim.read_bytes()
+    if damage == "flip_payload":
+        data = data[:-5] + bytes([data[-5] ^ 0xFF]) + data[-4:]
+    elif damage == "truncate":
+        data = data[:len(data) // 2]
+    elif damage == "empty":
+        data = b""
+    elif damage == "garbage_header":
+        data = (100).to_bytes(8, "little") + b"{not json" + b"x" * 200
+    elif damage == "renamed":  # another page's valid file under this page's name
+        data = (tmp_path / f"{keys[2]}{FILE_SUFFIX}").read_bytes()
+    victim.write_bytes(data)
+    pool = FakePool(16, PS)
+    with caplog.at_level(logging.WARNING, logger="ktransformers.server"):
+        cache = PrefixCache(pool, fingerprint=FP, page_size=PS, disk_dir=tmp_path, disk_bytes=10 ** 9)
+        n, tiers = run_request(cache, pool, a, insert=False)
+    assert n == 4 and tiers["disk"] == 1   # page 0 loads, page 1 is refused, the match stops there
+    assert not victim.exists()
+    assert any(victim.name in r.getMessage() and "deleting" in r.getMessage() for r in caplog.records)
+    assert cache.stats()["dropped_files"] == 1
+    assert files  # the other files stay
+    assert (tmp_path / f"{keys[0]}{FILE_SUFFIX}").exists()
+
+
+def test_foreign_fingerprint_files_are_deleted_and_never_loaded(tmp_path, caplog):
+    a = toks(13, 4)
+    _spill_to_disk(tmp_path, a, fp="another-model")
+    (tmp_path / "notes.txt").write_text("not ours")
+    (tmp_path / f".{'ab' * 16}{FILE_SUFFIX}.123.456.tmp").write_bytes(b"half")
+    pool = FakePool(16, PS)
+    with caplog.at_level(logging.WARNING, logger="ktransformers.server"):
+        cache = PrefixCache(pool, fingerprint=FP, page_size=PS, disk_dir=tmp_path, disk_bytes=10 ** 9)
+    assert cache.stats()["tiers"]["disk"]["pages"] == 0
+    assert list(tmp_path.glob("*" + FILE_SUFFIX)) == []
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt"]   # an interrupted write's leftover is removed too
+    assert sum("another model" in r.getMessage() for r in caplog.records) == 3
+    assert run_request(cache, pool, a, insert=False)[0] == 0
+
+
+def test_other_page_size_files_are_not_loaded(tmp_path):
+    a = toks(17, 4)
+    _spill_to_disk(tmp_path, a)
+    cache = PrefixCache(FakePool(16, 8), fingerprint=FP, page_size=8, disk_dir=tmp_path, disk_bytes=10 ** 9)
+    assert cache.stats()["tiers"]["disk"]["pages"] == 0
+
+
+def test_out_of_pages_during_promotion_returns_a_shorter_match(tmp_path):
+    a = toks(21, 6)
+    pool = FakePool(8, PS)
+    cache = PrefixCache(pool, fingerprint=FP, page_size=PS, ram_bytes=10 ** 9)
+    run_request(cache, pool, a)
+    cache.clear_device()
+    busy = [pool.alloc() for _ in range(6)]  # other sequences hold 6 of the 8 pages
+    pages, n, tiers = cache.match(a)
+    assert n == 8 and tiers["ram"] == 2 and len(pages) == 2
+    with pytest.raises(OutOfPages):
+        pool.alloc()
+    release(pool, pages)
+    release(pool, busy)
+    cache.clear_device()
+    assert pool.free_count() == pool.num_pages
+
+
+def test_stats_shape():
+    pool = FakePool(8, PS)
+    cache = PrefixCache(pool, fingerprint=FP, page_size=PS)
+    a = toks(9)
+    run_request(cache, pool, a)
+    run_request(cache, pool, a, insert=False)
+    s = cache.stats()
+    assert s["lookups"] == 2 and s["lookup_tokens"] == 18 and s["matched_tokens"] == 8
+    assert set(s["tiers"]) == {"device", "ram", "disk"}
+    assert s["tiers"]["device"]["hits"] == 2 and s["tiers"]["device"]["pages"] == 2
+    assert s["tiers"]["device"]["bytes"] == 2 * page_bytes(pool)
+
+
+def test_bf16_pages_round_trip_through_disk(tmp_path):
+    pool = FakePool(8, PS, dtype=torch.bfloat16)
+    cache = PrefixCache(pool, fingerprint=FP, page_size=PS, disk_dir=tmp_path, disk_bytes=10 ** 9)
+    a = toks(9, 8)
+    pages = prefill(pool, a)
+    cache.insert(a, pages)
+    want = pool.storage[pages[0]].clone()
+    release(pool, pages)
+    cache.close()
+    pool2 = FakePool(8, PS, dtype=torch.bfloat16)
+    c2 = PrefixCache(pool2, fingerprint=FP, page_size=PS, disk_dir=tmp_path, disk_bytes=10 ** 9)
+    got, n, _ = c2.match(a)
+    assert n == 8 and torch.equal(pool2.storage[got[0]], want)
+
+
+def test_close_writes_ram_and_device_tiers_to_disk(tmp_path):
+    pool = FakePool(16, PS)
+    cache = PrefixCache(pool, fingerprint=FP, page_size=PS, ram_bytes=10 ** 9, disk_dir=tmp_path,
+                        disk_bytes=10 ** 9)
+    a, b = toks(9, 1), toks(9, 2)
+    run_request(cache, pool, a)
+    cache.clear_device()            # a: RAM only
+    run_request(cache, pool, b)     # b: device only
+    assert cache.stats()["tiers"]["disk"]["pages"] == 0
+    cache.close()
+    assert pool.free_count() == pool.num_pages and pool.on_pressure is None
+    c2 = PrefixCache(FakePool(16, PS), fingerprint=FP, page_size=PS, disk_dir=tmp_path, disk_bytes=10 ** 9)
+    assert run_request(c2, c2.pool, a, insert=False)[1]["disk"] == 2
+    assert run_request(c2, c2.pool, b, insert=False)[1]["disk"] == 2
+
+
+def test_cache_limits_from_flags(tmp_path):
+    from ktransformers.errors import ConfigError
+    from ktransformers.server.prefix_cache import DEFAULT_RAM_GB, cache_limits
+
+    assert cache_limits() == {"ram_bytes": int(DEFAULT_RAM_GB * 2**30), "disk_dir": None, "disk_bytes": 0}
+    got = cache_limits(0.5, tmp_path / "kv", 2)
+    assert got == {"ram_bytes": 2**29, "disk_dir": str(tmp_path / "kv"), "disk_bytes": 2 * 2**30}
+    assert (tmp_path / "kv").is_dir()
+    with pytest.raises(ConfigError, match="--prefix_cache_ram_gb"):
+        cache_limits(-1)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="--prefix_cache_dir .*not a directory"):
+        cache_limits(1, tmp_path / "file", 1)
+
+
+def test_disk_writes_leave_the_caller_and_pending_pages_still_hit(tmp_path, monkeypatch):
+    import threading
+
+    import ktransformers.server.prefix_cache as pc
+
+    gate = threading.Event()
+    real = pc.write_page_file
+
+    def slow_write(*a, **kw):
+        gate.wait(10)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(pc, "write_page_file", slow_write)
+    pool = FakePool(16, PS)
+    cache = PrefixCache(pool, fingerprint=FP, page_size=PS, disk_dir=tmp_path, disk_bytes=10 ** 9)
+    a = toks(9, 1)
+    run_request(cache, pool, a)
+    assert cache.clear_device() == 2             # returns while the writer waits
+    assert cache.stats()["pending_writes"] == 2 and not list(tmp_path.glob("*" + FILE_SUFFIX))
+    assert run_request(cache, pool, a, insert=False)[1]["disk"] == 2   # served from the pending copy
+    gate.set()
+    cache.close()
+    assert len(list(tmp_path.glob("*" + FILE_SUFFIX))) == 2 and cache.stats()["pending_writes"] == 0
