@@ -50,14 +50,6 @@ def out_of_pages_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
-def _metrics():
-    try:
-        from . import metrics
-    except ImportError:
-        return None
-    return metrics
-
-
 @dataclass(eq=False)
 class _BatchJob(_Job):
     seq: Sequence | None = None
@@ -86,7 +78,7 @@ class BatchEngine(Engine):
                                    prefix_cache=prefix_cache)
         self._jobs: list[_BatchJob] = []     # in the scheduler (waiting or running); worker-owned
         self._out_of_pages = out_of_pages_errors()
-        self._metrics = _metrics()
+        self._metrics = getattr(self, "metrics", None)  # the Engine's ServerMetrics (GET /metrics)
         self.steps = 0
 
     # ---- queue accounting (the lock is held) ---------------------------------------------
@@ -268,6 +260,8 @@ class BatchEngine(Engine):
         self.counts[key] += 1
         if reason not in ("cancelled", "error") and job.started_at is not None:
             self._durations.append(job.ended_at - job.started_at)
+        if self._metrics is not None:
+            self._metrics.record_request(job.ended_at - job.created_at)
         self._emit(job, _END)
 
 
