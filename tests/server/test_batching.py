@@ -39,7 +39,7 @@ def model_tok(request, tiny_llama):
 
 def _engine(model, tok, *, num_pages=128, page_size=16, max_batch_size=3, chunk_size=16, runner=None):
     gen = Generator(model, tok)
-    runner = runner or ReferenceRunner(model, page_size=page_size, num_pages=num_pages)
+    runner = runner or runner_class()(model, page_size=page_size, num_pages=num_pages)
     return BatchEngine(gen, tok, runner, model_name="tiny", max_context=2048, max_batch_size=max_batch_size,
                        chunk_size=chunk_size, defaults=SamplingDefaults(max_new_tokens=MAX_NEW), max_queue=32)
 
