@@ -161,7 +161,7 @@ def apply_adapter(model: nn.Module, folder: str | Path) -> nn.Module:
         linear_cfg.inference_mode = True
         peft_model = wrap_linears(model, linear_cfg)
         result = set_peft_model_state_dict(peft_model, linear_sd)
-        missing = [k for k in result.missing_keys if "lora_" in k]
+        missing = [k for k in result.missing_keys if ".lora_A." in k or ".lora_B." in k]
         if missing or result.unexpected_keys:
             bad = (missing or result.unexpected_keys)[0]
             raise ConfigError(f"{folder}: adapter does not fit this model (tensor {bad})")
