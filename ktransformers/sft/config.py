@@ -131,6 +131,8 @@ class SFTConfig:
 
 
 def _type_name(types: tuple[type, ...]) -> str:
+    if float in types:
+        types = tuple(t for t in types if t is not int)
     names = {str: "text", int: "an integer", float: "a number", bool: "true/false", list: "a list",
              type(None): "null"}
     return " or ".join(dict.fromkeys(names[t] for t in types))
@@ -152,6 +154,16 @@ def check_value(key: str, value: Any) -> str | None:
         if spec.minimum is not None and value < spec.minimum:
             return f"must be at least {spec.minimum}, not {value}"
     return None
+
+
+def _number_text(key: str, value: Any) -> Any:
+    """``1e-4`` is text to YAML 1.1 (no dot): read it as the number it spells for number keys."""
+    if isinstance(value, str) and float in KEYS[key].types and str not in KEYS[key].types:
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
 
 
 def parse_config(text: str, source: str = "<config>") -> SFTConfig:
@@ -186,6 +198,7 @@ def parse_config(text: str, source: str = "<config>") -> SFTConfig:
                 value = loader.construct_object(vnode, deep=True)
             except (yaml.YAMLError, ValueError, TypeError) as e:
                 raise ConfigError(f"{source}:{line}: {key}: cannot read the value ({e})") from None
+            value = _number_text(key, value)
             problem = check_value(key, value)
             if problem:
                 raise ConfigError(f"{source}:{line}: {key}: {problem}")

@@ -159,7 +159,7 @@ class Trainer:
             bar.update(1)
             if self.step % cfg.logging_steps == 0 or self.step == self.total_steps:
                 now = time.perf_counter()
-                rec = {"step": self.step, "loss": round(sum(window_loss) / len(window_loss), 6),
+                rec = {"step": self.step, "loss": sum(window_loss) / len(window_loss),
                        "lr": self.scheduler.get_last_lr()[0],
                        "epoch": round(self.micro / self.micro_per_epoch, 4),
                        "tokens_per_s": round(window_tokens / max(now - window_t, 1e-9), 1)}

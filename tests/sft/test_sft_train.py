@@ -1,0 +1,157 @@
+"""End to end on a tiny Qwen3-MoE: training lowers the loss, the adapter is PEFT's, resume is exact.
+
+The reference for the adapter is PEFT itself on the unmodified transformers model
+(``PeftModel.from_pretrained``); our side is the project's loader with ``lora=``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from ktransformers.sft.__main__ import main
+from ktransformers.sft.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from ktransformers.optimize_rules import RULES_DIR
+
+TORCH_RULES = RULES_DIR / "sft" / "Qwen3Moe-sft-torch-cpu.yaml"
+STEPS = 50
+SAVE = 25
+
+DATA = [
+    {"instruction": "Peru?", "output": "Lima."},
+    {"instruction": "Cuba?", "output": "Havana."},
+    {"instruction": "Fiji?", "output": "Suva."},
+    {"instruction": "Togo?", "output": "Lome."},
+]
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def write_config(folder, model, out, **extra):
+    keys = dict(model_name_or_path=str(model), stage="sft", finetuning_type="lora", lora_target="all",
+                lora_rank=8, lora_alpha=16, dataset=str(folder / "data.json"), template="qwen3", cutoff_len=64,
+                per_device_train_batch_size=4, gradient_accumulation_steps=1, learning_rate=5e-3,
+                lr_scheduler_type="cosine", warmup_ratio=0.1, max_steps=STEPS, logging_steps=1, save_steps=SAVE,
+                output_dir=str(out), seed=7, cpu_infer=1, kt_optimize_rule=str(TORCH_RULES), plot_loss=True)
+    keys.update(extra)
+    (folder / "data.json").write_text(json.dumps(DATA))
+    path = folder / f"{out.name}.yaml"
+    path.write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in keys.items()))
+    return path
+
+
+def losses_of(out):
+    return [json.loads(line)["loss"] for line in (out / "trainer_log.jsonl").read_text().splitlines()]
+
+
+def write_trainable_tiny_model(folder):
+    """The tiny random Qwen3-MoE with its (frozen) head scaled up 4x: the random head's logits are so
+    flat that no LoRA below it can make a confident prediction (the loss floor would be ~2.6 nats)."""
+    from safetensors.torch import load_file, save_file
+
+    from ktransformers.util.tiny_models import write_tiny_model
+
+    write_tiny_model("qwen3_moe", folder, seed=0)
+    f = folder / "model.safetensors"
+    sd = load_file(str(f))
+    sd["lm_head.weight"] = sd["lm_head.weight"] * 4
+    save_file(sd, str(f), metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """One 50-step run with LoRA on attention and experts (checkpoint at step 25)."""
+    folder = tmp_path_factory.mktemp("sft")
+    model = write_trainable_tiny_model(folder / "tiny-qwen3moe")
+    out = folder / "run"
+    n = torch.get_num_threads()
+    assert main([str(write_config(folder, model, out))]) == 0
+    torch.set_num_threads(n)
+    return folder, model, out
+
+
+def test_fifty_steps_halve_the_loss(run):
+    _, _, out = run
+    losses = losses_of(out)
+    assert len(losses) == STEPS
+    assert sum(losses[-5:]) / 5 <= losses[0] / 2, (losses[0], losses[-5:])
+    assert (out / "training_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / f"checkpoint-{SAVE}" / "trainer_state.pt").is_file()
+    for f in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        assert (out / f).is_file()
+
+
+def _peft_reference(model_dir, adapter, ids):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        base = hf(ids).logits
+    pm = PeftModel.from_pretrained(hf, str(adapter))
+    pm.eval()
+    with torch.no_grad():
+        return base, pm(ids).logits, pm
+
+
+def test_adapter_loads_with_peft_into_the_unmodified_model(run):
+    from ktransformers.util.loading import load_model
+
+    _, model_dir, out = run
+    cfg = json.loads((out / ADAPTER_CONFIG).read_text())
+    ids = torch.randint(0, 300, (1, 16))
+    base, ref, pm = _peft_reference(model_dir, out, ids)
+    # PEFT wrapped whatever the adapter targets: the attention linears and the experts' fused parameters
+    from peft.tuners.lora.layer import LoraLayer, ParamWrapper
+
+    wrapped = {n for n, m in pm.named_modules() if isinstance(m, LoraLayer)}
+    assert any(n.endswith("self_attn.q_proj") for n in wrapped)
+    if cfg.get("target_parameters"):
+        assert any(isinstance(m, ParamWrapper) for m in pm.modules())
+    assert (ref - base).abs().max() > 1e-2  # the trained adapter changes the output
+    ours = load_model(model_dir, rules=TORCH_RULES, lora=out)
+    with torch.no_grad():
+        got = ours(ids).logits
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_resume_from_the_middle_reproduces_the_run(run):
+    folder, model_dir, out = run
+    out2 = folder / "resumed"
+    cfg = write_config(folder, model_dir, out2, resume_from_checkpoint=str(out / f"checkpoint-{SAVE}"))
+    assert main([str(cfg)]) == 0
+    full, resumed = losses_of(out), losses_of(out2)
+    assert len(resumed) == STEPS and resumed[:SAVE] == full[:SAVE]
+    # same threads, same data order, restored optimizer/scheduler/RNG: the same numbers
+    torch.testing.assert_close(torch.tensor(resumed[SAVE:]), torch.tensor(full[SAVE:]), atol=1e-6, rtol=0)
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(out / ADAPTER_WEIGHTS)), load_file(str(out2 / ADAPTER_WEIGHTS))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)
+
+
+def test_export_merges_the_adapter_into_the_weights(run):
+    from transformers import AutoModelForCausalLM
+
+    folder, model_dir, out = run
+    merged = folder / "merged"
+    cfg = write_config(folder, model_dir, out, export_dir=str(merged), do_train=False)
+    assert main(["export", str(cfg)]) == 0
+    ids = torch.randint(0, 300, (1, 12))
+    _, ref, _ = _peft_reference(model_dir, out, ids)
+    m = AutoModelForCausalLM.from_pretrained(str(merged), dtype=torch.float32)
+    with torch.no_grad():
+        got = m(ids).logits
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    assert (merged / "tokenizer_config.json").is_file()
