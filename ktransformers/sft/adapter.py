@@ -116,11 +116,28 @@ def wrap_linears(model: nn.Module, lora_config):
 
     from ..operators.linear import KTransformersLinear
 
-    lora_config._register_custom_module({KTransformersLinear: _klinear_lora_layer()})
+    layer = _klinear_lora_layer()
+    lora_config._register_custom_module({KTransformersLinear: layer})
     try:
-        return PeftModel(model, lora_config)
+        peft_model = PeftModel(model, lora_config)
     except ValueError as e:
         raise ConfigError(f"lora_target: {str(e).splitlines()[0]}") from None
+    for mod in model.modules():
+        if isinstance(mod, layer):
+            _materialize(mod, lora_config)
+    return peft_model
+
+
+def _materialize(layer, lora_config) -> None:
+    """PEFT places a new LoRA layer where its base layer's ``weight`` is; an injected linear whose op
+    computes on raw kernel weights shows the original (meta) tensor there.  Put the LoRA tensors on the
+    op's device and initialise them as PEFT does."""
+    device = layer.get_base_layer().generate_device
+    for name in list(layer.lora_A):
+        if any(p.device.type == "meta" for p in layer.lora_A[name].parameters()):
+            layer.lora_A[name].to_empty(device=device)
+            layer.lora_B[name].to_empty(device=device)
+            layer.reset_lora_parameters(name, lora_config.init_lora_weights)
 
 
 def apply_adapter(model: nn.Module, folder: str | Path) -> nn.Module:
