@@ -18,7 +18,19 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 from ..errors import ConfigError, KTError  # noqa: E402
 
 COMMANDS = ("train", "chat", "export")
-USAGE = "usage: python -m ktransformers.sft [train|chat|export] CONFIG.yaml [key=value ...]"
+USAGE = "usage: python -m ktransformers.sft [train|chat|export] CONFIG.yaml [key=value ...]  (--keys lists the keys)"
+
+
+def keys_table() -> str:
+    """Every config key with its default and meaning (from :data:`config.KEYS`)."""
+    from .config import KEYS
+
+    rows = []
+    for k, spec in KEYS.items():
+        default = "-" if spec.default is None else repr(spec.default)
+        choices = f" [{'|'.join(spec.choices)}]" if spec.choices else ""
+        rows.append(f"{k:<28} {default:<14} {spec.help}{choices}")
+    return "\n".join(rows)
 
 
 def _with_overrides(path: str, overrides: list[str]):
@@ -163,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
+    if args[:1] == ["--keys"]:
+        print(keys_table())
+        return 0
     command = args.pop(0) if args and args[0] in COMMANDS else "train"
     if not args or args[0] in ("-h", "--help"):
         print(USAGE, file=sys.stderr if not args else sys.stdout)
