@@ -164,6 +164,8 @@ def chat(cfg, log, extra: list[str]) -> int:
             "--chunk_size", str(cfg.chunk_size)]
     if cfg.gguf_path:
         argv += ["--gguf_path", str(cfg.resolve("gguf_path"))]
+    if cfg.kt_optimize_rule:  # the training rules serve too (and carry expert LoRA)
+        argv += ["--optimize_config_path", str(cfg.resolve("kt_optimize_rule"))]
     if cfg.cpu_infer:
         argv += ["--cpu_infer", str(cfg.cpu_infer)]
     return chat_main(argv + extra)
