@@ -1,6 +1,6 @@
 """Write a tiny random Qwen3-MoE checkpoint (config, safetensors, tokenizer) to train the example on.
 
-    python examples/sft/make_tiny_model.py /tmp/tiny-qwen3moe
+    python examples/sft/make_tiny_model.py .cache/tiny-qwen3moe
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from ktransformers.util.tiny_models import write_tiny_model
 
 if __name__ == "__main__":
-    out = sys.argv[1] if len(sys.argv) > 1 else "tiny-qwen3moe"
+    out = sys.argv[1] if len(sys.argv) > 1 else ".cache/tiny-qwen3moe"
     write_tiny_model("qwen3_moe", out, seed=0)
     # the random head's logits are nearly flat; scaled up, the LoRA below it can make confident
     # predictions and the loss curve shows learning rather than the head's floor

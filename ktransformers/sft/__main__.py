@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+# PEFT asks transformers a question transformers has renamed; not the user's concern
+warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
 from ..errors import ConfigError, KTError  # noqa: E402
 

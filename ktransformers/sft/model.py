@@ -170,6 +170,6 @@ def _load_for_training(model, peft_model, folder) -> None:
         set_peft_model_state_dict(peft_model, {k: v for k, v in sd.items()
                                                if not any(k.startswith(f"{PREFIX}{n}.") for n in expert_modules(model))})
     for name, mod in expert_modules(model).items():
-        if mod.lora_targets:
+        if mod.lora_state_dict():
             mod.load_lora_state_dict({k[len(PREFIX) + len(name) + 1:]: v for k, v in sd.items()
                                       if k.startswith(f"{PREFIX}{name}.")})

@@ -10,6 +10,7 @@ its share of those tokens).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -83,6 +84,7 @@ class Trainer:
         self.total_steps = cfg.max_steps if cfg.max_steps > 0 else \
             max(1, math.ceil(cfg.num_train_epochs * self.steps_per_epoch))
         self.params = [p for _, p in tm.trainable()]
+        self.device_types = sorted({p.device.type for p in tm.model.parameters()} | {"cpu"})
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
         from transformers import get_scheduler
 
@@ -119,7 +121,9 @@ class Trainer:
         for b in batches:
             if b.target_tokens == 0:
                 continue
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16):
+            with contextlib.ExitStack() as stack:
+                for kind in self.device_types:  # bf16 autocast wherever modules run
+                    stack.enter_context(torch.autocast(kind, dtype=torch.bfloat16, enabled=self.cfg.bf16))
                 logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False).logits
             loss_sum = token_loss_sum(logits, b.labels.to(logits.device))
             (loss_sum / n_target).backward()

@@ -175,3 +175,13 @@ def test_shipped_training_rules_need_the_kernel_operator_or_train(tmp_path, caps
     with torch.no_grad():
         torch.testing.assert_close(got(ids).logits, _peft_logits(model_dir, tmp_path / "o", ids),
                                    atol=1e-3, rtol=1e-3)
+
+
+def test_training_continues_an_existing_adapter(attn_run, tmp_path):
+    folder, model_dir, out = attn_run
+    trained = losses_of(out)
+    again = tmp_path / "again"
+    assert main([str(write_config(folder, model_dir, again, lora_target="q_proj,v_proj", max_steps=1,
+                                  adapter_name_or_path=str(out), learning_rate=1e-6, save_steps=100))]) == 0
+    first = losses_of(again)[0]
+    assert first < trained[0] / 2 and abs(first - trained[-1]) < 0.5 * trained[0], (first, trained)
