@@ -170,15 +170,19 @@ def apply_adapter(model: nn.Module, folder: str | Path) -> nn.Module:
                               "training rules (optimize_rules/sft/) or merge it (python -m ktransformers.sft "
                               "export CONFIG.yaml)")
         for name, mod in experts.items():
-            mod.add_lora(cfg.r, cfg.lora_alpha, 0.0, params)
-            mod.load_lora_state_dict(expert_sd.get(name, {}))
+            try:
+                mod.add_lora(cfg.r, cfg.lora_alpha, 0.0, params)
+                mod.load_lora_state_dict(expert_sd.get(name, {}))
+            except ValueError as e:  # the operator's own check, one line
+                raise ConfigError(f"{folder}: {e}") from None
     if cfg.target_modules:
         linear_cfg = copy.deepcopy(cfg)
         linear_cfg.target_parameters = None
         linear_cfg.inference_mode = True
         peft_model = wrap_linears(model, linear_cfg)
         result = set_peft_model_state_dict(peft_model, linear_sd)
-        missing = [k for k in result.missing_keys if ".lora_A." in k or ".lora_B." in k]
+        missing = [k for k in result.missing_keys if (".lora_A." in k or ".lora_B." in k)
+                   and not any(k.startswith(f"{PREFIX}{n}.") for n in experts)]  # experts: loaded above
         if missing or result.unexpected_keys:
             bad = (missing or result.unexpected_keys)[0]
             raise ConfigError(f"{folder}: adapter does not fit this model (tensor {bad})")

@@ -143,9 +143,12 @@ def load_training_model(cfg, log=print) -> TrainModel:
         peft_model = wrap_linears(model, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.alpha,
                                                     lora_dropout=cfg.lora_dropout, target_modules=modules,
                                                     bias="none"))
-    for mod in experts.values():
+    for name, mod in experts.items():
         if params:
-            mod.add_lora(cfg.lora_rank, cfg.alpha, 0.0, params)
+            try:
+                mod.add_lora(cfg.lora_rank, cfg.alpha, 0.0, params)
+            except ValueError as e:  # the operator's own check, one line
+                raise cfg.error("lora_target", f"{name}: {e}") from None
     if cfg.adapter_name_or_path:
         _load_for_training(model, peft_model, cfg.resolve("adapter_name_or_path"))
     tm = TrainModel(model, peft_model, tokenizer, rules, modules, params)

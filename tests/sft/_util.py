@@ -7,6 +7,7 @@ import json
 from ktransformers.optimize_rules import RULES_DIR
 
 TORCH_RULES = RULES_DIR / "sft" / "Qwen3Moe-sft-torch-cpu.yaml"
+KERNEL_RULES = RULES_DIR / "sft" / "Qwen3Moe-sft-cpu.yaml"
 STEPS = 50
 SAVE = 25
 
