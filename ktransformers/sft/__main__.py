@@ -38,16 +38,9 @@ def keys_table() -> str:
 
 def _with_overrides(path: str, overrides: list[str]):
     """The config file's text with ``key=value`` lines appended (checked like the file's own)."""
-    from pathlib import Path
+    from .config import parse_config, read_text
 
-    from .config import parse_config
-
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such config file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read the config ({getattr(e, 'strerror', None) or e})") from None
+    text = read_text(path, "config")
     import yaml
 
     try:

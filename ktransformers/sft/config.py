@@ -235,12 +235,16 @@ def _check_together(cfg: SFTConfig) -> None:
         raise cfg.error("max_steps", f"must be positive, or -1 to use num_train_epochs (not {cfg.max_steps})")
 
 
-def load_config(path: str | Path) -> SFTConfig:
+def read_text(path: str | Path, what: str) -> str:
+    """A UTF-8 file's text; a one-line ConfigError naming the file (``what``: "config", "dataset")."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        return p.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(f"{p}: no such config file") from None
+        raise ConfigError(f"{p}: no such {what} file") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{p}: cannot read the config ({getattr(e, 'strerror', None) or e})") from None
-    return parse_config(text, str(p))
+        raise ConfigError(f"{p}: cannot read the {what} ({getattr(e, 'strerror', None) or e})") from None
+
+
+def load_config(path: str | Path) -> SFTConfig:
+    return parse_config(read_text(path, "config"), str(path))

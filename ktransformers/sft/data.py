@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
+from .config import read_text
 
 _ROLE = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
          "system": "system"}
@@ -75,12 +76,7 @@ def _records_jsonl(text: str, path: Path):
 
 def read_records(path: Path):
     """(line, record) pairs of a .json (list) or .jsonl (one record a line) file."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such dataset file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read the dataset ({getattr(e, 'strerror', None) or e})") from None
+    text = read_text(path, "dataset")
     if path.suffix == ".jsonl":
         return list(_records_jsonl(text, path))
     if path.suffix == ".json":
