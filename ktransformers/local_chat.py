@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "carries config and tokenizer; also used as the weights when --gguf_path is absent)")
     a("--gguf_path", help="weights: a .gguf file, a folder of GGUF shards, or safetensors file/folder")
     a("--optimize_config_path", help="YAML rule file (default: the shipped rule file for the architecture)")
+    a("--lora_path", help="LoRA adapter folder (PEFT format, e.g. from python -m ktransformers.sft) applied "
+                          "to the model")
     a("--max_new_tokens", type=int, default=1000, help="most tokens per answer (default 1000)")
     a("--cpu_infer", type=int, default=None, help="CPU threads for torch and the CPU kernels (default: physical cores)")
     a("--use_cuda_graph", action=argparse.BooleanOptionalAction, default=None,
@@ -123,7 +125,7 @@ def default_sampling(args, model):
 
 
 def _check_args(args) -> None:
-    for flag in ("model_path", "gguf_path", "optimize_config_path", "prompt_file"):
+    for flag in ("model_path", "gguf_path", "optimize_config_path", "prompt_file", "lora_path"):
         v = getattr(args, flag)
         if v is not None and not Path(v).exists():
             raise ConfigError(f"--{flag} {v}: no such file or directory")
@@ -158,7 +160,8 @@ def load(args, log=print, progress=None):
 
     loaded = load_for_generation(args.gguf_path or args.model_path, args.model_path, args.optimize_config_path,
                                  device=device, device_map=args.device_map, progress=True,
-                                 log=progress, check_config=check_config, check_tensors=args.check_tensors)
+                                 log=progress, check_config=check_config, check_tensors=args.check_tensors,
+                                 lora=args.lora_path)
     model, tokenizer = loaded.model, loaded.tokenizer
     log(f"{model.kt_load_report.summary()}; rules: {loaded.rules}")
     gen = Generator(model, tokenizer, chunk_size=args.chunk_size, offload_cache=args.mode == "long_context")

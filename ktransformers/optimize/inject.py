@@ -108,6 +108,7 @@ def inject(
     default_device: str | torch.device = "cpu",
     allow_unmatched: bool = False,
     progress: bool = False,
+    lora=None,
 ) -> nn.Module:
     """Replace modules of ``model`` as ``rules`` say, then load ``weights`` onto their devices.
 
@@ -115,7 +116,8 @@ def inject(
     ``build_model``); ``rules`` a rule-file path, YAML string or list of rule dicts;
     ``weights`` a path (GGUF or safetensors) or a ``WeightSource``.  Returns the same model,
     with ``model.kt_plan`` (the placement) and ``model.kt_load_report`` attached.  A rule that
-    matches no module is an error unless ``allow_unmatched=True``.
+    matches no module is an error unless ``allow_unmatched=True``.  ``lora`` names a PEFT-format
+    LoRA adapter folder applied once the weights are in (``ktransformers.sft.adapter``).
     """
     source = weights if isinstance(weights, WeightSource) else open_weights(weights)
     plan = plan_model(model, rules, default_device)
@@ -132,6 +134,10 @@ def inject(
     model.kt_plan = plan
     model.kt_load_report = report
     model.kt_weights = source
+    if lora is not None:
+        from ..sft.adapter import apply_adapter
+
+        apply_adapter(model, lora)
     return model
 
 

@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder with config.json + tokenizer (+ safetensors weights)")
     g.add_argument("--gguf_path", help="GGUF weights: a .gguf file or a folder of (split) .gguf files")
     g.add_argument("--optimize_config_path", help="YAML rule file (default: the shipped rules for the architecture)")
+    g.add_argument("--lora_path", help="LoRA adapter folder (PEFT format, e.g. from python -m ktransformers.sft)")
     g.add_argument("--model_name", help="name clients use for the model (default: from the folder/file name)")
     g.add_argument("--device", help="device for modules no rule places (default: cuda:0 if available, else cpu)")
     g.add_argument("--device_map", help="rewrite the rule file's devices, e.g. cuda=cpu (a GPU rule file on a CPU)")
@@ -188,7 +189,7 @@ def build_engine(settings: Settings):
     loaded = load_for_generation(settings.gguf_path or settings.model_path, settings.model_path,
                                  settings.optimize_config_path, device=settings.device,
                                  device_map=settings.device_map, allow_unmatched=True, log=log.info,
-                                 check_tensors=settings.check_tensors)
+                                 check_tensors=settings.check_tensors, lora=settings.lora_path)
     model, tokenizer, source = loaded.model, loaded.tokenizer, loaded.source
     load_s = time.perf_counter() - t0
     max_pos = int(getattr(model.config, "max_position_embeddings", None) or 4096)

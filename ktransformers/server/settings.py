@@ -30,6 +30,7 @@ class Settings:
     model_path: str | None = None
     gguf_path: str | None = None
     optimize_config_path: str | None = None
+    lora_path: str | None = None  # LoRA adapter folder (PEFT format) applied to the model
     model_name: str | None = None
     cpu_infer: int | None = None
     max_new_tokens: int = 1024
@@ -154,6 +155,8 @@ class Settings:
             raise ConfigError(f"--gguf_path {self.gguf_path}: no such file or directory")
         if self.optimize_config_path and not Path(self.optimize_config_path).is_file():
             raise ConfigError(f"--optimize_config_path {self.optimize_config_path}: no such file")
+        if self.lora_path and not Path(self.lora_path).is_dir():
+            raise ConfigError(f"--lora_path {self.lora_path}: no such folder")
         return self
 
     def default_model_name(self) -> str:

@@ -23,6 +23,7 @@ def load_model(
     progress: bool = False,
     device_map: dict[str, str] | str | None = None,
     config=None,
+    lora=None,
 ):
     """Build the model for ``weights`` (+ optional config folder), inject ``rules``, load.
 
@@ -30,7 +31,8 @@ def load_model(
     ``model_path`` is not given) or a ``WeightSource``.  ``rules`` defaults to the shipped rule
     file for the architecture (the CPU variant when there is no CUDA device).  ``device`` is
     where modules no rule places go; ``device_map`` (``{"cuda": "cpu"}`` or ``"cuda=cpu"``)
-    rewrites the devices the rules name (see :mod:`.device_map`).
+    rewrites the devices the rules name (see :mod:`.device_map`); ``lora`` a LoRA adapter folder
+    (PEFT format) applied after loading.
     """
     from ..optimize.inject import build_model, inject
     from ..optimize_rules import default_rule_file
@@ -49,7 +51,7 @@ def load_model(
     rule_list = load_rules_mapped(rules, dmap)
     model = build_model(config, dtype)
     return inject(model, rule_list, source, default_device=device, allow_unmatched=allow_unmatched,
-                  progress=progress)
+                  progress=progress, lora=lora)
 
 
 def _cuda_after_map(dmap: dict[str, str]) -> bool | None:
@@ -115,6 +117,7 @@ def load_for_generation(
     log=None,
     check_config=None,
     check_tensors: bool = False,
+    lora=None,
 ) -> LoadedModel:
     """The one load sequence of ``local_chat`` and the server: weights header, config (read once),
     rules parsed and the plan checked on the meta model *before* any weight or the tokenizer is
@@ -125,7 +128,8 @@ def load_for_generation(
     rather than failing every request.
 
     ``allow_unmatched`` defaults to True for the shipped rule file (a family file may cover
-    modules a given model lacks) and False for rules the caller names.
+    modules a given model lacks) and False for rules the caller names.  ``lora``: a LoRA adapter
+    folder (PEFT format) applied once the weights are loaded.
     """
     import time
 
@@ -169,7 +173,11 @@ def load_for_generation(
     preflight(source, tokenizer, tokenizer.kt_template_origin, check_tensors, log)  # where errors point
     n = len(source.names()) if hasattr(source, "names") else 0
     say(f"loading {n} tensors onto {', '.join(sorted(str(d) for d in plan.devices()))} ...")
-    inject(model, rule_list, source, default_device=device, allow_unmatched=True, progress=progress)
+    if lora is not None:
+        from ..sft.adapter import read_adapter
+
+        read_adapter(lora)  # a bad adapter fails before the weights load
+    inject(model, rule_list, source, default_device=device, allow_unmatched=True, progress=progress, lora=lora)
     gen_cfg = Path(model_path) / "generation_config.json" if model_path else None
     if gen_cfg is not None and gen_cfg.is_file():
         from transformers import GenerationConfig
