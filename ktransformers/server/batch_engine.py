@@ -119,6 +119,8 @@ class BatchEngine(Engine):
         for j in jobs:
             j.cancel.set()
         super().shutdown(timeout)
+        if self.prefix_cache is not None:  # the device and RAM tiers go to disk, for the next start
+            self.prefix_cache.close()
 
     # ---- worker --------------------------------------------------------------------------
     def _run(self) -> None:
