@@ -29,10 +29,20 @@ latent) rows into the pages, then attends per sequence:
 For softmax attention this is ``torch.nn.functional.scaled_dot_product_attention``, registered in
 transformers' ``AttentionInterface`` as ``"kt_paged"`` and selected only for the duration of a step;
 for MLA it is ``KDeepseekV2Attention``'s own absorbed decode / expanded (or absorbed) prefill from
-``operators/mla.py`` over latent pages.  Only torch ops: the same code runs on CUDA.
+``operators/mla.py`` over latent pages.  Only torch ops, so the same code path serves CUDA.
 
 Gemma-3's sliding-window layers use the window in the mask; their pages are not freed early
 because a page holds every layer's rows and the full-attention layers still need them.
+
+Why not transformers' own continuous batching (``PagedAttentionCache`` + ``ModelRunner``): its
+allocators are sized ``[kv_heads, head_dim]`` from the config and have no latent layout (MLA's
+``cache.update`` fails there), it keeps block sharing to its own token-hash ledger (no per-page
+reference counts, no page contents to move to RAM/disk tiers), its model runner samples by itself
+(no ``step(chunks) -> logits`` for our sampling and stop strings), and on CPU its batched attention
+is one call over every request's keys with a block-diagonal mask, which costs
+``tokens x all keys`` instead of each chunk's own keys.  Its pieces used here: the attention
+interface registration, the in-place ``cache.update(..., kwargs=...)`` hand-over, the mask
+early-exit for a custom attention name, and ``logits_to_keep`` with an index tensor.
 """
 
 from __future__ import annotations
