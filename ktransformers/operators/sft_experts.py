@@ -161,6 +161,8 @@ class KSFTExpertsCPU(KTransformersExperts):
                              f"expert parameters cannot apply dropout either), got {dropout}")
         if self.lora_config is not None:
             raise ValueError(f"{self.key}: expert LoRA is already added")
+        if self.train_kernel is None:
+            raise ValueError(f"{self.key}: add_lora after the model's weights are loaded")
         targets = _parse_targets(targets)
         E, H, I = self.generate_op.num_experts, self.generate_op.hidden, self.generate_op.intermediate
         dims = {"gate_up_proj": (H, 2 * I), "down_proj": (I, H)}
