@@ -121,7 +121,22 @@ struct Task { int e, c0, t0; };
 
 }  // namespace
 
-MoETrain::MoETrain(std::shared_ptr<MoE> base) : base_(std::move(base)) {
+MoETrain::Scratch& MoETrain::shared_scratch() {
+  static Scratch s;
+  return s;
+}
+
+size_t MoETrain::scratch_bytes() {
+  Scratch& s = shared_scratch();
+  std::lock_guard<std::mutex> lock(s.mu);
+  size_t n = 0;
+  for (const AlignedBuf* b : {&s.xg, &s.xu, &s.gu, &s.h, &s.hq, &s.y, &s.a_gu, &s.a_d, &s.bd, &s.b_gu, &s.g1, &s.g2})
+    n += b->size();
+  for (const AlignedBuf& b : s.thr) n += b.size();
+  return n;
+}
+
+MoETrain::MoETrain(std::shared_ptr<MoE> base) : base_(std::move(base)), s_(shared_scratch()) {
   if (!base_) throw std::invalid_argument("MoETrain: base MoE is null");
   const MoEConfig& c = base_->config();
   E_ = c.num_experts;
@@ -191,8 +206,8 @@ void MoETrain::gate_up(ThreadPool& pool, const Routing& rt, int T, const float* 
   if (!gu) return;
   const bool same = pg.act == pu.act && pg.Kpad == pu.Kpad;
   const size_t sg = act_row_bytes(pg.act, pg.Kpad), su = act_row_bytes(pu.act, pu.Kpad);
-  uint8_t* xg = static_cast<uint8_t*>(xg_.ensure(sg * std::max(T, 1)));
-  uint8_t* xu = same ? xg : static_cast<uint8_t*>(xu_.ensure(su * std::max(T, 1)));
+  uint8_t* xg = static_cast<uint8_t*>(s_.xg.ensure(sg * std::max(T, 1)));
+  uint8_t* xu = same ? xg : static_cast<uint8_t*>(s_.xu.ensure(su * std::max(T, 1)));
   pool.parallel_for(chunks(T), [&](int task, int) {
     for (int t = task * kChunk; t < std::min(T, (task + 1) * kChunk); ++t) {
       kt.quantize_act(pg.act, x + static_cast<size_t>(t) * H, H, pg.Kpad, xg + sg * t);
@@ -252,24 +267,25 @@ void MoETrain::forward(ThreadPool& pool, int T, int k, const float* x, const int
   if (T < 0 || k <= 0) throw std::invalid_argument("MoETrain.forward: need T >= 0 and k > 0");
   check_lora(l);
   if (T == 0) return;
+  std::lock_guard<std::mutex> lock(s_.mu);
   const KernelTable& kt = kernels();
   const int H = H_, I = I_, nth = pool.size();
   const ProjWeights& pd = base_->proj(2);
   Routing& rt = rt_;
   route(T, k, ids, rt);
   const int P = rt.P;
-  if (static_cast<int>(thr_.size()) < nth) thr_ = std::vector<AlignedBuf>(nth);
-  for (int i = 0; i < nth; ++i) thr_[i].ensure(thr_floats_ * sizeof(float));
+  if (static_cast<int>(s_.thr.size()) < nth) s_.thr = std::vector<AlignedBuf>(nth);
+  for (int i = 0; i < nth; ++i) s_.thr[i].ensure(thr_floats_ * sizeof(float));
 
-  float* a_gu = l.A_gu ? static_cast<float*>(a_gu_.ensure(sizeof(float) * std::max(P, 1) * l.r_gu)) : nullptr;
-  float* gu = save_gu ? save_gu : static_cast<float*>(gu_.ensure(sizeof(float) * 2 * I * static_cast<size_t>(T) * k));
+  float* a_gu = l.A_gu ? static_cast<float*>(s_.a_gu.ensure(sizeof(float) * std::max(P, 1) * l.r_gu)) : nullptr;
+  float* gu = save_gu ? save_gu : static_cast<float*>(s_.gu.ensure(sizeof(float) * 2 * I * static_cast<size_t>(T) * k));
   gate_up(pool, rt, T, x, l, a_gu, gu);
 
   // h = act(g) * u, its LoRA-A product, and its rows in the down weights' activation format
-  float* h = static_cast<float*>(h_.ensure(sizeof(float) * std::max(P, 1) * static_cast<size_t>(I)));
-  float* a_d = l.A_d ? static_cast<float*>(a_d_.ensure(sizeof(float) * std::max(P, 1) * l.r_d)) : nullptr;
+  float* h = static_cast<float*>(s_.h.ensure(sizeof(float) * std::max(P, 1) * static_cast<size_t>(I)));
+  float* a_d = l.A_d ? static_cast<float*>(s_.a_d.ensure(sizeof(float) * std::max(P, 1) * l.r_d)) : nullptr;
   const size_t sd = act_row_bytes(pd.act, pd.Kpad);
-  uint8_t* hq = static_cast<uint8_t*>(hq_.ensure(sd * std::max(P, 1)));
+  uint8_t* hq = static_cast<uint8_t*>(s_.hq.ensure(sd * std::max(P, 1)));
   pool.parallel_for(chunks(P), [&](int task, int) {
     for (int p = task * kChunk; p < std::min(P, (task + 1) * kChunk); ++p) {
       const float* gr = gu + static_cast<size_t>(rt.pair_slot[p]) * 2 * I;
@@ -284,7 +300,7 @@ void MoETrain::forward(ThreadPool& pool, int T, int k, const float* x, const int
   });
 
   // y = W_d h + s_d B_d a_d  -> [P, H]
-  float* y = static_cast<float*>(y_.ensure(sizeof(float) * std::max(P, 1) * static_cast<size_t>(H)));
+  float* y = static_cast<float*>(s_.y.ensure(sizeof(float) * std::max(P, 1) * static_cast<size_t>(H)));
   int active = 0;
   for (int e = 0; e < E_; ++e) active += rt.counts[e] > 0;
   const int rb = row_block(H, active, nth);
@@ -352,21 +368,22 @@ void MoETrain::backward(ThreadPool& pool, int T, int k, const float* x, const in
     std::memset(grads.B_d, 0, sizeof(float) * E * static_cast<size_t>(H) * rd);
   }
   if (T == 0) return;
+  std::lock_guard<std::mutex> lock(s_.mu);
   Routing& rt = rt_;
   route(T, k, ids, rt);
   const int P = rt.P;
-  if (static_cast<int>(thr_.size()) < nth) thr_ = std::vector<AlignedBuf>(nth);
-  for (int i = 0; i < nth; ++i) thr_[i].ensure(thr_floats_ * sizeof(float));
+  if (static_cast<int>(s_.thr.size()) < nth) s_.thr = std::vector<AlignedBuf>(nth);
+  for (int i = 0; i < nth; ++i) s_.thr[i].ensure(thr_floats_ * sizeof(float));
   auto tok_of = [&](int p) { return rt.pair_slot[p] / k; };
 
   // 1. Pre-activations (saved or recomputed), LoRA-A products, h.
-  float* a_gu = l.A_gu ? static_cast<float*>(a_gu_.ensure(sizeof(float) * std::max(P, 1) * rg)) : nullptr;
-  float* gu_re = saved_gu ? nullptr : static_cast<float*>(gu_.ensure(sizeof(float) * 2 * I * static_cast<size_t>(T) * k));
+  float* a_gu = l.A_gu ? static_cast<float*>(s_.a_gu.ensure(sizeof(float) * std::max(P, 1) * rg)) : nullptr;
+  float* gu_re = saved_gu ? nullptr : static_cast<float*>(s_.gu.ensure(sizeof(float) * 2 * I * static_cast<size_t>(T) * k));
   gate_up(pool, rt, T, x, l, a_gu, gu_re);
   const float* gu = saved_gu ? saved_gu : gu_re;
-  float* h = static_cast<float*>(h_.ensure(sizeof(float) * std::max(P, 1) * static_cast<size_t>(I)));
-  float* a_d = l.A_d ? static_cast<float*>(a_d_.ensure(sizeof(float) * std::max(P, 1) * rd)) : nullptr;
-  float* bd = l.A_d ? static_cast<float*>(bd_.ensure(sizeof(float) * std::max(P, 1) * rd)) : nullptr;
+  float* h = static_cast<float*>(s_.h.ensure(sizeof(float) * std::max(P, 1) * static_cast<size_t>(I)));
+  float* a_d = l.A_d ? static_cast<float*>(s_.a_d.ensure(sizeof(float) * std::max(P, 1) * rd)) : nullptr;
+  float* bd = l.A_d ? static_cast<float*>(s_.bd.ensure(sizeof(float) * std::max(P, 1) * rd)) : nullptr;
   pool.parallel_for(chunks(P), [&](int task, int) {
     for (int p = task * kChunk; p < std::min(P, (task + 1) * kChunk); ++p) {
       const float* gr = gu + static_cast<size_t>(rt.pair_slot[p]) * 2 * I;
@@ -387,7 +404,7 @@ void MoETrain::backward(ThreadPool& pool, int T, int k, const float* x, const in
   });
 
   // 2. gy = W_d^T dout[t] per pair  [P, I]
-  float* gy = static_cast<float*>(y_.ensure(sizeof(float) * std::max(P, 1) * static_cast<size_t>(I)));
+  float* gy = static_cast<float*>(s_.y.ensure(sizeof(float) * std::max(P, 1) * static_cast<size_t>(I)));
   std::memset(gy, 0, sizeof(float) * P * static_cast<size_t>(I));
   std::vector<Task> tasks;
   auto col_tasks = [&](int cols) {
@@ -412,7 +429,7 @@ void MoETrain::backward(ThreadPool& pool, int T, int k, const float* x, const in
   });
 
   // 3. dw, dh = w (gy + s_d A_d^T bd), then dg/du  [P, 2I]
-  float* dgu = static_cast<float*>(g1_.ensure(sizeof(float) * std::max(P, 1) * 2 * static_cast<size_t>(I)));
+  float* dgu = static_cast<float*>(s_.g1.ensure(sizeof(float) * std::max(P, 1) * 2 * static_cast<size_t>(I)));
   for (int i = 0; i < T * k; ++i) dw[i] = 0.f;
   pool.parallel_for(chunks(P), [&](int task, int) {
     for (int p = task * kChunk; p < std::min(P, (task + 1) * kChunk); ++p) {
@@ -436,7 +453,7 @@ void MoETrain::backward(ThreadPool& pool, int T, int k, const float* x, const in
   });
 
   // 4. b_gu = B_gu^T dgu  [P, r_gu]
-  float* b_gu = l.A_gu ? static_cast<float*>(b_gu_.ensure(sizeof(float) * std::max(P, 1) * rg)) : nullptr;
+  float* b_gu = l.A_gu ? static_cast<float*>(s_.b_gu.ensure(sizeof(float) * std::max(P, 1) * rg)) : nullptr;
   if (b_gu) {
     pool.parallel_for(chunks(P), [&](int task, int) {
       for (int p = task * kChunk; p < std::min(P, (task + 1) * kChunk); ++p) {
@@ -450,7 +467,7 @@ void MoETrain::backward(ThreadPool& pool, int T, int k, const float* x, const in
   }
 
   // 5. dx per pair = W_g^T dg + W_u^T du + s_gu A_gu^T b_gu  [P, H]
-  float* dxp = static_cast<float*>(g2_.ensure(sizeof(float) * std::max(P, 1) * static_cast<size_t>(H)));
+  float* dxp = static_cast<float*>(s_.g2.ensure(sizeof(float) * std::max(P, 1) * static_cast<size_t>(H)));
   std::memset(dxp, 0, sizeof(float) * P * static_cast<size_t>(H));
   col_tasks(H);
   pool.parallel_for(static_cast<int>(tasks.size()), [&](int ti, int tid) {

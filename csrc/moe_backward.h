@@ -18,6 +18,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "moe.h"
@@ -54,6 +55,8 @@ class MoETrain {
   void backward(ThreadPool& pool, int T, int k, const float* x, const int64_t* ids, const float* w,
                 const LoraArgs& lora, const float* saved_gu, const float* dout, float* dx, float* dw,
                 const LoraGrads& grads);
+  // Bytes of the call scratch shared by all layers (grown to the largest call so far).
+  static size_t scratch_bytes();
 
  private:
   struct Routing {
@@ -65,15 +68,22 @@ class MoETrain {
   void check_lora(const LoraArgs& l) const;
   // a_gu [P, r_gu] (when LoRA) and the pre-activations into gu [T*k, 2I] (when gu != null).
   void gate_up(ThreadPool& pool, const Routing& rt, int T, const float* x, const LoraArgs& l, float* a_gu, float* gu);
-  float* thread_buf(int tid) { return static_cast<float*>(thr_[tid].data()); }
+  // Scratch of one call, shared by every layer (they run one at a time; the mutex makes sure):
+  // the memory is that of the largest call, not one copy per layer.
+  struct Scratch {
+    std::mutex mu;
+    AlignedBuf xg, xu, gu, h, hq, y, a_gu, a_d, bd, b_gu, g1, g2;
+    std::vector<AlignedBuf> thr;
+  };
+  static Scratch& shared_scratch();
+  float* thread_buf(int tid) { return static_cast<float*>(s_.thr[tid].data()); }
 
   std::shared_ptr<MoE> base_;
   int E_, H_, I_;
   Activation act_;
   float alpha_, limit_;
   Routing rt_;
-  AlignedBuf xg_, xu_, gu_, h_, hq_, y_, a_gu_, a_d_, bd_, b_gu_, g1_, g2_;
-  std::vector<AlignedBuf> thr_;
+  Scratch& s_;
   size_t thr_floats_ = 0;
 };
 

@@ -33,6 +33,8 @@ LoraArgs lora_args(const py::tuple& t) {
 void bind_moe_train(py::module_& m) {
   py::class_<MoETrain, std::shared_ptr<MoETrain>>(m, "MoETrain")
       .def(py::init<std::shared_ptr<MoE>>(), py::arg("moe"))
+      .def_static("scratch_bytes", &MoETrain::scratch_bytes,
+                  "bytes of the call scratch all layers share (the largest call so far)")
       .def("forward", [](MoETrain& self, CPUInfer& ci, int T, int k, uintptr_t x, uintptr_t ids, uintptr_t w,
                          const py::tuple& lora, uintptr_t out, uintptr_t save_gu) {
              const LoraArgs l = lora_args(lora);

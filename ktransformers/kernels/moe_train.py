@@ -12,6 +12,9 @@ tensors; LoRA tensors use the kernel layout::
 ``forward(x, ids, w, lora, save=True) -> (out [T, H], saved)``: ``saved`` is the
 pre-activations ``[T*k, 2I]`` float32 (``save=False``: None, and the backward recomputes them:
 saved-activation memory then is nothing beyond the inputs).
+``saved_bytes(T, k, save=True)``: what ``forward`` keeps for the backward beyond its inputs.
+``scratch_bytes()``: the transient per-call buffers, one set shared by every layer (the
+largest call so far), not kept per layer.
 ``backward(x, ids, w, lora, saved, dout) -> (dx, dw, dA_gu, dB_gu, dA_d, dB_d)`` (LoRA grads
 None where that projection has no LoRA).
 """
@@ -58,6 +61,15 @@ class MoETrainKernel:
         self.pool = moe.pool
         self.num_experts, self.hidden, self.intermediate = moe.num_experts, moe.hidden, moe.intermediate
         self._t = _ext.MoETrain(moe._m)
+
+    def saved_bytes(self, T: int, k: int, save: bool = True) -> int:
+        """Bytes ``forward`` returns for the backward (the float32 gate/up pre-activations)."""
+        return 4 * T * k * 2 * self.intermediate if save else 0
+
+    @staticmethod
+    def scratch_bytes() -> int:
+        """Bytes of the per-call scratch shared by all layers (grown to the largest call)."""
+        return _ext.MoETrain.scratch_bytes()
 
     def _lora(self, gu: LoraFactors | None, d: LoraFactors | None):
         E, H, I = self.num_experts, self.hidden, self.intermediate

@@ -181,3 +181,23 @@ def test_only_down_proj_targeted(tiny_model_dir, one_torch_thread):
     ex = model.model.layers[0].mlp.experts
     assert sorted(ex.lora_state_dict()) == ["lora_A.weight", "lora_B.weight"]
     compare(model, pm, 1e-4)
+
+
+def test_frozen_experts_without_lora(tiny_model_dir, one_torch_thread):
+    """No expert LoRA: the experts are a frozen function; gradients still reach the inputs and
+    the router (Qwen2-MoE: shared expert and its sigmoid gate in torch beside them)."""
+    d = tiny_model_dir("qwen2_moe")
+    model = load_model(d, model_path=d, rules=sft_rules("qwen2_moe"))
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    for m in (model, hf):
+        for n, p in m.named_parameters():
+            p.requires_grad_(n.endswith("mlp.gate.weight"))
+    loss, dx = step(model, model.config.vocab_size)
+    ref_loss, ref_dx = step(hf, model.config.vocab_size)
+    assert abs(loss.item() - ref_loss.item()) <= 1e-4 * ref_loss.item()
+    assert rel_err(dx, ref_dx) <= 1e-4
+    ref = dict(hf.named_parameters())
+    grads = [(n, p.grad) for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")]
+    assert len(grads) == _moe_layers(model) > 0
+    for n, g in grads:
+        assert rel_err(g, ref[n].grad) <= 1e-4, n
