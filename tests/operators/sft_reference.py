@@ -13,9 +13,14 @@ def peft_factors(A: torch.Tensor, B: torch.Tensor, num_experts: int, e: int) -> 
     return A.view(num_experts, r, -1)[e], B.view(B.shape[0], r, num_experts)[:, :, e]
 
 
-def experts_reference(x, ids, w, gate_up, down, lora: dict | None = None, scale: float = 1.0, act=F.silu):
-    """sum_j w[t,j] * expert_{ids[t,j]}(x[t]) with gate_up [E, 2I, H], down [E, H, I] (float) and
-    optional ``lora = {"gate_up_proj": (A, B), "down_proj": (A, B)}`` in PEFT's layout."""
+def silu_glu(g, u):
+    return F.silu(g) * u
+
+
+def experts_reference(x, ids, w, gate_up, down, lora: dict | None = None, scale: float = 1.0, glu=silu_glu):
+    """sum_j w[t,j] * expert_{ids[t,j]}(x[t]) with gate_up [E, 2I, H], down [E, H, I] (float),
+    optional ``lora = {"gate_up_proj": (A, B), "down_proj": (A, B)}`` in PEFT's layout, and
+    ``glu(gate, up) -> h`` the gated activation."""
     E, two_i, _ = gate_up.shape
     lora = lora or {}
     out = torch.zeros(x.shape[0], down.shape[1], dtype=torch.float32)
@@ -29,7 +34,7 @@ def experts_reference(x, ids, w, gate_up, down, lora: dict | None = None, scale:
             A, B = peft_factors(*lora["gate_up_proj"], E, e)
             gu = gu + scale * (xs @ A.T) @ B.T
         g, u = gu.chunk(2, dim=-1)
-        h = act(g) * u
+        h = glu(g, u)
         y = h @ down[e].T
         if "down_proj" in lora:
             A, B = peft_factors(*lora["down_proj"], E, e)

@@ -25,7 +25,7 @@ import torch
 
 from ktransformers import kernels as K
 
-from .sft_reference import experts_reference, rel_err
+from .sft_reference import experts_reference, rel_err, silu_glu
 
 E, H, I, T, TOPK, R = 4, 256, 256, 24, 2, 4
 SCALE = 2.0
@@ -68,13 +68,13 @@ def _factors(A, B):
     return K.LoraFactors(A.view(E, R, -1), B.view(B.shape[0], R, E).permute(2, 0, 1), SCALE)
 
 
-def _kernel_run(backend, t, recompute=False, ids_override=None):
+def _kernel_run(backend, t, recompute=False, ids_override=None, **act):
     """(out, dx, dw, {param: grad in PEFT layout}) from the C++ kernels; plus dequantized weights."""
     gu, dn, x, ids, w, lora, dout = _problem()
     if ids_override is not None:
         ids = ids_override
     (g_raw, g_dq), (u_raw, u_dq), (d_raw, d_dq) = _quant(gu[:, :I], t), _quant(gu[:, I:], t), _quant(dn, t)
-    moe = K.MoEKernel(K.cpu_infer(2), backend, E, H, I, g_raw, u_raw, d_raw, t, t, t)
+    moe = K.MoEKernel(K.cpu_infer(2), backend, E, H, I, g_raw, u_raw, d_raw, t, t, t, **act)
     tk = K.MoETrainKernel(moe)
     fg, fd = _factors(*lora["gate_up_proj"]), _factors(*lora["down_proj"])
     out, saved = tk.forward(x, ids, w, fg, fd, save=not recompute)
@@ -86,14 +86,14 @@ def _kernel_run(backend, t, recompute=False, ids_override=None):
     return out, dx, dw, grads, dq
 
 
-def _oracle(gate_up, down, ids=None):
+def _oracle(gate_up, down, ids=None, glu=silu_glu):
     _, _, x, ids0, w, lora, dout = _problem()
     ids = ids0 if ids is None else ids
     x = x.clone().requires_grad_()
     w = w.clone().requires_grad_()
     params = {f"{n}.{ab}": t.clone().requires_grad_() for n, (A, B) in lora.items() for ab, t in (("A", A), ("B", B))}
     lr = {n: (params[f"{n}.A"], params[f"{n}.B"]) for n in lora}
-    out = experts_reference(x, ids, w, gate_up, down, lr, SCALE)
+    out = experts_reference(x, ids, w, gate_up, down, lr, SCALE, glu)
     out.backward(dout)
     return out.detach(), x.grad, w.grad, {n: p.grad for n, p in params.items()}
 
@@ -108,6 +108,25 @@ def test_gradients_match_torch_oracle(backend, wtype):
     assert rel_err(dw, ref_dw) <= tol
     for n, g in grads.items():
         assert rel_err(g, ref_grads[n]) <= tol, n
+
+
+def _clamp_swiglu(alpha, limit):
+    def glu(g, u):
+        gc = g.clamp(max=limit)
+        return (u.clamp(-limit, limit) + 1) * gc * torch.sigmoid(alpha * gc)
+    return glu
+
+
+@pytest.mark.parametrize("act", ["gelu_tanh", "clamp_swiglu"])
+def test_other_activations(act):
+    """GELU(tanh) (Gemma-style) and gpt-oss's clamped SwiGLU; limit 0.5 so that the clamps bite."""
+    kw = {"activation": act} if act == "gelu_tanh" else {"activation": act, "alpha": 1.702, "limit": 0.5}
+    glu = (lambda g, u: torch.nn.functional.gelu(g, approximate="tanh") * u) if act == "gelu_tanh" \
+        else _clamp_swiglu(1.702, 0.5)
+    out, dx, dw, grads, (gu, dn) = _kernel_run("llamafile", "F32", **kw)
+    ref_out, ref_dx, ref_dw, ref_grads = _oracle(gu, dn, glu=glu)
+    for got, ref in [(out, ref_out), (dx, ref_dx), (dw, ref_dw)] + [(g, ref_grads[n]) for n, g in grads.items()]:
+        assert rel_err(got, ref) <= 1e-5
 
 
 @pytest.mark.parametrize("wtype", ["Q4_K", "F32"])
