@@ -130,7 +130,7 @@ size_t MoETrain::scratch_bytes() {
   Scratch& s = shared_scratch();
   std::lock_guard<std::mutex> lock(s.mu);
   size_t n = 0;
-  for (const AlignedBuf* b : {&s.xg, &s.xu, &s.gu, &s.h, &s.hq, &s.y, &s.a_gu, &s.a_d, &s.bd, &s.b_gu, &s.g1, &s.g2})
+  for (const AlignedBuf* b : {&s.xg, &s.xu, &s.gu, &s.h, &s.hq, &s.y, &s.a_gu, &s.a_d, &s.bd, &s.b_gu, &s.g1})
     n += b->size();
   for (const AlignedBuf& b : s.thr) n += b.size();
   return n;
@@ -404,7 +404,8 @@ void MoETrain::backward(ThreadPool& pool, int T, int k, const float* x, const in
   });
 
   // 2. gy = W_d^T dout[t] per pair  [P, I]
-  float* gy = static_cast<float*>(s_.y.ensure(sizeof(float) * std::max(P, 1) * static_cast<size_t>(I)));
+  // (the same buffer holds dx per pair in step 5, once gy is spent)
+  float* gy = static_cast<float*>(s_.y.ensure(sizeof(float) * std::max(P, 1) * static_cast<size_t>(std::max(H, I))));
   std::memset(gy, 0, sizeof(float) * P * static_cast<size_t>(I));
   std::vector<Task> tasks;
   auto col_tasks = [&](int cols) {
@@ -467,7 +468,7 @@ void MoETrain::backward(ThreadPool& pool, int T, int k, const float* x, const in
   }
 
   // 5. dx per pair = W_g^T dg + W_u^T du + s_gu A_gu^T b_gu  [P, H]
-  float* dxp = static_cast<float*>(s_.g2.ensure(sizeof(float) * std::max(P, 1) * static_cast<size_t>(H)));
+  float* dxp = gy;
   std::memset(dxp, 0, sizeof(float) * P * static_cast<size_t>(H));
   col_tasks(H);
   pool.parallel_for(static_cast<int>(tasks.size()), [&](int ti, int tid) {

@@ -72,7 +72,7 @@ class MoETrain {
   // the memory is that of the largest call, not one copy per layer.
   struct Scratch {
     std::mutex mu;
-    AlignedBuf xg, xu, gu, h, hq, y, a_gu, a_d, bd, b_gu, g1, g2;
+    AlignedBuf xg, xu, gu, h, hq, y, a_gu, a_d, bd, b_gu, g1;
     std::vector<AlignedBuf> thr;
   };
   static Scratch& shared_scratch();
