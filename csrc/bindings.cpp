@@ -17,6 +17,9 @@
 #include "weights.h"
 
 namespace py = pybind11;
+namespace kt {
+void bind_moe_train(py::module_& m);  // moe_backward_bindings.cpp
+}
 using namespace kt;
 
 namespace {
@@ -167,6 +170,8 @@ PYBIND11_MODULE(KT_EXT_NAME, m) {
                             reinterpret_cast<void*>(out), od);
              });
            });
+
+  bind_moe_train(m);
 
   py::class_<Linear, std::shared_ptr<Linear>>(m, "Linear")
       .def(py::init([](std::shared_ptr<CPUInfer> ci, int in_f, int out_f, int backend, uintptr_t weight, int wt) {

@@ -34,6 +34,8 @@ class MoE {
                void* out, DType odt);
   const MoEConfig& config() const { return cfg_; }
   size_t packed_bytes() const { return packed_.size(); }
+  // The weights as the kernels read them (0 gate, 1 up, 2 down): the training path shares them.
+  const ProjWeights& proj(int i) const { return i == 0 ? gate_ : (i == 1 ? up_ : down_); }
 
  private:
   MoEConfig cfg_;

@@ -49,6 +49,10 @@ up_type, down_type, activation="silu", alpha=1.702, limit=7.0)``
         is converted), ``-1`` skips a slot; ``weights [T, k]`` float32; ``out [T, H]`` float32 or
         bfloat16, default dtype of x.  Expert ids >= num_experts raise ``IndexError``.
 
+``MoETrainKernel(moe)``
+    Training path on a ``MoEKernel``'s weights: forward with per-expert LoRA, backward to x,
+    routing weights and the LoRA factors (``kernels/moe_train.py``).
+
 ``LinearKernel(pool, backend, in_features, out_features, weight, weight_type)``
     ``y[T, out] = x[T, in] @ W^T``, ``W [out, in]`` as for MoEKernel.  ``.forward(x, out=None,
     out_dtype=None)``, ``.submit(x, out)``.  Contiguous torch CPU tensors take a decode fast path
@@ -65,6 +69,7 @@ from ..weights.ggml_types import KERNEL_TYPES
 from .args import ggml_type
 from .linear import LinearKernel
 from .moe import ACTIVATIONS, BACKENDS, MoEKernel
+from .moe_train import LoraFactors, MoETrainKernel
 from .pool import CPUInfer, cpu_infer, isa_tier
 from .types import dequantize, row_bytes, type_info
 
@@ -72,4 +77,4 @@ from .types import dequantize, row_bytes, type_info
 TYPES = {name: t.id for name, t in KERNEL_TYPES.items()}
 
 __all__ = ["isa_tier", "cpu_infer", "CPUInfer", "MoEKernel", "LinearKernel", "row_bytes", "type_info",
-           "dequantize", "ggml_type", "BACKENDS", "ACTIVATIONS", "TYPES"]
+           "dequantize", "ggml_type", "BACKENDS", "ACTIVATIONS", "TYPES", "MoETrainKernel", "LoraFactors"]

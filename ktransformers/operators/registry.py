@@ -28,7 +28,7 @@ OPERATORS: dict[str, type] = {}
 # modules whose import registers operators and ops; optional ones may be absent in a build
 _OPERATOR_MODULES = ("linear", "embedding", "experts", "moe", "gate", "RoPE", "layernorm", "mlp", "models",
                      "attention")
-_OPTIONAL_MODULES = ("cpu_experts", "cpu_linear", "fp8_linear", "gpu_quant_linear")
+_OPTIONAL_MODULES = ("cpu_experts", "sft_experts", "cpu_linear", "fp8_linear", "gpu_quant_linear")
 _loaded = False
 
 
