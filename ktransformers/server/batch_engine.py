@@ -119,8 +119,9 @@ class BatchEngine(Engine):
         for j in jobs:
             j.cancel.set()
         super().shutdown(timeout)
-        if self.prefix_cache is not None:  # the device and RAM tiers go to disk, for the next start
-            self.prefix_cache.close()
+        close = getattr(self.prefix_cache, "close", None)
+        if close is not None:  # the device and RAM tiers go to disk, for the next start
+            close()
 
     # ---- worker --------------------------------------------------------------------------
     def _run(self) -> None:
