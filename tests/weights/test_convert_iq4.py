@@ -153,3 +153,13 @@ def test_iq4_xs_file_loads_and_generates(tmp_path, tiny_model_dir):
     assert rel < 0.3, rel  # measured 0.216 (the same model as Q4_K_M: 0.221, Q8_0: 0.024)
     gen = model.generate(ids, max_new_tokens=6, do_sample=False)
     assert gen.shape == (1, ids.shape[1] + 6)
+
+
+def test_file_type_table_is_llama_cpp_s():
+    """One table of general.file_type values, read by the converter and the server."""
+    from ktransformers.convert import PRESETS
+    from ktransformers.weights.ggml_types import FILE_TYPE_NAMES, FILE_TYPES
+
+    assert (FILE_TYPES["F32"], FILE_TYPES["Q4_K_M"], FILE_TYPES["IQ4_NL"], FILE_TYPES["IQ4_XS"], FILE_TYPES["BF16"]) \
+        == (0, 15, 25, 30, 32)
+    assert set(PRESETS) <= set(FILE_TYPES) and FILE_TYPE_NAMES[30] == "IQ4_XS"
