@@ -10,8 +10,9 @@ about 55 M parameters) into ``.cache/bench/convert``, converts it once with llam
 * ``python -m ktransformers.convert --model_path HF --preset PRESET`` (ours, same threads),
 
 and prints both in parameters per second, with the ratio (also for our converter called in-process
-after its imports are warm: a Python start-up loads torch and transformers, ~5 s on a busy machine).
-Both write the same tensor types.
+after its imports are warm: a fresh process loads torch and transformers first, 2-3 s on an idle
+machine, far more on a busy one), and the load average before and after (the machine is shared:
+compare figures of one run).  Both write the same tensor types.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def main(argv=None) -> int:
 
     n_params = sum(int(t.n_elements) for t in gguf.GGUFReader(str(f16)).tensors)
 
+    load_before = os.getloadavg()
     t0 = time.perf_counter()
     subprocess.run([str(quantize_bin), str(f16), str(OUT / f"llama-{a.preset}.gguf"), a.preset, str(a.threads)],
                    check=True, capture_output=True)
@@ -104,6 +106,8 @@ def main(argv=None) -> int:
     print(f"ktransformers.convert, in process, warm:      {t_warm:6.1f} s  {n_params / t_warm / 1e6:6.2f} M params/s")
     print(f"ratio (ours / llama-quantize): {t_llama / t_kt:.2f}x whole process, {t_llama / t_warm:.2f}x warm; "
           f"tensor types equal: {same}/{len(a_types)}")
+    print("load average (1/5/15 min) before: {:.2f} {:.2f} {:.2f}, after: {:.2f} {:.2f} {:.2f}".format(
+        *load_before, *os.getloadavg()))
     return 0
 
 

@@ -119,7 +119,7 @@ PYBIND11_MODULE(KT_EXT_NAME, m) {
   m.def("quantize_rows", [](int type, uintptr_t src, int64_t nrows, int64_t n_per_row, uintptr_t dst, int threads) {
     py::gil_scoped_release nogil;
     quantize_rows(type, cptr<float>(src), reinterpret_cast<void*>(dst), nrows, n_per_row, threads);
-  }, "quantize nrows x n_per_row float32 at src into ggml blocks at dst (Q4_K/Q5_K/Q6_K; converter)");
+  }, "quantize nrows x n_per_row float32 at src into ggml blocks at dst (Q4_K/Q5_K/Q6_K/IQ4_NL/IQ4_XS; converter)");
   m.def("quantize_rows_supported", &quantize_rows_supported);
   m.def("dequantize", [](int type, uintptr_t src, int64_t n, uintptr_t dst) {
     check_row_len(type, n, "dequantize");

@@ -1,4 +1,4 @@
-// K-quant row quantizers (see quantize_ref.h).  The searches follow llama.cpp's published
+// K-quant and IQ4 row quantizers (see quantize_ref.h).  The searches follow llama.cpp's published
 // reference algorithms (weighted least-squares scale/min search over a few candidate grids),
 // block layouts are ggml's; the Python twin is ktransformers/weights/quantize.py.
 #include "quantize_ref.h"
@@ -14,9 +14,20 @@
 namespace kt {
 namespace {
 
+// The block quantizers are compiled twice, for AVX2 and for the x86-64 baseline, and the loader
+// picks one (GCC function multi-versioning); the searches are inlined into each, so their 8-lane
+// loops run 8 floats wide where the CPU has AVX2.  No FMA: the bytes stay the same either way.
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
+#define KT_QUANT_CLONES __attribute__((target_clones("avx2", "default")))
+#define KT_QUANT_INLINE __attribute__((always_inline)) inline
+#else
+#define KT_QUANT_CLONES
+#define KT_QUANT_INLINE inline
+#endif
+
 constexpr int QK = 256;
 constexpr float GROUP_EPS = 1e-15f;
-constexpr int T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14;
+constexpr int T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23;
 
 // round half to even, like ggml's nearest_int: adding 1.5 * 2^23 leaves the rounded integer in the
 // low mantissa bits (exact for |v| < 2^22; larger values saturate, then clamp as before); inline, so the
@@ -75,7 +86,7 @@ float from_half(uint16_t h) {
 inline float round_half(float v) { return from_half(to_half(v)); }
 
 // symmetric scale of n values, q in [-nmax, nmax - 1], x^2-weighted search over 19 grids
-float search_scale_sym(int n, int nmax, const float* x, int8_t* L) {
+KT_QUANT_INLINE float search_scale_sym(int n, int nmax, const float* x, int8_t* L) {
   float mx = 0, amax = 0;
   for (int i = 0; i < n; ++i) {
     const float a = std::fabs(x[i]);
@@ -120,7 +131,7 @@ inline float rnd(float v) { return (v + 12582912.f) - 12582912.f; }  // half to 
 // of one block at once, weighted by w: lane j is sub-block j, each lane does the scalar search's
 // arithmetic in the reference order (so the bytes equal the reference quantizer's),
 // and the loops over lanes vectorise without reassociating any sum.
-void search_scale_min8(int nmax, const float* x, const float* w, uint8_t* L, float* scale, float* the_min,
+KT_QUANT_INLINE void search_scale_min8(int nmax, const float* x, const float* w, uint8_t* L, float* scale, float* the_min,
                        float rmin, float rdelta, int nstep) {
   constexpr int J = 8, N = 32;
   float xt[N][J], wt[N][J], Lf[N][J], La[N][J];
@@ -208,7 +219,7 @@ void search_scale_min8(int nmax, const float* x, const float* w, uint8_t* L, flo
 }
 
 // Q4_K (nmax 15) / Q5_K (nmax 31): 8 sub-blocks of 32, 6-bit scales and mins
-void block_q45(const float* x, uint8_t* out, bool five) {
+KT_QUANT_CLONES void block_q45(const float* x, uint8_t* out, bool five) {
   const int nmax = five ? 31 : 15;
   uint8_t L[QK], Laux[32], sc6[12] = {0};
   float w[32], mins[8], scales[8], max_scale = 0, max_min = 0;
@@ -276,7 +287,7 @@ void block_q45(const float* x, uint8_t* out, bool five) {
 }
 
 // Q6_K: 16 sub-blocks of 16, 8-bit scales; layout ql[128] qh[64] scales[16] d
-void block_q6(const float* x, uint8_t* out) {
+KT_QUANT_CLONES void block_q6(const float* x, uint8_t* out) {
   int8_t Ls[QK];
   uint8_t L[QK];
   float scales[16], max_scale = 0, max_abs = 0;
@@ -315,11 +326,104 @@ void block_q6(const float* x, uint8_t* out) {
   }
 }
 
+// ---- IQ4_NL / IQ4_XS: 4-bit indices into a fixed non-linear code book (ggml's kvalues_iq4nl)
+
+constexpr float kNL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+// the midpoints between neighbouring codes: the nearest code of v is the number of midpoints <= v
+constexpr float kNLMid[15] = {-115.5f, -93.5f, -74.f, -57.f, -42.f, -28.5f, -16.f, -4.5f,
+                              7.f, 19.f, 31.5f, 45.5f, 61.f, 79.f, 101.f};
+
+inline int nearest_code(float v) {
+  int idx = 0;
+  for (int k = 0; k < 15; ++k) idx += v >= kNLMid[k];
+  return idx;
+}
+
+// Scale d of the 32 values at x so that x ~= d * kNL[L] (x^2-weighted least squares, no importance
+// matrix).  Candidate inverse scales put the largest-magnitude value on the code book's far end,
+// then 15 steps around it on the other (signed) side; each candidate's codes are refit by least
+// squares and the refit with the smallest weighted error wins.
+KT_QUANT_INLINE float search_scale_nl(const float* x) {
+  constexpr int N = 32;
+  float amax = 0, mx = 0;
+  for (int i = 0; i < N; ++i) {
+    const float a = std::fabs(x[i]);
+    if (a > amax) { amax = a; mx = x[i]; }
+  }
+  if (amax < GROUP_EPS) return 0.f;
+  float w[N];
+  for (int i = 0; i < N; ++i) w[i] = x[i] * x[i];
+  auto fit = [&](float isc, float& sqx, float& sq2) {
+    sqx = sq2 = 0;
+    for (int i = 0; i < N; ++i) {
+      const float q = kNL[nearest_code(isc * x[i])];
+      sqx += w[i] * q * x[i];
+      sq2 += w[i] * q * q;
+    }
+  };
+  float sqx, sq2;
+  fit(-kNL[0] / mx, sqx, sq2);
+  float d = sq2 > 0 ? sqx / sq2 : 0.f, best = d * sqx;
+  for (int t = -7; t <= 7; ++t) {
+    fit((t + kNL[0]) / mx, sqx, sq2);
+    if (sq2 > 0 && sqx * sqx > best * sq2) {
+      d = sqx / sq2;
+      best = d * sqx;
+    }
+  }
+  return d;
+}
+
+// the 32 codes of x for the stored scale d, packed two per byte (value j low nibble, j + 16 high)
+KT_QUANT_INLINE void pack_codes_nl(const float* x, float d, uint8_t* qs) {
+  const float id = d != 0.f ? 1.f / d : 0.f;
+  uint8_t L[32];
+  for (int i = 0; i < 32; ++i) L[i] = static_cast<uint8_t>(nearest_code(id * x[i]));
+  for (int j = 0; j < 16; ++j) qs[j] = static_cast<uint8_t>(L[j] | (L[j + 16] << 4));
+}
+
+// IQ4_NL: one fp16 scale per 32 values; layout d, qs[16]
+KT_QUANT_CLONES void block_iq4_nl(const float* x, uint8_t* out) {
+  const uint16_t dh = to_half(search_scale_nl(x));
+  std::memcpy(out, &dh, 2);
+  pack_codes_nl(x, from_half(dh), out + 2);
+}
+
+// IQ4_XS: 8 sub-blocks of 32 with 6-bit signed scales of one fp16 scale; layout d, scales_h,
+// scales_l[4], qs[128]
+KT_QUANT_CLONES void block_iq4_xs(const float* x, uint8_t* out) {
+  float scales[8], max_scale = 0, amax = 0;
+  for (int ib = 0; ib < 8; ++ib) {
+    scales[ib] = search_scale_nl(x + 32 * ib);
+    if (std::fabs(scales[ib]) > amax) { amax = std::fabs(scales[ib]); max_scale = scales[ib]; }
+  }
+  std::memset(out, 0, 136);
+  if (amax < GROUP_EPS) {  // all-zero block: codes of 0 under a zero scale
+    for (int j = 0; j < 128; ++j) out[8 + j] = static_cast<uint8_t>(8 | (8 << 4));
+    return;
+  }
+  // the largest scale lands on -32, the far end of the signed 6-bit range
+  const uint16_t dh = to_half(-max_scale / 32.f);
+  const float d = from_half(dh), id = d != 0.f ? 1.f / d : 0.f;
+  uint16_t scales_h = 0;
+  uint8_t* scales_l = out + 4;
+  for (int ib = 0; ib < 8; ++ib) {
+    const int l = std::clamp(nearest(id * scales[ib]), -32, 31);
+    scales_l[ib / 2] |= static_cast<uint8_t>(((l + 32) & 0xF) << (4 * (ib % 2)));
+    scales_h |= static_cast<uint16_t>(((l + 32) >> 4) << (2 * ib));
+    pack_codes_nl(x + 32 * ib, d * l, out + 8 + 16 * ib);
+  }
+  std::memcpy(out, &dh, 2);
+  std::memcpy(out + 2, &scales_h, 2);
+}
+
 int block_bytes(int type) {
   switch (type) {
     case T_Q4_K: return 144;
     case T_Q5_K: return 176;
     case T_Q6_K: return 210;
+    case T_IQ4_NL: return 18;
+    case T_IQ4_XS: return 136;
     default: return 0;
   }
 }
@@ -331,17 +435,23 @@ bool quantize_rows_supported(int ggml_type) { return block_bytes(ggml_type) > 0;
 void quantize_rows(int type, const float* src, void* dst, int64_t nrows, int64_t n_per_row, int n_threads) {
   const int bb = block_bytes(type);
   if (!bb) throw std::invalid_argument("quantize_rows: ggml type " + std::to_string(type) + " is not supported");
-  if (n_per_row <= 0 || n_per_row % QK) throw std::invalid_argument("quantize_rows: rows must be a multiple of 256");
-  const int64_t blocks = nrows * (n_per_row / QK);
+  const int be = type == T_IQ4_NL ? 32 : QK;
+  if (n_per_row <= 0 || n_per_row % be)
+    throw std::invalid_argument("quantize_rows: rows must be a multiple of " + std::to_string(be));
+  const int64_t blocks = nrows * (n_per_row / be);
   auto run = [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      const float* x = src + b * QK;
+      const float* x = src + b * be;
       uint8_t* out = static_cast<uint8_t*>(dst) + b * bb;
-      if (type == T_Q6_K) block_q6(x, out);
-      else block_q45(x, out, type == T_Q5_K);
+      switch (type) {
+        case T_Q6_K: block_q6(x, out); break;
+        case T_IQ4_NL: block_iq4_nl(x, out); break;
+        case T_IQ4_XS: block_iq4_xs(x, out); break;
+        default: block_q45(x, out, type == T_Q5_K);
+      }
     }
   };
-  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(n_threads, blocks / 16)));
+  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(n_threads, blocks * be / (16 * QK))));
   if (nt <= 1) {
     run(0, blocks);
     return;

@@ -10,18 +10,20 @@ like current llama.cpp), gemma3 (text).
 Type policy, like llama-quantize's: routed experts ``--experts``; attention projections
 ``--attention``; ``token_embd`` ``--embeddings``; ``output`` ``--output-type``; everything else 2-D
 ``--default``; 1-D tensors (norms, biases), the router ``ffn_gate_inp`` and ``exp_probs_b`` stay
-``--norms`` (F32).  Rows that are not a multiple of a K-quant's 256-value block fall back like
-llama-quantize: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0 (Q2_K / Q3_K -> Q4_0, since we cannot
-write llama.cpp's IQ4_NL); rows not a multiple of 32 -> F16.
+``--norms`` (F32).  Rows that are not a multiple of a 256-value block fall back like
+llama-quantize: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, Q2_K / Q3_K -> Q4_0, IQ4_XS -> IQ4_NL;
+rows not a multiple of 32 -> F16.
 
-Tensors are streamed: each one is read, transformed, quantized and written before the next is
-read (stacked experts one expert at a time), so memory stays near one tensor's size.  A byte-level
-BPE ``tokenizer.json`` in the folder is written as llama.cpp's ``gpt2`` vocabulary; otherwise the
-file says ``tokenizer.ggml.model = "no_vocab"``.
+Tensors are streamed: each is read, transformed and quantized (stacked experts one expert at a time)
+on a worker thread, two ahead of the one being written, so memory stays near three tensors' size.  A byte-level
+BPE ``tokenizer.json`` in the folder is written as llama.cpp's ``gpt2`` vocabulary, a SentencePiece
+``tokenizer.model`` as its ``llama`` vocabulary (Llama and Gemma-3 prefer the latter, as llama.cpp's
+converter does); otherwise the file says ``tokenizer.ggml.model = "no_vocab"``.
 
-``--preset Q4_K_M`` (or Q2_K, Q3_K_S/M/L, Q4_K_S, Q5_K_S/M, Q6_K, Q8_0, Q4_0, ...) replaces the
-per-role types with llama-quantize's own per-tensor mix for that preset (see :class:`PresetPolicy`).
-Q4_K/Q5_K/Q6_K are quantized in C++ on all cores (``KT_QUANT_THREADS``), with a progress bar.
+``--preset Q4_K_M`` (or Q2_K, Q3_K_S/M/L, Q4_K_S, Q5_K_S/M, Q6_K, Q8_0, Q4_0, IQ4_NL, IQ4_XS, ...)
+replaces the per-role types with llama-quantize's own per-tensor mix for that preset (see
+:class:`PresetPolicy`).  Q4_K/Q5_K/Q6_K/IQ4_NL/IQ4_XS are quantized in C++ on all cores
+(``KT_QUANT_THREADS``), with a progress bar.
 """
 
 from __future__ import annotations
@@ -40,10 +42,11 @@ import torch
 
 from .errors import ConfigError, KTError, WeightError
 from .weights import gguf_names as gn
-from .weights.ggml_types import ggml_type_info
+from .weights.ggml_types import FILE_TYPES, ggml_type_info
 from .weights.quantize import QUANTIZABLE, quantize
 
-_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+#: llama-quantize's type for rows that are not a multiple of a 256-value block
+_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL"}
 
 
 @dataclass
@@ -85,9 +88,10 @@ class TypePolicy:
 #: llama-quantize's presets we can write: preset -> base type of the mix
 PRESETS = {"Q2_K": "Q2_K", "Q3_K_S": "Q3_K", "Q3_K_M": "Q3_K", "Q3_K_L": "Q3_K", "Q4_0": "Q4_0", "Q4_1": "Q4_1",
            "Q5_0": "Q5_0", "Q5_1": "Q5_1", "Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K", "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K",
-           "Q6_K": "Q6_K", "Q8_0": "Q8_0", "F16": "F16", "BF16": "BF16", "F32": "F32"}
-#: presets of llama-quantize whose types (IQ*) we have no quantizer for
-UNWRITABLE_PRESETS = ("IQ4_XS", "IQ4_NL", "IQ3_M", "IQ3_S", "IQ3_XS", "IQ3_XXS", "IQ2_M", "IQ2_S", "IQ2_XS",
+           "Q6_K": "Q6_K", "Q8_0": "Q8_0", "IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_XS", "F16": "F16", "BF16": "BF16",
+           "F32": "F32"}
+#: presets of llama-quantize whose types (the other IQ*) we have no quantizer for
+UNWRITABLE_PRESETS = ("IQ3_M", "IQ3_S", "IQ3_XS", "IQ3_XXS", "IQ2_M", "IQ2_S", "IQ2_XS",
                       "IQ2_XXS", "IQ1_M", "IQ1_S", "Q2_K_S", "TQ1_0", "TQ2_0", "MXFP4_MOE")
 
 
@@ -105,7 +109,9 @@ class PresetPolicy:
     ``attn_v`` gets more bits in Q2_K / Q3_K_* / Q4_K_* / Q5_K_M (layer-dependent), Q8_0 with 8
     experts, ``attn_k`` too; ``ffn_down*`` (experts and shared experts included) more bits in
     Q2_K / Q3_K_* / Q4_K_* / Q5_K_M by layer; ``attn_output`` Q5_K with 8 experts for the
-    lower presets; rows that do not fit a type's block fall back as :func:`fit_type` says.
+    lower presets; IQ4_NL / IQ4_XS: ``attn_v`` Q5_K where 4+ query heads share a KV head,
+    ``ffn_down`` of the first eighth of the layers Q5_K; rows that do not fit a type's block
+    fall back as :func:`fit_type` says.
     """
 
     preset: str
@@ -152,6 +158,8 @@ class PresetPolicy:
                 t = "Q5_K"
             elif p in ("Q4_K_M", "Q5_K_M") and _more_bits(i, self.n_attn_v):
                 t = "Q6_K"
+            elif p in ("IQ4_NL", "IQ4_XS") and self.n_gqa >= 4:
+                t = "Q5_K"
             elif p == "Q4_K_S" and i < 4:
                 t = "Q5_K"
             if eight:
@@ -170,10 +178,12 @@ class PresetPolicy:
                 t = "Q5_K"
             elif p in ("Q4_K_M", "Q5_K_M") and _more_bits(i, n):
                 t = "Q6_K"
+            elif p in ("IQ4_NL", "IQ4_XS") and i < n // 8:
+                t = "Q5_K"
             elif p == "Q4_K_S" and i < n // 8:
                 t = "Q5_K"
         elif leaf == "attn_output":
-            if eight and p in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M"):
+            if eight and p in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M", "IQ4_NL", "IQ4_XS"):
                 t = "Q5_K"
             elif not eight:
                 t = {"Q2_K": "Q3_K", "Q3_K_M": "Q4_K", "Q3_K_L": "Q5_K"}.get(p, t)
@@ -190,12 +200,6 @@ class PresetPolicy:
         n_attn_v = 0 if arch == "deepseek2" else c.num_hidden_layers
         return cls(preset, n_layer=c.num_hidden_layers, n_expert=n_expert, n_gqa=heads // max(1, kv),
                    n_attn_v=n_attn_v, tied=bool(getattr(c, "tie_word_embeddings", False)))
-
-
-#: llama.cpp's ``general.file_type`` (LLAMA_FTYPE_*) of each preset
-FILE_TYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_S": 11,
-             "Q3_K_M": 12, "Q3_K_L": 13, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18,
-             "BF16": 32}
 
 
 def fit_type(t: str, row: int) -> str:
@@ -289,10 +293,9 @@ class _Out:
 
 
 def _meta_model(config):
-    from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    with init_empty_weights():
+    with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
 
 
@@ -462,15 +465,22 @@ def plan(config, ckpt: Checkpoint, policy: TypePolicy) -> tuple[str, list[_Out]]
 
 def _expert_producer(ckpt: Checkpoint, base: str, proj: str, E: int, n_inter: int, t: str):
     def produce() -> np.ndarray:
-        parts = []
+        out = None
         for e in range(E):
-            parts.append(quantize(ckpt.expert(base, proj, e, n_inter), t))
-        return np.concatenate(parts)
+            q = quantize(ckpt.expert(base, proj, e, n_inter), t)
+            if out is None:
+                out = np.empty(E * q.size, dtype=np.uint8)
+            out[e * q.size:(e + 1) * q.size] = q
+        return out
 
     return produce
 
 
 # ------------------------------------------------------------------------------ writing
+
+
+#: tensors produced ahead of the one being written
+_AHEAD = 2
 
 
 def write_gguf(output: Path, metadata: dict, outs: list[_Out], log: Callable[[str], None] | None = None,
@@ -488,8 +498,9 @@ def write_gguf(output: Path, metadata: dict, outs: list[_Out], log: Callable[[st
         if kind == "arr":
             w.add_array(k, v)
             continue
-        if kind == "i32arr":
-            w.add_key_value(k, v, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
+        if kind in ("i32arr", "f32arr"):
+            sub = gguf.GGUFValueType.INT32 if kind == "i32arr" else gguf.GGUFValueType.FLOAT32
+            w.add_key_value(k, v, gguf.GGUFValueType.ARRAY, sub_type=sub)
             continue
         {"str": w.add_string, "u32": w.add_uint32, "f32": w.add_float32, "bool": w.add_bool}[kind](k, v)
     for o in outs:
@@ -510,8 +521,23 @@ def write_gguf(output: Path, metadata: dict, outs: list[_Out], log: Callable[[st
 
         total = sum(int(np.prod(o.shape)) for o in outs)
         bar = tqdm(total=total, unit="param", unit_scale=True, desc=f"quantizing {output.name}", file=sys.stderr)
+    # tensors are read and quantized ahead on worker threads (the C++ quantizer releases the GIL)
+    # while the main thread writes the previous one
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="convert")
+    ahead = [pool.submit(o.produce) for o in outs[:_AHEAD]]
     for i, o in enumerate(outs):
-        data = o.produce()
+        try:
+            data = ahead[i].result()
+        except BaseException:
+            for f in ahead[i:]:
+                f.cancel()
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        ahead[i] = None  # drop the reference: memory stays near _AHEAD tensors
+        if i + _AHEAD < len(outs):
+            ahead.append(pool.submit(outs[i + _AHEAD].produce))
         if data.nbytes != o.nbytes:
             raise AssertionError(f"{o.name}: produced {data.nbytes} bytes, expected {o.nbytes}")
         w.write_tensor_data(data)
@@ -520,6 +546,7 @@ def write_gguf(output: Path, metadata: dict, outs: list[_Out], log: Callable[[st
             bar.set_postfix_str(f"{o.name} {o.ggml_type}", refresh=False)
         elif log:
             log(f"[{i + 1}/{len(outs)}] {o.name} {o.ggml_type} {list(o.shape)} ({time.time() - t0:.1f}s)")
+    pool.shutdown()
     if bar is not None:
         bar.close()
     w.close()
@@ -567,15 +594,19 @@ def convert(
     md = metadata_for(text_cfg, arch, [o.name for o in outs])
     md["general.name"] = ("str", raw_cfg.get("_name_or_path") or mp.name)
     if preset:
-        md["general.file_type"] = ("u32", FILE_TYPE[policy.preset])
+        md["general.file_type"] = ("u32", FILE_TYPES[policy.preset])
     if tokenizer:
-        from .weights.gguf_vocab import tokenizer_metadata
+        from .weights.gguf_vocab import sentencepiece_metadata, tokenizer_metadata
 
-        vocab = tokenizer_metadata(mp, text_cfg.vocab_size)
+        # like llama.cpp's converter: Llama and Gemma take a SentencePiece model before tokenizer.json
+        first, second = ((sentencepiece_metadata, tokenizer_metadata) if arch in ("llama", "gemma3")
+                         else (tokenizer_metadata, sentencepiece_metadata))
+        vocab = first(mp, text_cfg.vocab_size, arch) or second(mp, text_cfg.vocab_size, arch)
         if vocab is not None:
             md.update(vocab)
         elif log:
-            log(f"note: {mp} has no byte-level BPE tokenizer.json; writing no vocabulary (no_vocab)")
+            log(f"note: {mp} has neither a byte-level BPE tokenizer.json nor a SentencePiece tokenizer.model; "
+                f"writing no vocabulary (no_vocab)")
     out = Path(output)
     write_gguf(out, md, outs, log, progress=progress)
     return out

@@ -132,7 +132,9 @@ def _model_info(settings: Settings, model, source, load_seconds: float) -> dict:
     quant = ""
     if hasattr(source, "tensor_info"):
         meta = getattr(source, "metadata", {}) or {}
-        quant = _GGUF_FILE_TYPES.get(meta.get("general.file_type"), "")
+        from ..weights.ggml_types import FILE_TYPE_NAMES
+
+        quant = FILE_TYPE_NAMES.get(meta.get("general.file_type"), "")
         if not quant:  # the most common type among the matrices
             try:
                 counts = Counter(t for _, t, shape, _ in source.tensor_info() if len(shape) > 1)
@@ -146,14 +148,6 @@ def _model_info(settings: Settings, model, source, load_seconds: float) -> dict:
             "size": size, "parameter_count": n_params,
             "parameter_size": f"{n_params / 1e9:.1f}B" if n_params >= 1e8 else f"{n_params / 1e6:.1f}M",
             "quantization": quant, "path": str(weights), "load_seconds": load_seconds}
-
-
-#: llama.cpp's ``general.file_type`` values (LLAMA_FTYPE_*)
-_GGUF_FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
-                    11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
-                    17: "Q5_K_M", 18: "Q6_K", 19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS",
-                    23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S",
-                    29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16"}
 
 
 def _sampling_defaults(settings: Settings, model):

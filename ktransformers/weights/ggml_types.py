@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
 
 @dataclass(frozen=True)
@@ -101,3 +101,11 @@ def ggml_type_info(t) -> GGMLType:
     if info is None:
         raise KeyError(f"unknown ggml type id {int(t)}")
     return info
+
+
+#: llama.cpp's ``general.file_type`` (LLAMA_FTYPE_*, gguf-py's ``LlamaFileType``) by preset name
+#: (``"Q4_K_M"`` -> 15); the converter writes it, the server reads it back
+FILE_TYPES: dict[str, int] = {ft.name.removeprefix("MOSTLY_").removeprefix("ALL_"): int(ft)
+                              for ft in LlamaFileType if ft.name != "GUESSED"}
+#: the preset name of each ``general.file_type`` value
+FILE_TYPE_NAMES: dict[int, str] = {v: k for k, v in FILE_TYPES.items()}

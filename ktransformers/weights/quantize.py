@@ -27,7 +27,8 @@ QK_K = 256
 GROUP_MAX_EPS = 1e-15
 
 #: types :func:`quantize` can produce
-QUANTIZABLE = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+QUANTIZABLE = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+               "IQ4_NL", "IQ4_XS")
 
 
 def _fp16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -308,7 +309,8 @@ def quantize(x, ggml_type, chunk_elems: int = CHUNK_ELEMS, native: bool = True) 
 
     Returns a flat ``uint8`` numpy array of ``rows * row_bytes`` bytes (the GGUF tensor data).
     Q4_K/Q5_K/Q6_K run in C++ on all cores when the extension has the quantizer (``native=False``:
-    the torch code below, which is the reference it is tested against).
+    the torch code below, which is the reference it is tested against); IQ4_NL / IQ4_XS exist in
+    C++ only.
     """
     info = ggml_type_info(ggml_type)
     t = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x))
@@ -339,7 +341,8 @@ def quantize(x, ggml_type, chunk_elems: int = CHUNK_ELEMS, native: bool = True) 
             arr = flat.cpu().numpy().reshape(-1, n)
             return np.ascontiguousarray(gguf.quants.quantize(arr, qt)).reshape(-1).view(np.uint8)
         except NotImplementedError as e:
-            raise NotImplementedError(f"cannot quantize to {info.name}") from e
+            raise NotImplementedError(f"cannot quantize to {info.name} without the C++ extension's quantizer "
+                                      f"(build it: python setup.py build_ext --inplace)") from e
     nb = flat.numel() // info.block_elems
     out = torch.empty(nb, info.block_bytes, dtype=torch.uint8)
     step = max(1, chunk_elems // info.block_elems)

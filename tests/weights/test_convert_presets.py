@@ -36,8 +36,8 @@ def test_preset_types_equal_llama_quantize(model_name, preset):
 def test_unwritable_preset_is_one_line():
     from ktransformers.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="IQ4_XS: its types have no quantizer"):
-        PresetPolicy("IQ4_XS", n_layer=2)
+    with pytest.raises(ConfigError, match="IQ3_M: its types have no quantizer"):
+        PresetPolicy("IQ3_M", n_layer=2)
     with pytest.raises(ConfigError, match="unknown preset"):
         PresetPolicy("Q9_K", n_layer=2)
 
