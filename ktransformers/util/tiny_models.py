@@ -53,7 +53,7 @@ TINY_CONFIGS: dict[str, dict] = {
     # gpt-oss: sliding (window 8) and full attention alternate, attention sinks and biases; experts
     # transposed with gate/up interleaved, per-expert biases, clamped SwiGLU; router with a bias
     "gpt_oss": dict(_COMMON, head_dim=16, num_local_experts=8, num_experts_per_tok=2, intermediate_size=96,
-                    sliding_window=8),
+                    sliding_window=8, max_position_embeddings=131072),  # yarn x32 over 4096, as released
     "llama": dict(_COMMON, intermediate_size=96),
     "qwen2": dict(_COMMON, intermediate_size=96),
     "qwen3": dict(_COMMON, head_dim=16, intermediate_size=96),

@@ -196,3 +196,59 @@ def test_gguf_from_llama_cpp_converter(tiny_model_dir, hf, tmp_path):
     ids = _ids()
     with torch.no_grad():
         assert _rel(model(ids).logits, hf(ids).logits) <= 1e-4
+
+
+def _openai_mxfp4(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The published checkpoints' MXFP4 of ``rows [E, R, C]``: (blocks [E, R, C/32, 16] with elements
+    2j / 2j+1 in the low / high nibble of byte j, E8M0 scales [E, R, C/32]); codes from gguf-py."""
+    E, R, C = rows.shape
+    blk = gguf.quants.quantize(rows.float().numpy(), gguf.GGMLQuantizationType.MXFP4).reshape(E, R, C // 32, 17)
+    qs = blk[..., 1:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # ggml: low nibbles are elements 0..15
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return torch.from_numpy(np.ascontiguousarray(packed)), torch.from_numpy(np.ascontiguousarray(blk[..., 0]))
+
+
+@pytest.mark.parametrize("op,tol", [("KExpertsCPU", 1e-2), ("KExpertsTorch", 1e-4)])
+def test_published_mxfp4_checkpoint(op, tol, tiny_model_dir, hf, tmp_path):
+    """gpt-oss safetensors as published (``*_blocks`` / ``*_scales``, ``quant_method: mxfp4``): the
+    experts reach the CPU kernels as ggml MXFP4; the reference is transformers with its own
+    dequantization of the same blocks (``integrations.mxfp4.convert_moe_packed_tensors``)."""
+    import copy
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    d = tiny_model_dir(ARCH)
+    for f in d.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                                    "model.layers.*.mlp.router",
+                                                                                    "model.embed_tokens", "lm_head"]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    sd = {k: v.contiguous() for k, v in hf.state_dict().items()
+          if not k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    ref = copy.deepcopy(hf)
+    for i, layer in enumerate(ref.model.layers):
+        ex, p = layer.mlp.experts, f"model.layers.{i}.mlp.experts"
+        for leaf in ("gate_up_proj", "down_proj"):
+            blocks, scales = _openai_mxfp4(getattr(ex, leaf).detach().transpose(1, 2))  # rows [out, in]
+            sd[f"{p}.{leaf}_blocks"], sd[f"{p}.{leaf}_scales"] = blocks, scales
+            with torch.no_grad():
+                getattr(ex, leaf).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    save_file(sd, tmp_path / "model.safetensors")
+    rules = (RULES_DIR / "GptOss-cpu.yaml").read_text()
+    if op == "KExpertsTorch":
+        rules = rules.replace("generate_op: KExpertsCPU\n      backend: llamafile", "generate_op: KExpertsTorch")
+    model = load_model(tmp_path, model_path=tmp_path, rules=rules, allow_unmatched=False)
+    if op == "KExpertsCPU":
+        assert model.kt_weights.raw("model.layers.0.mlp.experts.down_proj").type.name == "MXFP4"
+    ids = _ids(24, seed=2)
+    with torch.no_grad():
+        want = ref(ids).logits
+        assert _rel(want, hf(ids).logits) > 1e-3  # the quantization is visible
+        assert _rel(model(ids).logits, want) <= tol
