@@ -46,8 +46,7 @@ MODEL_TYPE_TO_ARCH = {
     "gemma3": "gemma3",
     "glm4_moe": "glm4moe",
     "minimax_m2": "minimax-m2",
-    "gpt_oss": "gpt-oss",
-}
+}  # gpt_oss: read only (its experts' layout is not the converter's yet)
 
 # (gguf leaf without .weight/.bias, hf leaf without .weight/.bias)
 _ATTENTION = [
