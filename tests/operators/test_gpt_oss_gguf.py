@@ -5,8 +5,9 @@ MXFP4 experts (ggml type 39) on the CPU kernels.
 The fixture files are written here with gguf-py's writer, the experts split the way llama.cpp's
 converter splits them (``conversion/gpt_oss.py``); with ``KT_LLAMA_CPP_DIR`` set, a file written by
 llama.cpp's own converter is loaded too.  Measured on the tiny model (relative to max |logit|):
-F32 file 4.9e-7 (ours and llama.cpp's); MXFP4 experts vs transformers on the dequantized weights:
-KExpertsTorch 4.7e-7, KExpertsCPU (8-bit activations) 3.3e-3.
+F32 file 1.2e-6 (ours and llama.cpp's, 16 greedy tokens identical); MXFP4 experts (13.5 % away
+from the fp32 weights' logits) vs transformers on the dequantized weights: KExpertsTorch 7.8e-7,
+KExpertsCPU 8.4e-3 (the kernels quantize activations to 8 bits: held to 2e-2).
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ def test_f32_gguf_config_from_metadata_and_logits(hf, tmp_path):
     assert torch.equal(a, hf.generate(ids[:, :4], max_new_tokens=16, do_sample=False))
 
 
-@pytest.mark.parametrize("op,tol", [("KExpertsCPU", 1e-2), ("KExpertsTorch", 1e-4)])
+@pytest.mark.parametrize("op,tol", [("KExpertsCPU", 2e-2), ("KExpertsTorch", 1e-4)])
 def test_mxfp4_experts_match_hf_on_the_dequantized_weights(op, tol, hf, tmp_path):
     """MXFP4 expert bytes read in place by the CPU kernels (or dequantized for KExpertsTorch) against
     transformers with gguf-py's dequantization of the same bytes."""
@@ -209,7 +210,7 @@ def _openai_mxfp4(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(np.ascontiguousarray(packed)), torch.from_numpy(np.ascontiguousarray(blk[..., 0]))
 
 
-@pytest.mark.parametrize("op,tol", [("KExpertsCPU", 1e-2), ("KExpertsTorch", 1e-4)])
+@pytest.mark.parametrize("op,tol", [("KExpertsCPU", 2e-2), ("KExpertsTorch", 1e-4)])
 def test_published_mxfp4_checkpoint(op, tol, tiny_model_dir, hf, tmp_path):
     """gpt-oss safetensors as published (``*_blocks`` / ``*_scales``, ``quant_method: mxfp4``): the
     experts reach the CPU kernels as ggml MXFP4; the reference is transformers with its own
