@@ -137,12 +137,14 @@ PYBIND11_MODULE(KT_EXT_NAME, m) {
 
   py::class_<MoE, std::shared_ptr<MoE>>(m, "MoE")
       .def(py::init([](std::shared_ptr<CPUInfer> ci, int E, int H, int I, int backend, uintptr_t gate, uintptr_t up,
-                       uintptr_t down, int gt, int ut, int dt, int act, float alpha, float limit) {
+                       uintptr_t down, int gt, int ut, int dt, int act, float alpha, float limit, uintptr_t gate_bias,
+                       uintptr_t up_bias, uintptr_t down_bias) {
              MoEConfig c;
              c.num_experts = E; c.hidden = H; c.intermediate = I; c.backend = to_backend(backend);
              c.gate = cptr<void>(gate); c.up = cptr<void>(up); c.down = cptr<void>(down);
              c.gate_type = gt; c.up_type = ut; c.down_type = dt;
              c.act = static_cast<Activation>(act); c.alpha = alpha; c.limit = limit;
+             c.gate_bias = cptr<float>(gate_bias); c.up_bias = cptr<float>(up_bias); c.down_bias = cptr<float>(down_bias);
              std::shared_ptr<MoE> moe;
              py::gil_scoped_release nogil;
              ci->run_now([&] { moe = std::make_shared<MoE>(c, ci->pool()); });
@@ -150,7 +152,8 @@ PYBIND11_MODULE(KT_EXT_NAME, m) {
            }),
            py::arg("pool"), py::arg("num_experts"), py::arg("hidden"), py::arg("intermediate"), py::arg("backend"),
            py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("gate_type"), py::arg("up_type"), py::arg("down_type"),
-           py::arg("activation") = 0, py::arg("alpha") = 1.702f, py::arg("limit") = 7.0f)
+           py::arg("activation") = 0, py::arg("alpha") = 1.702f, py::arg("limit") = 7.0f, py::arg("gate_bias") = 0,
+           py::arg("up_bias") = 0, py::arg("down_bias") = 0)
       .def_property_readonly("packed_bytes", &MoE::packed_bytes)
       .def("submit", [](std::shared_ptr<MoE> self, std::shared_ptr<CPUInfer> ci, int T, int k, uintptr_t x, int xdt,
                         uintptr_t ids, uintptr_t w, uintptr_t out, int odt) {

@@ -18,6 +18,7 @@ struct block_q4_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; };
 struct block_q5_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; };
 struct block_q6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; };
 struct block_iq4_nl { uint16_t d; uint8_t qs[16]; };
+struct block_mxfp4 { uint8_t e; uint8_t qs[16]; };  // E8M0 shared exponent + 32 e2m1 nibbles
 struct block_iq4_xs { uint16_t d; uint16_t scales_h; uint8_t scales_l[4]; uint8_t qs[128]; };
 
 static_assert(sizeof(block_q4_0) == 18, "q4_0");
@@ -32,5 +33,6 @@ static_assert(sizeof(block_q5_K) == 176, "q5_K");
 static_assert(sizeof(block_q6_K) == 210, "q6_K");
 static_assert(sizeof(block_iq4_nl) == 18, "iq4_nl");
 static_assert(sizeof(block_iq4_xs) == 136, "iq4_xs");
+static_assert(sizeof(block_mxfp4) == 17, "mxfp4");
 
 }  // namespace kt

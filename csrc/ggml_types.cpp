@@ -30,6 +30,7 @@ struct TypeTable {
     t[GGML_Q8_K] = {"Q8_K", 256, 292, false};
     t[GGML_IQ4_NL] = {"IQ4_NL", 32, 18, true};
     t[GGML_IQ4_XS] = {"IQ4_XS", 256, 136, true};
+    t[GGML_MXFP4] = {"MXFP4", 32, 17, true};
   }
 };
 const TypeTable& table() {

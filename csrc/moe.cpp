@@ -53,6 +53,15 @@ int pick_row_block(int rows, int active_units, int threads) {
   return rb;
 }
 
+// Per-expert gate / up biases (offset `at` into [E, I]) added to nt rows of nr gate and up outputs.
+void add_row_bias(float* G, float* U, int nt, int nr, const float* gb, const float* ub, size_t at) {
+  for (int t = 0; t < nt; ++t)
+    for (int r = 0; r < nr; ++r) {
+      if (gb) G[t * nr + r] += gb[at + r];
+      if (ub) U[t * nr + r] += ub[at + r];
+    }
+}
+
 }  // namespace
 
 MoE::MoE(const MoEConfig& cfg, ThreadPool& pool) : cfg_(cfg) {
@@ -173,6 +182,7 @@ void MoE::forward(ThreadPool& pool, int T, int k, const void* x, DType xdt, cons
     u.A = Au; u.nt = nt; u.C = U; u.ldc = nr; u.tmp = U + tile;
     up_.setup(u, tk.e, tk.r0, nr);
     up_.gemm(u);
+    if (cfg_.gate_bias || cfg_.up_bias) add_row_bias(G, U, nt, nr, cfg_.gate_bias, cfg_.up_bias, static_cast<size_t>(tk.e) * I + tk.r0);
     for (int t = 0; t < nt; ++t)
       kt.glu(act, G + t * nr, U + t * nr, hbuf + static_cast<size_t>(p0 + t) * I + tk.r0, nr, cfg_.alpha, cfg_.limit);
   });
@@ -216,7 +226,9 @@ void MoE::forward(ThreadPool& pool, int T, int k, const void* x, DType xdt, cons
       std::fill(o, o + H, 0.f);
       for (int j = 0; j < k; ++j) {
         const int p = pair_of_[static_cast<size_t>(t) * k + j];
-        if (p >= 0) kt.axpy(w[static_cast<size_t>(t) * k + j], ybuf + static_cast<size_t>(p) * H, o, H);
+        if (p < 0) continue;
+        kt.axpy(w[static_cast<size_t>(t) * k + j], ybuf + static_cast<size_t>(p) * H, o, H);
+        if (cfg_.down_bias) kt.axpy(w[static_cast<size_t>(t) * k + j], cfg_.down_bias + ids[static_cast<size_t>(t) * k + j] * H, o, H);
       }
       if (odt == DType::BF16) kt.f32_to_bf16_row(o, static_cast<uint16_t*>(out) + static_cast<size_t>(t) * H, H);
     }

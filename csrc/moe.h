@@ -21,6 +21,11 @@ struct MoEConfig {
   int gate_type = 0, up_type = 0, down_type = 0;
   Activation act = Activation::SiLU;
   float alpha = 1.702f, limit = 7.0f;
+  // Optional per-expert biases (gpt-oss), fp32 [E, I], [E, I], [E, H]; null: none.  Gate/up
+  // biases are added before the activation, the down bias before the routing weight.
+  const float* gate_bias = nullptr;
+  const float* up_bias = nullptr;
+  const float* down_bias = nullptr;
 };
 
 class MoE {

@@ -30,17 +30,19 @@ API
     ``pool.sync()`` waits for submitted work (GIL released) and re-raises the first task error.
 
 ``MoEKernel(pool, backend, num_experts, hidden, intermediate, gate, up, down, gate_type,
-up_type, down_type, activation="silu", alpha=1.702, limit=7.0)``
+up_type, down_type, activation="silu", alpha=1.702, limit=7.0, gate_bias=None, up_bias=None, down_bias=None)``
     ``backend``: ``"llamafile"`` (weights used in place in their ggml type), ``"AMXInt8"``
     (requantised at load to int8, per-row scales, VNNI/AMX tile layout) or ``"AMXBF16"``
     (repacked to bf16).  ``gate``/``up`` hold ``[E, I, H]`` and ``down`` ``[E, H, I]`` in the
     stacked GGUF layout: either raw bytes (numpy/torch ``uint8``, any shape, exactly
     ``E*rows*row_bytes(type, cols)`` bytes, C-contiguous) or, for F32/F16/BF16, float tensors of
     that shape.  Types: F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL
-    IQ4_XS (name, ``gguf.GGMLQuantizationType`` or id).  Row lengths must be multiples of the
+    IQ4_XS MXFP4 (name, ``gguf.GGMLQuantizationType`` or id).  Row lengths must be multiples of the
     type's block (32, or 256 for K-quants/IQ4_XS), else ``ValueError`` naming the projection and
     shape.  ``activation``: ``"silu"`` | ``"gelu_tanh"`` | ``"clamp_swiglu"`` (gpt-oss:
-    ``(clamp(up,±limit)+1) * g*sigmoid(alpha*g)``, ``g = min(gate, limit)``).
+    ``(clamp(up,±limit)+1) * g*sigmoid(alpha*g)``, ``g = min(gate, limit)``).  Optional per-expert
+    fp32 biases (gpt-oss) ``gate_bias``/``up_bias [E, I]`` (added before the activation) and
+    ``down_bias [E, H]`` (added before the routing weight); kept alive like the weights.
     llamafile weights are referenced, not copied: the wrapper keeps the arrays alive.
 
     ``.forward(x, ids, weights, out=None, out_dtype=None) -> out`` (blocking)

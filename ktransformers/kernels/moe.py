@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import cpuinfer_ext as _ext
-from .args import _empty_like, _weight, ggml_type, moe_call_args, positive_ints, rows_of
+from .args import _desc, _empty_like, _weight, ggml_type, moe_call_args, positive_ints, rows_of
 from .pool import CPUInfer
 
 BACKENDS = {"llamafile": 0, "AMXInt8": 1, "AMXBF16": 2}
@@ -18,12 +18,23 @@ def _backend(b: Any) -> int:
     return BACKENDS[b]
 
 
+def _bias(b: Any, shape: tuple[int, int], name: str) -> int:
+    """Pointer of an optional per-expert fp32 bias of ``shape`` (0: none)."""
+    if b is None:
+        return 0
+    ptr, dt, shp = _desc(b, name)
+    if dt != "float32" or tuple(shp) != shape:
+        raise ValueError(f"{name}: expected float32 {list(shape)}, got {dt} {list(shp)}")
+    return ptr
+
+
 class MoEKernel:
     """Routed experts of one MoE layer; see the module docstring."""
 
     def __init__(self, pool: CPUInfer, backend: str, num_experts: int, hidden: int, intermediate: int,
                  gate: Any, up: Any, down: Any, gate_type: Any, up_type: Any, down_type: Any,
-                 activation: str = "silu", alpha: float = 1.702, limit: float = 7.0):
+                 activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
+                 gate_bias: Any = None, up_bias: Any = None, down_bias: Any = None):
         if not isinstance(pool, CPUInfer):
             raise TypeError(f"pool: expected ktransformers.kernels.CPUInfer, got {type(pool).__name__}")
         positive_ints(num_experts=num_experts, hidden=hidden, intermediate=intermediate)
@@ -37,9 +48,11 @@ class MoEKernel:
         pg = _weight(gate, gt, (E, I, H), "gate")
         pu = _weight(up, ut, (E, I, H), "up")
         pd = _weight(down, dt, (E, H, I), "down")
-        self._weights = (gate, up, down)  # zero-copy: keep alive
+        biases = (_bias(gate_bias, (E, I), "gate_bias"), _bias(up_bias, (E, I), "up_bias"),
+                  _bias(down_bias, (E, H), "down_bias"))
+        self._weights = (gate, up, down, gate_bias, up_bias, down_bias)  # zero-copy: keep alive
         self._m = _ext.MoE(pool._c, E, H, I, _backend(backend), pg, pu, pd, gt.id, ut.id, dt.id,
-                           ACTIVATIONS[activation], float(alpha), float(limit))
+                           ACTIVATIONS[activation], float(alpha), float(limit), *biases)
 
     def submit(self, x: Any, ids: Any, weights: Any, out: Any) -> None:
         """Queue the layer; returns at once.  Read ``out`` only after ``pool.sync()``."""

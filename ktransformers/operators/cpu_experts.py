@@ -73,14 +73,23 @@ class KExpertsCPU(ExpertsOp):
         self.check_shapes(weights)
         arrays = {}
         types = {}
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            arrays[proj], types[proj] = weight_for_kernel(weights, f"{self.key}.{proj}", dtype)
+        if self.from_parameters(weights):  # the module's own layout (gpt-oss safetensors): converted floats
+            float_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
+            arrays = self.float_weights(weights, float_dtype)
+            types = dict.fromkeys(arrays, "F32" if float_dtype == torch.float32 else "BF16")
+        else:
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                arrays[proj], types[proj] = weight_for_kernel(weights, f"{self.key}.{proj}", dtype)
+        b = self.biases(weights, torch.float32) or {}
+        self._biases = b  # the kernel reads them in place
         self.pool = kernel_pool()
         try:
             self.kernel = K.MoEKernel(
                 self.pool, self.backend, self.num_experts, self.hidden, self.intermediate,
                 arrays["gate_proj"], arrays["up_proj"], arrays["down_proj"],
                 types["gate_proj"], types["up_proj"], types["down_proj"], activation=self._kernel_activation(),
+                alpha=self.alpha, limit=self.limit, gate_bias=b.get("gate_proj"), up_bias=b.get("up_proj"),
+                down_bias=b.get("down_proj"),
             )
         except (ValueError, TypeError) as e:
             from ..errors import WeightError
@@ -105,6 +114,7 @@ class KExpertsCPU(ExpertsOp):
     def unload(self):
         self.kernel = None
         self._arrays = None
+        self._biases = None
         self.loaded = False
 
     def _prep(self, x, top_k_index, top_k_weights):

@@ -9,6 +9,12 @@ device); ``KExpertsCPU`` (C++ kernels) registers itself from ``cpu_experts.py``.
 
 Ops that can run asynchronously implement ``submit`` / ``collect`` so the MoE block can
 compute shared experts while the routed ones run (see ``moe.py``).
+
+Ops compute on the stacked layout of the weight sources (``source.py``: gate / up ``[E, I, H]``,
+down ``[E, H, I]``).  A module whose parameters are laid out otherwise (gpt-oss: transposed,
+gate/up interleaved, per-expert biases) says so through the flags transformers'
+``use_experts_implementation`` sets on it; ``ExpertsLayout`` (``weights/experts_layout.py``) reads
+them and converts a checkpoint that stores the module's own parameters.
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import WeightError
+from ..errors import RuleError, WeightError
+from ..weights.experts_layout import ExpertsLayout
 from .base import BaseInjectedModule, Op
 from .kinds import EXPERTS
 from .registry import register
@@ -37,30 +44,84 @@ def experts_geometry(orig: nn.Module, config) -> tuple[int, int, int]:
 
 
 class ExpertsOp(Op):
-    """Base of experts ops: knows the geometry and the activation."""
+    """Base of experts ops: knows the geometry, the parameter layout and the activation."""
 
     TABLE = EXPERTS_OPS
 
     def __init__(self, key, config, orig_module, device, **kwargs):
         super().__init__(key, config, orig_module, device, **kwargs)
         self.num_experts, self.hidden, self.intermediate = experts_geometry(orig_module, config)
+        name = type(orig_module).__name__
+        if not getattr(orig_module, "has_gate", True):
+            raise RuleError(f"{key}: {name} has no gate projection (up -> down only); the expert ops need "
+                            f"gate and up, keep the module with 'class: default'")
+        if getattr(orig_module, "has_post_expert_norm", False):
+            raise RuleError(f"{key}: {name} normalises each expert's output, which the expert ops do not; "
+                            f"keep the module with 'class: default'")
+        self.layout = ExpertsLayout.of(orig_module)
         act = getattr(orig_module, "act_fn", None)
         self.act_fn = act if act is not None else F.silu
         self.activation = _activation_name(act)
+        if act is None and hasattr(orig_module, "alpha") and hasattr(orig_module, "limit"):
+            # gpt-oss: (clamp(up, +-limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
+            self.activation = "clamp_swiglu"
+        self.alpha = float(getattr(orig_module, "alpha", 1.702))
+        self.limit = float(getattr(orig_module, "limit", 7.0))
+
+    def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up, the module's own activation (torch; the reference of the kernels)."""
+        if self.activation == "clamp_swiglu":
+            gate = gate.clamp(max=self.limit)
+            up = up.clamp(min=-self.limit, max=self.limit)
+            return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        return self.act_fn(gate) * up
+
+    def from_parameters(self, weights) -> bool:
+        """True when the checkpoint stores this module's own parameters in a non-stacked layout
+        (read them and convert); False when the source serves the stacked names itself."""
+        return not self.layout.stacked and weights.stores_parameter(f"{self.key}.gate_up_proj")
 
     def check_shapes(self, weights) -> None:
-        want = {
-            "gate_proj": (self.num_experts, self.intermediate, self.hidden),
-            "up_proj": (self.num_experts, self.intermediate, self.hidden),
-            "down_proj": (self.num_experts, self.hidden, self.intermediate),
-        }
+        E, H, I = self.num_experts, self.hidden, self.intermediate
+        if self.from_parameters(weights):
+            names = ["gate_up_proj", "down_proj"] + (["gate_up_proj_bias", "down_proj_bias"] if self.layout.bias else [])
+            want = {n: tuple(getattr(self.orig_module, n).shape) for n in names}
+        else:
+            want = {"gate_proj": (E, I, H), "up_proj": (E, I, H), "down_proj": (E, H, I)}
+            if self.layout.bias:
+                want.update(gate_proj_bias=(E, I), up_proj_bias=(E, I), down_proj_bias=(E, H))
         for proj, shape in want.items():
             name = f"{self.key}.{proj}"
             got = tuple(weights.shape(name))
             if got != shape:
+                layout = "" if self.layout.stacked else f" ({type(self.orig_module).__name__} layout: {self.layout.describe()})"
                 raise WeightError(
-                    f"{weights.path}: tensor '{name}' has shape {list(got)}, the model expects {list(shape)}"
+                    f"{weights.path}: tensor '{name}' has shape {list(got)}, the model expects {list(shape)}{layout}"
                 )
+
+    def float_weights(self, weights, dtype) -> dict[str, torch.Tensor]:
+        """gate_proj / up_proj ``[E, I, H]`` and down_proj ``[E, H, I]`` as ``dtype`` tensors on the op's
+        device, whatever the checkpoint's layout."""
+        if self.from_parameters(weights):
+            gate, up = self.layout.gate_up(weights.tensor(f"{self.key}.gate_up_proj", dtype=dtype, device=self.device))
+            down = self.layout.down(weights.tensor(f"{self.key}.down_proj", dtype=dtype, device=self.device))
+            return {"gate_proj": gate, "up_proj": up, "down_proj": down}
+        return {p: weights.tensor(f"{self.key}.{p}", dtype=dtype, device=self.device)
+                for p in ("gate_proj", "up_proj", "down_proj")}
+
+    def biases(self, weights, dtype) -> dict[str, torch.Tensor] | None:
+        """Per-expert biases ``gate_proj`` / ``up_proj`` ``[E, I]``, ``down_proj`` ``[E, H]`` (None: the
+        module has none)."""
+        if not self.layout.bias:
+            return None
+        k, dev = self.key, self.device
+        if self.from_parameters(weights):
+            gate, up = self.layout.gate_up_bias(weights.tensor(f"{k}.gate_up_proj_bias", dtype=dtype, device=dev))
+        else:
+            gate = weights.tensor(f"{k}.gate_proj_bias", dtype=dtype, device=dev)
+            up = weights.tensor(f"{k}.up_proj_bias", dtype=dtype, device=dev)
+        return {"gate_proj": gate, "up_proj": up,
+                "down_proj": weights.tensor(f"{k}.down_proj_bias", dtype=dtype, device=dev).contiguous()}
 
     def forward(self, x, top_k_index, top_k_weights):  # pragma: no cover - interface
         raise NotImplementedError
@@ -88,8 +149,17 @@ class KExpertsTorch(ExpertsOp):
 
     def load(self, weights, dtype):
         self.check_shapes(weights)
-        self.gate_up = weights.tensor(f"{self.key}.gate_up_proj", dtype=dtype, device=self.device)
-        self.down = weights.tensor(f"{self.key}.down_proj", dtype=dtype, device=self.device)
+        if self.layout.stacked and not self.layout.bias:
+            self.gate_up = weights.tensor(f"{self.key}.gate_up_proj", dtype=dtype, device=self.device)
+            self.down = weights.tensor(f"{self.key}.down_proj", dtype=dtype, device=self.device)
+            self.gate_up_bias = self.down_bias = None
+            return
+        w = self.float_weights(weights, dtype)
+        self.gate_up = torch.cat((w["gate_proj"], w["up_proj"]), dim=1)
+        self.down = w["down_proj"]
+        b = self.biases(weights, dtype)
+        self.gate_up_bias = torch.cat((b["gate_proj"], b["up_proj"]), dim=-1) if b else None
+        self.down_bias = b["down_proj"] if b else None
 
     def forward(self, x, top_k_index, top_k_weights):
         T, k = top_k_index.shape
@@ -106,8 +176,9 @@ class KExpertsTorch(ExpertsOp):
                 continue
             sel = token_of[start:start + n]
             xs = x.index_select(0, sel).to(self.gate_up.dtype)
-            gate, up = F.linear(xs, self.gate_up[e]).chunk(2, dim=-1)
-            h = F.linear(self.act_fn(gate) * up, self.down[e])
+            gub = self.gate_up_bias[e] if self.gate_up_bias is not None else None
+            gate, up = F.linear(xs, self.gate_up[e], gub).chunk(2, dim=-1)
+            h = F.linear(self.glu(gate, up), self.down[e], self.down_bias[e] if self.down_bias is not None else None)
             h = h * w_sorted[start:start + n, None].to(h.dtype)
             out.index_add_(0, sel, h.to(out.dtype))
             start += n

@@ -89,6 +89,9 @@ class ModelWeights:
     def raw(self, name):
         return self.source.raw(self._name(name))
 
+    def stores_parameter(self, name):
+        return self.source.stores_parameter(self._name(name))
+
 
 @dataclass
 class LoadReport:

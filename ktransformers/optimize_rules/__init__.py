@@ -21,6 +21,7 @@ DEFAULT_RULES = {
     "Glm4MoeForCausalLM": "Glm4Moe",
     "Qwen3_5MoeForCausalLM": "Qwen3_5Moe",
     "MiniMaxM2ForCausalLM": "MiniMaxM2",
+    "GptOssForCausalLM": "GptOss",
     "LlamaForCausalLM": "Dense",
     "MistralForCausalLM": "Dense",
     "Qwen2ForCausalLM": "Dense",

@@ -50,6 +50,10 @@ TINY_CONFIGS: dict[str, dict] = {
     # block; q/k norms over all heads; partial rotary (rotary_dim = head_dim / 2 as released)
     "minimax_m2": dict(_COMMON, head_dim=16, rotary_dim=8, num_local_experts=8, num_experts_per_tok=2,
                        intermediate_size=32),
+    # gpt-oss: sliding (window 8) and full attention alternate, attention sinks and biases; experts
+    # transposed with gate/up interleaved, per-expert biases, clamped SwiGLU; router with a bias
+    "gpt_oss": dict(_COMMON, head_dim=16, num_local_experts=8, num_experts_per_tok=2, intermediate_size=96,
+                    sliding_window=8, max_position_embeddings=131072),  # yarn x32 over 4096, as released
     "llama": dict(_COMMON, intermediate_size=96),
     "qwen2": dict(_COMMON, intermediate_size=96),
     "qwen3": dict(_COMMON, head_dim=16, intermediate_size=96),
@@ -111,7 +115,7 @@ def random_model(arch: str, seed: int = 0, **overrides):
                 b.copy_(0.05 * torch.randn_like(b))
         # routers with clearer margins so tiny numerical differences rarely flip experts
         for name, mod in model.named_modules():
-            if name.endswith("mlp.gate") and hasattr(mod, "weight") and mod.weight.dim() == 2:
+            if name.endswith(("mlp.gate", "mlp.router")) and hasattr(mod, "weight") and mod.weight.dim() == 2:
                 mod.weight.mul_(6.0)
     model.eval()
     return model

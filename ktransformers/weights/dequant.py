@@ -26,6 +26,9 @@ QK_K = 256
 #: IQ4_NL / IQ4_XS non-linear code book (llama.cpp ``kvalues_iq4nl``)
 IQ4NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
+#: MXFP4 e2m1 code book, doubled (llama.cpp ``kvalues_mxfp4``; the block scale is halved to match)
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
 _CONST_CACHE: dict[tuple, torch.Tensor] = {}
 
 
@@ -117,6 +120,16 @@ def _deq_iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
     d = _f16(blocks, 0)
     idx = _nibbles32(blocks[:, 2:]).to(torch.int64)
     kv = _const(IQ4NL_VALUES, torch.float32, blocks.device, (16,))
+    return d * kv[idx]
+
+
+def _deq_mxfp4(blocks: torch.Tensor) -> torch.Tensor:
+    """E8M0 exponent byte + 16 nibble bytes; ``d = 2^(e - 128)`` as ggml_e8m0_to_fp32_half (subnormal below 2)."""
+    e = blocks[:, :1].to(torch.int32)
+    bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32, device=e.device) << e, (e - 1) << 23)
+    d = bits.view(torch.float32)
+    idx = _nibbles32(blocks[:, 1:17]).to(torch.int64)
+    kv = _const(MXFP4_VALUES, torch.float32, blocks.device, (16,))
     return d * kv[idx]
 
 
@@ -235,6 +248,7 @@ TORCH_DEQUANTIZERS = {
     "F32": _deq_f32, "F16": _deq_f16, "BF16": _deq_bf16, "Q4_0": _deq_q4_0, "Q4_1": _deq_q4_1,
     "Q5_0": _deq_q5_0, "Q5_1": _deq_q5_1, "Q8_0": _deq_q8_0, "Q2_K": _deq_q2_k, "Q3_K": _deq_q3_k,
     "Q4_K": _deq_q4_k, "Q5_K": _deq_q5_k, "Q6_K": _deq_q6_k, "IQ4_NL": _deq_iq4_nl, "IQ4_XS": _deq_iq4_xs,
+    "MXFP4": _deq_mxfp4,
     "I8": _plain(torch.int8), "I16": _plain(torch.int16), "I32": _plain(torch.int32),
     "I64": _plain(torch.int64), "F64": _plain(torch.float64),
 }

@@ -117,6 +117,9 @@ class FP8DequantSource(WeightSource):
                 return torch.stack([self.inner.tensor(n, dtype=torch.float32) for n in names])
         return None
 
+    def stores_parameter(self, name: str) -> bool:
+        return self.inner.stores_parameter(name)
+
     def raw(self, name: str) -> RawTensor | None:
         """The FP8 weight with its fp32 ``scale_inv`` when ``name`` is stored as FP8; else the inner raw."""
         if not self.inner.has(name):

@@ -16,6 +16,7 @@ gemma3         Gemma3TextConfig
 glm4moe        Glm4MoeConfig (``block_count`` counts the NextN/MTP layers llama.cpp keeps; the
                model has ``block_count - nextn_predict_layers``)
 minimax-m2     MiniMaxM2Config
+gpt-oss        GptOssConfig (sliding / full layers alternate from layer 0; yarn without truncation)
 =============  ==========================================================================
 
 Conventions: the config says ``dtype=float32`` (override with ``dtype=``), and
@@ -240,6 +241,8 @@ def config_from_metadata(
         cfg = _glm4moe_config(md, kw, tensor_shapes, expert_ffn)
     elif arch == "minimax-m2":
         cfg = _minimax_m2_config(md, kw, expert_ffn)
+    elif arch == "gpt-oss":
+        cfg = _gpt_oss_config(md, kw, tensor_shapes, expert_ffn)
     elif arch == "gemma3":
         head_dim = int(key_len or 256)
         # llama.cpp scales queries by 1/sqrt(head_dim), except 27B (62 layers): 1/sqrt(hidden/heads)
@@ -264,7 +267,8 @@ def config_from_metadata(
     else:
         raise WeightError(
             f"{where}: GGUF architecture '{arch}' is not supported "
-            "(supported: llama, mixtral-style llama, qwen2, qwen3, qwen2moe, qwen3moe, deepseek2, gemma3, glm4moe, minimax-m2)"
+            "(supported: llama, mixtral-style llama, qwen2, qwen3, qwen2moe, qwen3moe, deepseek2, gemma3, glm4moe, minimax-m2, "
+            "gpt-oss)"
         )
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
@@ -288,7 +292,32 @@ _ARCH_CLASS = {
     "Gemma3TextConfig": "Gemma3ForCausalLM",
     "Glm4MoeConfig": "Glm4MoeForCausalLM",
     "MiniMaxM2Config": "MiniMaxM2ForCausalLM",
+    "GptOssConfig": "GptOssForCausalLM",
 }
+
+
+def _gpt_oss_config(md: _Meta, kw: dict, tensor_shapes, expert_ffn):
+    """GptOssConfig: every layer sparse (``expert_feed_forward_length`` is the config's
+    ``intermediate_size``), sliding-window layers alternating with full ones, attention sinks and
+    biases.  The released models use yarn with ``truncate: false``, which the file does not store."""
+    import transformers as tf
+
+    head_dim = int(md.get("attention.key_length") or kw["hidden_size"] // kw["num_attention_heads"])
+    rope = _rope_parameters(md, float(md.get("rope.freq_base", 150000.0)))
+    if rope["rope_type"] == "yarn":
+        rope["truncate"] = False
+    for tok in ("bos_token_id", "eos_token_id"):
+        kw.setdefault(tok, None)
+    kw.update(
+        head_dim=head_dim,
+        rope_parameters=rope,
+        sliding_window=int(md.get("attention.sliding_window", 128)),
+        attention_bias="blk.0.attn_q.bias" in tensor_shapes,
+        num_local_experts=int(md.need("expert_count")),
+        num_experts_per_tok=int(md.need("expert_used_count")),
+        intermediate_size=expert_ffn(),
+    )
+    return tf.GptOssConfig(**kw)
 
 
 def _minimax_m2_config(md: _Meta, kw: dict, expert_ffn):

@@ -15,6 +15,9 @@ What a mapping alone cannot express is described by :class:`Transform` flags tha
 * ``deepseek2`` split MLA: ``attn_k_b [H, nope, kv_lora]`` + ``attn_v_b [H, v, kv_lora]`` (torch
   order) rebuild HF ``kv_b_proj.weight [H*(nope+v), kv_lora]``: per head ``cat(k_b[h].T, v_b[h])``.
 * Tied output: no ``output.weight`` -> ``lm_head.weight`` is ``token_embd.weight``.
+* ``gpt-oss``: the experts' biases are stored per projection (``ffn_{gate,up,down}_exps.bias``) and
+  served as ``model.layers.N.mlp.experts.{gate,up,down}_proj_bias`` (``[E, I]`` / ``[E, H]``, the
+  stacked layout; the model's ``gate_up_proj_bias`` interleaves gate and up: ``ExpertsLayout``).
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from dataclasses import dataclass
 import torch
 
 #: architectures the source and the converter handle (GGUF ``general.architecture`` values)
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "deepseek2", "gemma3", "glm4moe", "minimax-m2")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "deepseek2", "gemma3", "glm4moe", "minimax-m2",
+                   "gpt-oss")
 
 #: transformers ``model_type`` -> GGUF arch
 MODEL_TYPE_TO_ARCH = {
@@ -42,7 +46,7 @@ MODEL_TYPE_TO_ARCH = {
     "gemma3": "gemma3",
     "glm4_moe": "glm4moe",
     "minimax_m2": "minimax-m2",
-}
+}  # gpt_oss: read only (its experts' layout is not the converter's yet)
 
 # (gguf leaf without .weight/.bias, hf leaf without .weight/.bias)
 _ATTENTION = [
@@ -89,6 +93,20 @@ _GLM4MOE_BLOCK = [(g, h) for g, h in _COMMON_BLOCK if g != "ffn_norm"] + [
 #: where ``exp_probs_b.bias`` (the router's correction bias) lives; MiniMax-M2 keeps it on the block
 _EXP_PROBS_B = {"minimax-m2": "mlp.e_score_correction_bias"}
 
+# gpt-oss: the router is ``mlp.router`` (weight and bias), the norm before the MLP ``post_attention_norm``
+_GPT_OSS_BLOCK = _ATTENTION + [("post_attention_norm", "post_attention_layernorm"), ("ffn_gate_inp", "mlp.router")]
+
+#: full leaves outside the ``.weight`` / ``.bias`` pattern: gpt-oss's attention sinks (a bare parameter)
+#: and its per-expert biases
+_EXTRA_LEAVES = {
+    "gpt-oss": {
+        "attn_sinks.weight": "self_attn.sinks",
+        "ffn_gate_exps.bias": "mlp.experts.gate_proj_bias",
+        "ffn_up_exps.bias": "mlp.experts.up_proj_bias",
+        "ffn_down_exps.bias": "mlp.experts.down_proj_bias",
+    },
+}
+
 _BLOCK_TABLES = {
     "llama": _COMMON_BLOCK,
     "qwen2": _COMMON_BLOCK,
@@ -99,6 +117,7 @@ _BLOCK_TABLES = {
     "gemma3": _GEMMA3_BLOCK,
     "glm4moe": _GLM4MOE_BLOCK,
     "minimax-m2": _COMMON_BLOCK,
+    "gpt-oss": _GPT_OSS_BLOCK,
 }
 
 _TOP = [
@@ -150,6 +169,7 @@ class NameMap:
         g2h["exp_probs_b.bias"] = _EXP_PROBS_B.get(self.arch, "mlp.gate.e_score_correction_bias")
         for hf_leaf, g in EXPERT_GGUF.items():
             g2h[f"{g}.weight"] = f"mlp.experts.{hf_leaf}"
+        g2h.update(_EXTRA_LEAVES.get(self.arch, {}))
         object.__setattr__(self, "_g2h", g2h)
         object.__setattr__(self, "_h2g", {h: g for g, h in g2h.items()})
         object.__setattr__(self, "_top_g2h", dict(_TOP))
@@ -199,6 +219,19 @@ def minimax_m2_metadata(c, head_dim: int) -> dict[str, tuple[str, object]]:
         f"{A}.expert_used_count": ("u32", c.num_experts_per_tok),
         f"{A}.expert_feed_forward_length": ("u32", c.intermediate_size),
         f"{A}.expert_gating_func": ("u32", 2),  # sigmoid
+    }
+
+
+def gpt_oss_metadata(c, head_dim: int) -> dict[str, tuple[str, object]]:
+    """The ``gpt-oss.*`` keys llama.cpp's converter writes beyond the common ones."""
+    A = "gpt-oss"
+    return {
+        f"{A}.attention.key_length": ("u32", head_dim),
+        f"{A}.attention.value_length": ("u32", head_dim),
+        f"{A}.attention.sliding_window": ("u32", c.sliding_window),
+        f"{A}.expert_count": ("u32", c.num_local_experts),
+        f"{A}.expert_used_count": ("u32", c.num_experts_per_tok),
+        f"{A}.expert_feed_forward_length": ("u32", c.intermediate_size),
     }
 
 

@@ -374,6 +374,21 @@ def _resolve_files(path: Path) -> list[Path]:
     return files
 
 
+def _served_shapes(model: torch.nn.Module):
+    """(name, shape) of every tensor the file must serve for ``model``: its parameters, the experts'
+    under the stacked names where the module's own layout differs (gpt-oss)."""
+    from .experts_layout import ExpertsLayout
+
+    for hf, p in model.state_dict().items():
+        base, _, leaf = hf.rpartition(".")
+        if leaf in ("gate_up_proj", "down_proj", "gate_up_proj_bias") and base.endswith("experts"):
+            layout = ExpertsLayout.of(model.get_submodule(base))
+            for name, shape in layout.stacked_shapes(leaf, tuple(p.shape)).items():
+                yield f"{base}.{name}", shape
+        else:
+            yield hf, tuple(p.shape)
+
+
 class GGUFSource(WeightSource):
     """Weights of a GGUF model (one file, or split shards merged)."""
 
@@ -550,8 +565,7 @@ class GGUFSource(WeightSource):
             with init_empty_weights():
                 model = AutoModelForCausalLM.from_config(config)
         tied = bool(getattr(model.config, "tie_word_embeddings", False))
-        for hf, p in model.state_dict().items():
-            want = tuple(p.shape)
+        for hf, want in _served_shapes(model):
             if not self.has(hf):
                 if tied and hf == "lm_head.weight":
                     continue

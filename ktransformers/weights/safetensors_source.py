@@ -68,6 +68,9 @@ class SafetensorsSource(WeightSource):
         base, _, proj = name.rpartition(".")
         return self._experts.get(base, {}).get(proj)
 
+    def stores_parameter(self, name: str) -> bool:
+        return name in self._index  # a key as transformers saved it (per-expert keys are stacked)
+
     def _has_native(self, name: str) -> bool:
         return name in self._index or self._expert_entry(name) is not None
 

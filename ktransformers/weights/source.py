@@ -14,6 +14,10 @@ whatever the checkpoint layout::
     <experts>.gate_up_proj [E, 2I, H]   (transformers 5's fused layout = cat(gate, up, dim=1))
 
 A source serves whichever of them it stores natively and this base class derives the others.
+A checkpoint written by transformers stores the experts module's own parameters under those
+names, in the module's layout; for every family but gpt-oss (transposed, gate/up interleaved)
+that is the stacked layout above.  :meth:`WeightSource.stores_parameter` says which of the two a
+name holds; the experts ops convert (``operators/experts.py``, ``ExpertsLayout``).
 """
 
 from __future__ import annotations
@@ -95,6 +99,11 @@ class WeightSource(abc.ABC):
     def config(self):
         """A transformers config built from the file's own metadata, when it has one."""
         return None
+
+    def stores_parameter(self, name: str) -> bool:
+        """True when ``name`` is stored as the model's own parameter (a transformers checkpoint, in
+        the layout of the model's class); False when it is served in the stacked layout above."""
+        return False
 
     def close(self) -> None:
         pass

@@ -1,7 +1,7 @@
 """Test-only helpers: ggml-exact weight bytes for every supported type plus their dequantised
 float32 values, produced by gguf-py (``gguf.quants``).
 
-gguf 0.19 can *quantize* F32/F16/BF16/Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 only; for the K-quants and IQ4_*
+gguf 0.19 can *quantize* F32/F16/BF16/Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/MXFP4 only; for the K-quants and IQ4_*
 we write random but valid block bytes (random nibbles/scales, finite positive f16 super-block
 scales at the right offsets) and let ``gguf.quants.dequantize`` define the reference values.
 """
@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGML_QUANT_SIZES
 from gguf import quants
 
-GGUF_QUANTIZABLE = {QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0}
+GGUF_QUANTIZABLE = {QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.MXFP4}
 # byte offsets of the float16 super-block scales (d, dmin) inside one block
 F16_FIELDS = {
     QT.Q2_K: (80, 82),
@@ -25,7 +25,7 @@ F16_FIELDS = {
     QT.IQ4_XS: (0,),
 }
 ALL_TYPES = [QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q2_K, QT.Q3_K,
-             QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS]
+             QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS, QT.MXFP4]
 
 
 def block_elems(t: QT) -> int:
