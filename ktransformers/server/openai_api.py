@@ -31,6 +31,16 @@ def _unsupported(body) -> None:
         raise APIError(400, "logprobs are not supported by this server", param="logprobs")
     if getattr(body, "best_of", None) not in (None, 1):
         raise APIError(400, "best_of > 1 is not supported by this server", param="best_of")
+    refuse_structured_output(getattr(body, "response_format", None), "response_format")
+
+
+def refuse_structured_output(fmt, param: str) -> None:
+    """JSON-mode / JSON-schema output needs constrained decoding, which this server does not have:
+    a 400, rather than free text the client would take for valid JSON. Plain text passes."""
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind not in (None, "text"):
+        raise APIError(400, f"{param} type '{kind}' is not supported: this server has no constrained "
+                            f"(JSON) decoding; ask for JSON in the prompt instead", param=param)
 
 
 @router.get("/models", response_model=ModelList)

@@ -508,10 +508,11 @@ def _prepare(app, body: ResponseCreate) -> Job:
     """Validate, build the prompt and write the response row (and the conversation's new input)."""
     db: Database = app.state.db
     engine: Engine = app.state.engine
-    from .openai_api import request_prompt
+    from .openai_api import refuse_structured_output, request_prompt
 
     model = check_model(engine, body.model)
     metadata = check_metadata(body.metadata)
+    refuse_structured_output((body.text or {}).get("format"), "text.format")
     conv_id = conversation_id_of(body.conversation)
     if conv_id and body.previous_response_id:
         raise APIError(400, "'previous_response_id' and 'conversation' cannot be used together",

@@ -164,3 +164,19 @@ def test_app_keeps_the_parsed_markers_in_the_stream(make_engine, tmp_path):
     tok = engine.generator.tokenizer
     assert engine.generator.keep_special_ids == token_ids_of(tok, output_markers())
     assert tok.convert_tokens_to_ids("<think>") in engine.generator.keep_special_ids
+
+
+def test_json_output_formats_are_refused_not_ignored(scripted):
+    from .conftest import MODEL_NAME
+
+    app, gen = scripted(["plain", "plain"])
+    with app as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}):
+            with pytest.raises(openai.BadRequestError, match="response_format type"):
+                c.chat.completions.create(model=MODEL_NAME, messages=MSGS, response_format=fmt)
+        with pytest.raises(openai.BadRequestError, match="text.format type 'json_object'"):
+            c.responses.create(model=MODEL_NAME, input="Hi", text={"format": {"type": "json_object"}})
+        ok = c.chat.completions.create(model=MODEL_NAME, messages=MSGS, response_format={"type": "text"})
+        assert ok.choices[0].message.content == "plain"
+        assert c.responses.create(model=MODEL_NAME, input="Hi", text={"format": {"type": "text"}}).output_text == "plain"
