@@ -191,4 +191,17 @@ PYBIND11_MODULE(KT_EXT_NAME, m) {
              py::gil_scoped_release nogil;
              ci.run_now([&] { self.forward(ci.pool(), T, cptr<void>(x), xd, reinterpret_cast<void*>(out), od); });
            });
+
+  // fp32 in / fp32 out; the Python side (kernels/linear.py LinearGroupKernel) checks the buffers once
+  py::class_<LinearGroup, std::shared_ptr<LinearGroup>>(m, "LinearGroup")
+      .def(py::init([](std::vector<std::shared_ptr<Linear>> parts, int glu) {
+             return std::make_shared<LinearGroup>(std::move(parts), glu);
+           }),
+           py::arg("parts"), py::arg("glu") = -1)
+      .def_property_readonly("in_features", &LinearGroup::in_features)
+      .def_property_readonly("out_features", &LinearGroup::out_features)
+      .def("forward", [](LinearGroup& self, CPUInfer& ci, int T, uintptr_t x, uintptr_t out) {
+             py::gil_scoped_release nogil;
+             ci.run_now([&] { self.forward(ci.pool(), T, cptr<float>(x), reinterpret_cast<float*>(out)); });
+           });
 }
