@@ -19,6 +19,10 @@
 namespace py = pybind11;
 using namespace kt;
 
+namespace kt {
+void register_decode_ops(py::module_& m);
+}
+
 namespace {
 
 template <class T>
@@ -72,6 +76,7 @@ double probe_peak(CPUInfer& ci, int kind, int64_t iters) {
 }  // namespace
 
 PYBIND11_MODULE(KT_EXT_NAME, m) {
+  kt::register_decode_ops(m);  // decode_ops.cpp
   m.doc() = "ktransformers CPU kernels (see ktransformers.kernels for the documented Python API)";
   m.def("isa_tier", [] { return std::string(kt::tier_name(kt::active_tier())); },
         "ISA tier in force (best supported, or lowered by KT_ISA)");

@@ -135,7 +135,9 @@ class Generator:
         if n == 1 and ids.shape[0] == 1:
             step = self._decode_step()
             if step is not None and step.accepts(cache):
-                return step.step(int(ids[0, 0]), start, cache)
+                logits = step.step(int(ids[0, 0]), start, cache)
+                if logits is not None:
+                    return logits
         pos = torch.arange(start, start + n, device=self.device).unsqueeze(0)
         out = self.model(input_ids=ids, cache=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1].float()

@@ -7,11 +7,12 @@ arithmetic for one token with the layer's weights bound once:
 
 * q/k/v in one kernel call and gate/up+activation in one (``kernels.LinearGroupKernel``: the
   input is quantised once, all row blocks share one pool wake-up), into buffers allocated once;
-* RMSNorms as single ``F.rms_norm`` calls with the effective weight (Gemma's ``1 + w``) made
-  once, RoPE as ``x*cos + roll(x)*sin'`` over q and k together (cos/sin from the model's own
-  rotary module, once per step and layer type);
-* the new key/value written into the static cache's tensors in place (the cache's own
-  bookkeeping kept exactly, sliding-window layers included), and one query attending to the
+* the rest in a few fp32 C++ helpers (``cpuinfer_ext.decode_ops``, csrc/decode_ops.cpp) on the
+  step's own buffers: RMSNorm with the effective weight made once (Gemma's ``1 + w``), the
+  residual add fused with the next sublayer's norm, RoPE over q and k in place (cos/sin from the
+  model's own rotary module, once per step and layer type), and the cache write + attention of
+  the one query: the new key/value go into the static cache's tensors in place (the cache's own
+  bookkeeping kept exactly, sliding-window layers included), and the query attends to the
   cache's valid entries directly (no mask: a static layer's entries up to the position, a
   sliding layer's window, are exactly what the causal / sliding mask leaves visible).
 
@@ -28,7 +29,6 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 
 log = logging.getLogger("ktransformers.decode")
 
@@ -49,7 +49,8 @@ def _norm_weight(norm, gemma: bool) -> tuple[torch.Tensor, float]:
     if w is None or eps is None or w.is_meta:
         raise Unsupported(f"norm {type(norm).__name__} has no loaded weight / eps")
     w = w.detach().float()
-    return ((1.0 + w) if gemma else w).contiguous(), float(eps)
+    w = ((1.0 + w) if gemma else w).contiguous()
+    return w, float(eps), w.data_ptr()
 
 
 def _cpu_kernel(linear):
@@ -82,13 +83,13 @@ class _Proj:
         else:
             self.bias = None
         self.group = LinearGroupKernel([op.kernel for op in ops], glu=glu)
-        self.out = torch.empty(1, self.group.out_features)
+        self.out = torch.empty(self.group.out_features)
         self._call = self.group._g.forward
         self._pool = self.group.pool._c
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = self.out
-        self._call(self._pool, 1, x.data_ptr(), out.data_ptr())  # x: contiguous fp32 [1, in] (checked by caller)
+        self._call(self._pool, 1, x.data_ptr(), out.data_ptr())  # x: one contiguous fp32 row (the step's buffers)
         if self.bias is not None:
             out.add_(self.bias)
         return out
@@ -112,10 +113,11 @@ class _Layer:
         if (qn is None) != (kn is None):
             raise Unsupported("only one of q_norm / k_norm")
         if qn is not None:
-            (wq, eq), (wk, ek) = _norm_weight(qn, gemma), _norm_weight(kn, gemma)
+            (wq, eq, _), (wk, ek, _) = _norm_weight(qn, gemma), _norm_weight(kn, gemma)
             if eq != ek or wq.numel() != self.d or wk.numel() != self.d:
                 raise Unsupported("q_norm / k_norm of another shape than the head")
-            self.qk_norm = (torch.cat([wq.expand(self.hq, -1), wk.expand(self.hkv, -1)]).contiguous(), eq)
+            w = torch.cat([wq.expand(self.hq, -1), wk.expand(self.hkv, -1)]).contiguous()
+            self.qk_norm = (w, eq, w.data_ptr())
         else:
             self.qk_norm = None
         self.gemma = gemma
@@ -167,6 +169,14 @@ class DecodeStep:
         self.hidden = int(config.hidden_size)
         self.layer_types = sorted({lay.layer_type for lay in self.layers})
         self.gemma_rope = gemma  # Gemma-3's rotary module takes the layer type
+        from .. import cpuinfer_ext
+
+        self._ops = cpuinfer_ext.decode_ops
+        width = max(lay.hq * lay.d for lay in self.layers)
+        self.x, self.h, self.att = torch.empty(self.hidden), torch.empty(self.hidden), torch.empty(width)
+        self.x_ptr, self.h_ptr, self.att_ptr = self.x.data_ptr(), self.h.data_ptr(), self.att.data_ptr()
+        for lay in self.layers:
+            lay.att_view = self.att[: lay.hq * lay.d]
         self._pos_t = torch.zeros(1, 1, dtype=torch.long)
         self._tok_t = torch.zeros(1, 1, dtype=torch.long)
 
@@ -197,85 +207,88 @@ class DecodeStep:
         return True
 
     # ---------------------------------------------------------------------------------- step
-    def step(self, token: int, pos: int, cache) -> torch.Tensor:
+    def _cache_plan(self, cache):
+        """Per layer: (layer, keys / values / counter pointers, capacity, sliding?) of ``cache``,
+        made once per cache (static layers keep their tensors' addresses for their lifetime)."""
+        plan = cache.__dict__.get("_kt_lean_plan")
+        if plan is None or plan[0] != cache.layers[0].keys.data_ptr():
+            rows = []
+            for lay, cl in zip(self.layers, cache.layers):
+                k, v = cl.keys, cl.values
+                if (k.shape[1] != lay.hkv or k.shape[3] != lay.d or v.shape != k.shape
+                        or not (k.is_contiguous() and v.is_contiguous())):
+                    raise Unsupported("cache layer shape")
+                rows.append((cl, k.data_ptr(), v.data_ptr(), cl.cumulative_length.data_ptr(), int(cl.max_cache_len),
+                             bool(cl.is_sliding)))
+            full = next((i for i, r in enumerate(rows) if not r[5]), None)
+            plan = (cache.layers[0].keys.data_ptr(), rows, full)
+            cache.__dict__["_kt_lean_plan"] = plan
+        return plan[1], plan[2]
+
+    def step(self, token: int, pos: int, cache) -> torch.Tensor | None:
+        """Logits [1, vocab] of ``token`` at ``pos`` (the cache holds positions < pos), or None when
+        this cache state is not one the step reproduces (the caller takes the generic forward)."""
+        ops = self._ops
+        try:
+            plan, full = self._cache_plan(cache)
+        except Unsupported:
+            return None
+        if full is not None:
+            cl, cap = plan[full][0], plan[full][4]
+            if pos >= cap or int(cl.cumulative_length) != pos:
+                return None
         self._tok_t[0, 0] = token
         self._pos_t[0, 0] = pos
-        x = self.embed(self._tok_t).reshape(1, self.hidden)
-        if x.dtype is not torch.float32:
-            x = x.float()
+        x = self.x
+        x.copy_(self.embed(self._tok_t).reshape(-1))
         rope = {}
         for lt in self.layer_types:
-            if self.gemma_rope:
-                cos, sin = self.rotary(x, self._pos_t, lt)
-            else:
-                cos, sin = self.rotary(x, self._pos_t)
-            cos, sin = cos.reshape(-1), sin.reshape(-1)
-            half = cos.numel() // 2
-            sin = torch.cat([-sin[:half], sin[half:]])  # rotate_half(x)*sin == roll(x, half)*sin'
-            rope[lt] = (cos, sin, half)
-        H = self.hidden
-        for lay, cl in zip(self.layers, cache.layers):
+            cos, sin = self.rotary(x, self._pos_t, lt) if self.gemma_rope else self.rotary(x, self._pos_t)
+            cos, sin = cos.reshape(-1).float().contiguous(), sin.reshape(-1).float().contiguous()
+            rope[lt] = (cos, sin, cos.data_ptr(), sin.data_ptr())
+        H, xp, h, hp, attp = self.hidden, self.x_ptr, self.h, self.h_ptr, self.att_ptr
+        first = self.layers[0]
+        ops.rms_norm(xp, first.in_norm[2], hp, 1, H, 0, first.in_norm[1])
+        n_layers = len(self.layers)
+        for i, (lay, (cl, kp, vp, lp, cap, sliding)) in enumerate(zip(self.layers, plan)):
             hq, hkv, d = lay.hq, lay.hkv, lay.d
-            h = F.rms_norm(x, (H,), lay.in_norm[0], lay.in_norm[1])
             qkv = lay.qkv(h)
-            nqk = (hq + hkv) * d
-            qk = qkv[0, :nqk].view(hq + hkv, d)
+            qp = qkv.data_ptr()
             if lay.qk_norm is not None:
-                qk = F.rms_norm(qk, (d,), eps=lay.qk_norm[1]) * lay.qk_norm[0]
-            cos, sin, half = rope[lay.layer_type]
-            qk = qk * cos + qk.roll(half, -1) * sin
-            k = qk[hq:]
-            v = qkv[0, nqk:].view(hkv, d)
-            keys, values = _cache_write(cl, k, v, pos)
-            q = qk[:hq].view(hkv, hq // hkv, d)
-            att = torch.matmul(q, keys.transpose(1, 2)).mul_(lay.scaling)
-            att = torch.softmax(att, dim=-1)
-            o = torch.matmul(att, values).reshape(1, hq * d)
-            a = lay.o(o)
-            if lay.gemma:
-                x = x + F.rms_norm(a, (H,), lay.post_attn_norm[0], lay.post_attn_norm[1])
+                ops.rms_norm(qp, lay.qk_norm[2], qp, hq + hkv, d, d, lay.qk_norm[1])
+            r = rope[lay.layer_type]
+            ops.rope(qp, hq + hkv, d, r[2], r[3])
+            if sliding:
+                cur = cl.cumulative_length_int
+                cl.cumulative_length_int = cur + 1
+                if cur < cap:
+                    slot, roll, n, lenp = cur, 0, cur + 1, lp
+                else:  # a full window: shifted left by one, newest last (the layer's own layout)
+                    slot, roll, n, lenp = cap - 1, 1, cap, 0
             else:
-                x = x + a
-            h = F.rms_norm(x, (H,), lay.pre_mlp_norm[0], lay.pre_mlp_norm[1])
+                slot, roll, n, lenp = pos, 0, pos + 1, lp
+            ops.attend(qp, qp + 4 * hq * d, qp + 4 * (hq + hkv) * d, kp, vp, hq, hkv, d, cap, slot, roll, n,
+                       lay.scaling, lenp, attp)
+            a = lay.o(lay.att_view)
+            if lay.gemma:
+                ops.residual_norm(xp, a.data_ptr(), lay.post_attn_norm[2], lay.post_attn_norm[1],
+                                  lay.pre_mlp_norm[2], lay.pre_mlp_norm[1], hp, H)
+            else:
+                ops.residual_norm(xp, a.data_ptr(), 0, 0.0, lay.pre_mlp_norm[2], lay.pre_mlp_norm[1], hp, H)
             if lay.mlp_module is None:
                 m = lay.down(lay.gate_up(h))
             else:
                 m = lay.mlp_module(h.view(1, 1, H))
-                m = (m[0] if isinstance(m, tuple) else m).reshape(1, H)
+                m = (m[0] if isinstance(m, tuple) else m).reshape(-1).float().contiguous()
+            nxt = self.layers[i + 1].in_norm if i + 1 < n_layers else self.final_norm
             if lay.gemma:
-                x = x + F.rms_norm(m, (H,), lay.post_mlp_norm[0], lay.post_mlp_norm[1])
+                ops.residual_norm(xp, m.data_ptr(), lay.post_mlp_norm[2], lay.post_mlp_norm[1], nxt[2], nxt[1], hp, H)
             else:
-                x = x + m
-        h = F.rms_norm(x, (H,), self.final_norm[0], self.final_norm[1])
+                ops.residual_norm(xp, m.data_ptr(), 0, 0.0, nxt[2], nxt[1], hp, H)
         logits = self.head(h)
         if self.softcap is not None:
             logits.div_(self.softcap).tanh_().mul_(self.softcap)
-        return logits
-
-
-def _cache_write(cl, k: torch.Tensor, v: torch.Tensor, pos: int):
-    """Store one token's k/v [Hkv, D] in a static cache layer exactly as its ``update`` does and
-    return the entries the query attends to ([Hkv, L, D] views)."""
-    keys, values = cl.keys[0], cl.values[0]
-    if not cl.is_sliding:
-        keys[:, pos].copy_(k)
-        values[:, pos].copy_(v)
-        cl.cumulative_length.add_(1)
-        return keys[:, :pos + 1], values[:, :pos + 1]
-    cur = cl.cumulative_length_int
-    cl.cumulative_length_int = cur + 1
-    W = cl.max_cache_len
-    if cur < W:
-        keys[:, cur].copy_(k)
-        values[:, cur].copy_(v)
-        cl.cumulative_length.add_(1)
-        return keys[:, :cur + 1], values[:, :cur + 1]
-    # full window: shift left by one, newest last (the layout the layer's own update keeps)
-    keys.copy_(keys.roll(-1, dims=1))
-    values.copy_(values.roll(-1, dims=1))
-    keys[:, W - 1].copy_(k)
-    values[:, W - 1].copy_(v)
-    return keys, values
+        return logits.view(1, -1)
 
 
 def decode_step_for(model) -> DecodeStep | None:
