@@ -7,6 +7,15 @@
 
 namespace kt {
 
+// Decode (T <= 4) of a large matrix: rows per task grown up to 512 while every thread still gets
+// >= 64 tasks.  Each task start is a prefetch bubble and a claim on the shared ticket; the
+// lm_head of a 262k vocabulary was 4096 tasks of 64 rows per call.
+int decode_row_block(int rb, int T, long rows, int nth) {
+  if (T > 4) return rb;
+  while (rb < 512 && rows / (2L * rb) >= 64L * nth) rb *= 2;
+  return rb;
+}
+
 Linear::Linear(int in_features, int out_features, Backend backend, const void* weight, int weight_type, ThreadPool& pool) {
   w_ = describe_weights(backend, weight, weight_type, 1, out_features, in_features,
                         "weight [" + std::to_string(out_features) + ", " + std::to_string(in_features) + "]");
@@ -44,6 +53,7 @@ void Linear::forward(ThreadPool& pool, int T, const void* x, DType xdt, void* ou
   int rb = 64;
   const int ntb = (T + kTB - 1) / kTB;
   while (rb > (T >= 8 ? 32 : 16) && static_cast<long>(ntb) * ((N + rb - 1) / rb) < 8L * nth) rb /= 2;
+  rb = decode_row_block(rb, T, N, nth);
   const int nrb = (N + rb - 1) / rb;
   pool.parallel_for(nrb * ntb, [&](int task, int tid) {
     const int r0 = (task % nrb) * rb, t0 = (task / nrb) * kTB;
@@ -128,6 +138,9 @@ void LinearGroup::forward(ThreadPool& pool, int T, const float* x, float* out) {
       return n;
     };
     while (rb > (tclass ? 32 : 16) && count(rb) < 8L * nth) rb /= 2;
+    long most = 0;
+    for (const auto& p : parts_) most = std::max<long>(most, p->out_features());
+    rb = decode_row_block(rb, tclass ? 8 : 1, most, nth);
     tasks_.clear();
     for (size_t i = 0; i < parts_.size(); ++i)
       for (int r0 = 0; r0 < parts_[i]->out_features(); r0 += rb)
