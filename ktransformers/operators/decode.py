@@ -21,12 +21,14 @@ Qwen3-MoE / Qwen2-MoE layers (their MoE block is called as a module).  ``DecodeS
 returns ``None`` for anything else, and ``accepts`` is checked on every call: one token, batch 1,
 inference mode, a ``StaticCache`` whose layers are initialised plain static / sliding layers,
 fp32 CPU model.  Everything else (prefill, batching, other caches, training) takes the generic
-forward.  The logits buffer returned is reused by the next step.
+forward.  The logits buffer returned is reused by the next step (the model's ``Generator``
+samples from it before the next step).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 
@@ -172,6 +174,7 @@ class DecodeStep:
         from .. import cpuinfer_ext
 
         self._ops = cpuinfer_ext.decode_ops
+        self._lock = threading.Lock()
         width = max(lay.hq * lay.d for lay in self.layers)
         self.x, self.h, self.att = torch.empty(self.hidden), torch.empty(self.hidden), torch.empty(width)
         self.x_ptr, self.h_ptr, self.att_ptr = self.x.data_ptr(), self.h.data_ptr(), self.att.data_ptr()
@@ -227,7 +230,12 @@ class DecodeStep:
 
     def step(self, token: int, pos: int, cache) -> torch.Tensor | None:
         """Logits [1, vocab] of ``token`` at ``pos`` (the cache holds positions < pos), or None when
-        this cache state is not one the step reproduces (the caller takes the generic forward)."""
+        this cache state is not one the step reproduces (the caller takes the generic forward).
+        The step's buffers are the model's: one step at a time (a lock, uncontended per stream)."""
+        with self._lock:
+            return self._step(token, pos, cache)
+
+    def _step(self, token: int, pos: int, cache) -> torch.Tensor | None:
         ops = self._ops
         try:
             plan, full = self._cache_plan(cache)
