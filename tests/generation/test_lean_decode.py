@@ -3,7 +3,8 @@
 Tolerances:
 * tiny fp32 models (F32 weights on the CPU kernels, no activation quantisation): the lean step's
   logits are within 1e-5 x max|logits| of the generic forward on the same cache state, every
-  step (measured: <= 1.2e-6), sliding-window layers past their window included;
+  step (measured: 3.0e-7 .. 4.9e-7 over the six families), sliding-window layers past their
+  window included;
 * greedy continuations equal the unmodified transformers model's wherever its top-1 margin
   exceeds 1e-4 x max|logits| (teacher-forced on HF's own continuation);
 * Gemma-3-270M Q4_K_M (when the bench file is present): activations are quantised to int8 before
