@@ -253,11 +253,13 @@ def bench_model(name: str, path: Path, args) -> list[tuple]:
 
 def decode_breakdown(gen, ids, n: int) -> str:
     """Where a decode token's time goes: CPU-kernel calls (linears and experts, incl. waiting for
-    submitted expert work), sampling, and the rest (Python/dispatch, attention, norms, RoPE).
+    submitted expert work; the lean decode step's grouped calls), sampling, and the rest
+    (Python/dispatch, attention, norms, RoPE; KT_LEAN_DECODE=0 shows the generic forward's).
     Kernel entry points are wrapped with timers for one generation only."""
     import ktransformers.kernels as K
     from ktransformers.generation import SamplingParams
     from ktransformers.generation import engine as E
+    from ktransformers.operators import decode as D
 
     spent = {"kernels": 0.0, "sampling": 0.0}
 
@@ -271,7 +273,7 @@ def decode_breakdown(gen, ids, n: int) -> str:
         return wrapper
 
     patches = [(K.LinearKernel, "forward"), (K.MoEKernel, "forward"), (K.MoEKernel, "submit"), (K.CPUInfer, "sync"),
-               (E.Sampler, "__call__")]
+               (D._Proj, "__call__"), (E.Sampler, "__call__")]  # _Proj: the lean decode step's kernel calls
     saved = [(cls, attr, getattr(cls, attr)) for cls, attr in patches]
     try:
         for cls, attr, fn in saved:

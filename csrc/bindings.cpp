@@ -22,6 +22,10 @@ void bind_moe_train(py::module_& m);  // moe_backward_bindings.cpp
 }
 using namespace kt;
 
+namespace kt {
+void register_decode_ops(py::module_& m);
+}
+
 namespace {
 
 template <class T>
@@ -75,6 +79,7 @@ double probe_peak(CPUInfer& ci, int kind, int64_t iters) {
 }  // namespace
 
 PYBIND11_MODULE(KT_EXT_NAME, m) {
+  kt::register_decode_ops(m);  // decode_ops.cpp
   m.doc() = "ktransformers CPU kernels (see ktransformers.kernels for the documented Python API)";
   m.def("isa_tier", [] { return std::string(kt::tier_name(kt::active_tier())); },
         "ISA tier in force (best supported, or lowered by KT_ISA)");
@@ -198,5 +203,18 @@ PYBIND11_MODULE(KT_EXT_NAME, m) {
              const DType xd = to_dtype(xdt), od = to_dtype(odt);
              py::gil_scoped_release nogil;
              ci.run_now([&] { self.forward(ci.pool(), T, cptr<void>(x), xd, reinterpret_cast<void*>(out), od); });
+           });
+
+  // fp32 in / fp32 out; the Python side (kernels/linear.py LinearGroupKernel) checks the buffers once
+  py::class_<LinearGroup, std::shared_ptr<LinearGroup>>(m, "LinearGroup")
+      .def(py::init([](std::vector<std::shared_ptr<Linear>> parts, int glu) {
+             return std::make_shared<LinearGroup>(std::move(parts), glu);
+           }),
+           py::arg("parts"), py::arg("glu") = -1)
+      .def_property_readonly("in_features", &LinearGroup::in_features)
+      .def_property_readonly("out_features", &LinearGroup::out_features)
+      .def("forward", [](LinearGroup& self, CPUInfer& ci, int T, uintptr_t x, uintptr_t out) {
+             py::gil_scoped_release nogil;
+             ci.run_now([&] { self.forward(ci.pool(), T, cptr<float>(x), reinterpret_cast<float*>(out)); });
            });
 }

@@ -45,12 +45,12 @@ ThreadPool::~ThreadPool() {
 }
 
 bool ThreadPool::run_tickets(uint32_t gen, int tid) {
-  bool any = false;
+  int ran = 0;  // counted into done_ once, when this thread finds no ticket left
   uint64_t v = ticket_.load(std::memory_order_acquire);
   for (;;) {
-    if (t_gen(v) != (gen & 0xffff) || t_next(v) >= t_n(v)) return any;
+    if (t_gen(v) != (gen & 0xffff) || t_next(v) >= t_n(v)) break;
     if (!ticket_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
-    any = true;
+    ++ran;
     const int task = static_cast<int>(t_next(v));
     try {
       (*fn_)(task, tid);
@@ -58,9 +58,10 @@ bool ThreadPool::run_tickets(uint32_t gen, int tid) {
       std::lock_guard<std::mutex> lk(err_mu_);
       if (!err_) err_ = std::current_exception();
     }
-    done_.fetch_add(1, std::memory_order_acq_rel);
     v = ticket_.load(std::memory_order_acquire);
   }
+  if (ran) done_.fetch_add(ran, std::memory_order_acq_rel);
+  return ran > 0;
 }
 
 void ThreadPool::worker_loop(int tid) {

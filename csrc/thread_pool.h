@@ -53,10 +53,13 @@ class ThreadPool {
   int nthreads_;
   std::vector<std::thread> workers_;
   std::mutex run_mu_;                 // one parallel_for at a time
-  std::atomic<uint64_t> ticket_{0};   // gen:16 | n:24 | next:24
-  std::atomic<int> done_{0};
-  const std::function<void(int, int)>* fn_ = nullptr;
-  std::atomic<uint32_t> epoch_{0};
+  // ticket_ (claimed by every task), done_ (added once per thread and call) and epoch_ (what idle
+  // workers spin on) each on a cache line of its own: on one line every claim bounced the line
+  // the other thread was reading (decode GEMVs run thousands of tasks per call)
+  alignas(64) std::atomic<uint64_t> ticket_{0};   // gen:16 | n:24 | next:24
+  alignas(64) std::atomic<int> done_{0};
+  alignas(64) std::atomic<uint32_t> epoch_{0};
+  alignas(64) const std::function<void(int, int)>* fn_ = nullptr;
   std::atomic<int> sleepers_{0};
   std::atomic<bool> stop_{false};
   std::mutex sleep_mu_;

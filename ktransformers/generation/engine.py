@@ -7,6 +7,7 @@ small decode of the text window.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -179,9 +180,25 @@ class Generator:
 
     def _forward(self, ids: torch.Tensor, start: int, cache) -> torch.Tensor:
         n = ids.shape[1]
+        if n == 1 and ids.shape[0] == 1:
+            step = self._decode_step()
+            if step is not None and step.accepts(cache):
+                logits = step.step(int(ids[0, 0]), start, cache)
+                if logits is not None:
+                    return logits
         pos = torch.arange(start, start + n, device=self.device).unsqueeze(0)
         out = self.model(input_ids=ids, cache=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1].float()
+
+    def _decode_step(self):
+        """The lean single-token step (operators/decode.py) unless ``KT_LEAN_DECODE=0``."""
+        step = self.__dict__.get("_step", False)
+        if step is False:
+            from ..operators.decode import decode_step_for
+
+            step = decode_step_for(self.model) if os.environ.get("KT_LEAN_DECODE", "1") != "0" else None
+            self._step = step
+        return step
 
     def prefill(self, input_ids: list[int], cache, cancel: threading.Event | None = None) -> torch.Tensor | None:
         """Run the prompt through the model in chunks; logits [1, V] (fp32) of its last position.

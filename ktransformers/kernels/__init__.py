@@ -61,6 +61,11 @@ up_type, down_type, activation="silu", alpha=1.702, limit=7.0, gate_bias=None, u
     (no validation beyond dtype/shape/contiguity checks; anything else falls back to the checked
     path, which raises the errors).
 
+``LinearGroupKernel(members, glu=None)``
+    Linears sharing one input in one call (q/k/v; gate/up with ``glu="silu"|"gelu_tanh"`` gives
+    act(gate) * up): the input is quantised once per activation format.  ``.forward(x, out)``,
+    fp32 contiguous CPU tensors.
+
 ``row_bytes(type, cols)``, ``type_info(type)``, ``dequantize(raw, type, n)`` (ggml reference
 values, used by tests).
 """
@@ -69,7 +74,7 @@ from __future__ import annotations
 
 from ..weights.ggml_types import KERNEL_TYPES
 from .args import ggml_type
-from .linear import LinearKernel
+from .linear import LinearGroupKernel, LinearKernel
 from .moe import ACTIVATIONS, BACKENDS, MoEKernel
 from .moe_train import LoraFactors, MoETrainKernel
 from .pool import CPUInfer, cpu_infer, isa_tier
@@ -78,5 +83,5 @@ from .types import dequantize, row_bytes, type_info
 #: the weight types the kernels compute on: name -> id
 TYPES = {name: t.id for name, t in KERNEL_TYPES.items()}
 
-__all__ = ["isa_tier", "cpu_infer", "CPUInfer", "MoEKernel", "LinearKernel", "row_bytes", "type_info",
-           "dequantize", "ggml_type", "BACKENDS", "ACTIVATIONS", "TYPES", "MoETrainKernel", "LoraFactors"]
+__all__ = ["isa_tier", "cpu_infer", "CPUInfer", "MoEKernel", "LinearKernel", "LinearGroupKernel", "row_bytes",
+           "type_info", "dequantize", "ggml_type", "BACKENDS", "ACTIVATIONS", "TYPES", "MoETrainKernel", "LoraFactors"]

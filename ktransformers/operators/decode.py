@@ -1,0 +1,308 @@
+"""A lean single-token decode step for dense decoder layers over transformers' ``StaticCache``.
+
+A decode token through the generic path costs as much Python/dispatch as kernel time on a small
+model: ~40 torch ops and ~7 module hops per layer, HF's mask building per step, a kernel call
+(one pool wake-up and one activation quantisation) per matrix.  ``DecodeStep`` does the same
+arithmetic for one token with the layer's weights bound once:
+
+* q/k/v in one kernel call and gate/up+activation in one (``kernels.LinearGroupKernel``: the
+  input is quantised once, all row blocks share one pool wake-up), into buffers allocated once;
+* the rest in a few fp32 C++ helpers (``cpuinfer_ext.decode_ops``, csrc/decode_ops.cpp) on the
+  step's own buffers: RMSNorm with the effective weight made once (Gemma's ``1 + w``), the
+  residual add fused with the next sublayer's norm, RoPE over q and k in place (cos/sin from the
+  model's own rotary module, once per step and layer type), and the cache write + attention of
+  the one query: the new key/value go into the static cache's tensors in place (the cache's own
+  bookkeeping kept exactly, sliding-window layers included), and the query attends to the
+  cache's valid entries directly (no mask: a static layer's entries up to the position, a
+  sliding layer's window, are exactly what the causal / sliding mask leaves visible).
+
+It serves Gemma-3 (text) and the Llama / Mistral / Qwen2 / Qwen3 family, and the attention of
+Qwen3-MoE / Qwen2-MoE layers (their MoE block is called as a module).  ``DecodeStep.build``
+returns ``None`` for anything else, and ``accepts`` is checked on every call: one token, batch 1,
+inference mode, a ``StaticCache`` whose layers are initialised plain static / sliding layers,
+fp32 CPU model.  Everything else (prefill, batching, other caches, training) takes the generic
+forward.  The logits buffer returned is reused by the next step (the model's ``Generator``
+samples from it before the next step).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+log = logging.getLogger("ktransformers.decode")
+
+#: config.model_type -> (Gemma-style norms and sandwich layers?)
+FAMILIES = {"gemma3_text": True, "llama": False, "mistral": False, "qwen2": False, "qwen3": False,
+            "qwen3_moe": False, "qwen2_moe": False}
+#: config activation name -> the kernels' gated activation
+GLU = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+class Unsupported(Exception):
+    """The model has a part the lean step does not reproduce; the generic forward serves it."""
+
+
+def _norm_weight(norm, gemma: bool) -> tuple[torch.Tensor, float]:
+    w = getattr(norm, "weight", None)
+    eps = getattr(norm, "eps", getattr(norm, "variance_epsilon", None))
+    if w is None or eps is None or w.is_meta:
+        raise Unsupported(f"norm {type(norm).__name__} has no loaded weight / eps")
+    w = w.detach().float()
+    w = ((1.0 + w) if gemma else w).contiguous()
+    return w, float(eps), w.data_ptr()
+
+
+def _cpu_kernel(linear):
+    """The ``KLinearCPU`` op that serves ``linear`` at T=1 with its output on the CPU, or None."""
+    from .cpu_linear import KLinearCPU
+
+    if not hasattr(linear, "generate_op") or getattr(linear, "out_device", None) not in (None, "cpu"):
+        return None
+    pre = linear.prefill_op
+    op = pre if pre is not None and 1 > linear.prefill_threshold else linear.generate_op
+    if not isinstance(op, KLinearCPU) or getattr(op, "kernel", None) is None:
+        return None
+    return op
+
+
+class _Proj:
+    """One or more linears sharing an input, as one call into a preallocated output."""
+
+    def __init__(self, linears, glu: str | None = None):
+        from ..kernels import LinearGroupKernel
+
+        ops = [_cpu_kernel(m) for m in linears]
+        self.out_features = sum(int(op.out_features) for op in ops) if all(ops) else None
+        if not all(ops):
+            raise Unsupported("a projection is not on the CPU linear kernels")
+        if any(op.bias is not None for op in ops):
+            if glu is not None:
+                raise Unsupported("gated projection with a bias")
+            self.bias = torch.cat([op.bias.float() for op in ops]).contiguous()
+        else:
+            self.bias = None
+        self.group = LinearGroupKernel([op.kernel for op in ops], glu=glu)
+        self.out = torch.empty(self.group.out_features)
+        self._call = self.group._g.forward
+        self._pool = self.group.pool._c
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.out
+        self._call(self._pool, 1, x.data_ptr(), out.data_ptr())  # x: one contiguous fp32 row (the step's buffers)
+        if self.bias is not None:
+            out.add_(self.bias)
+        return out
+
+
+class _Layer:
+    def __init__(self, layer, idx: int, config, gemma: bool):
+        attn = layer.self_attn
+        self.idx = idx
+        self.hq = int(config.num_attention_heads)
+        self.hkv = int(config.num_key_value_heads)
+        self.d = int(getattr(attn, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        self.scaling = float(attn.scaling)
+        if getattr(attn, "attn_logit_softcapping", None) or getattr(config, "attn_logit_softcapping", None):
+            raise Unsupported("attention logit softcapping")
+        self.layer_type = (config.layer_types[idx] if getattr(config, "layer_types", None) else "full_attention")
+        self.qkv = _Proj([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.o = _Proj([attn.o_proj])
+        self.in_norm = _norm_weight(layer.input_layernorm, gemma)
+        qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        if (qn is None) != (kn is None):
+            raise Unsupported("only one of q_norm / k_norm")
+        if qn is not None:
+            (wq, eq, _), (wk, ek, _) = _norm_weight(qn, gemma), _norm_weight(kn, gemma)
+            if eq != ek or wq.numel() != self.d or wk.numel() != self.d:
+                raise Unsupported("q_norm / k_norm of another shape than the head")
+            w = torch.cat([wq.expand(self.hq, -1), wk.expand(self.hkv, -1)]).contiguous()
+            self.qk_norm = (w, eq, w.data_ptr())
+        else:
+            self.qk_norm = None
+        self.gemma = gemma
+        if gemma:
+            self.post_attn_norm = _norm_weight(layer.post_attention_layernorm, True)
+            self.pre_mlp_norm = _norm_weight(layer.pre_feedforward_layernorm, True)
+            self.post_mlp_norm = _norm_weight(layer.post_feedforward_layernorm, True)
+        else:
+            self.pre_mlp_norm = _norm_weight(layer.post_attention_layernorm, False)
+        mlp = layer.mlp
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+        self.gate_up = self.down = None
+        self.mlp_module = None
+        if all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")) and act in GLU:
+            try:
+                self.gate_up = _Proj([mlp.gate_proj, mlp.up_proj], glu=GLU[act])
+                self.down = _Proj([mlp.down_proj])
+            except Unsupported:
+                self.gate_up = self.down = None
+        if self.gate_up is None:
+            if not any(hasattr(mlp, n) for n in ("experts", "gate_proj")):
+                raise Unsupported(f"MLP {type(mlp).__name__}")
+            self.mlp_module = mlp  # MoE block (or a dense MLP off the kernels): its own forward
+
+
+class DecodeStep:
+    """See the module docstring.  ``step(token, pos, cache) -> logits [1, vocab]`` (fp32)."""
+
+    def __init__(self, model):
+        config = model.config.get_text_config()
+        gemma = FAMILIES.get(getattr(config, "model_type", None))
+        if gemma is None:
+            raise Unsupported(f"model type {getattr(config, 'model_type', None)!r}")
+        if getattr(config, "use_bidirectional_attention", False):
+            raise Unsupported("bidirectional attention")
+        backbone = getattr(model, "model", None)
+        lm_head = getattr(model, "lm_head", None)
+        if backbone is None or lm_head is None or not hasattr(backbone, "layers"):
+            raise Unsupported("no model.model.layers / lm_head")
+        if getattr(model, "training", False):
+            raise Unsupported("model in training mode")
+        self.config = config
+        self.embed = backbone.embed_tokens
+        self.rotary = backbone.rotary_emb
+        self.layers = [_Layer(layer, i, config, gemma) for i, layer in enumerate(backbone.layers)]
+        self.final_norm = _norm_weight(backbone.norm, gemma)
+        self.head = _Proj([lm_head])
+        self.softcap = getattr(config, "final_logit_softcapping", None)
+        self.hidden = int(config.hidden_size)
+        self.layer_types = sorted({lay.layer_type for lay in self.layers})
+        self.gemma_rope = gemma  # Gemma-3's rotary module takes the layer type
+        from .. import cpuinfer_ext
+
+        self._ops = cpuinfer_ext.decode_ops
+        self._lock = threading.Lock()
+        width = max(lay.hq * lay.d for lay in self.layers)
+        self.x, self.h, self.att = torch.empty(self.hidden), torch.empty(self.hidden), torch.empty(width)
+        self.x_ptr, self.h_ptr, self.att_ptr = self.x.data_ptr(), self.h.data_ptr(), self.att.data_ptr()
+        for lay in self.layers:
+            lay.att_view = self.att[: lay.hq * lay.d]
+        self._pos_t = torch.zeros(1, 1, dtype=torch.long)
+        self._tok_t = torch.zeros(1, 1, dtype=torch.long)
+
+    @classmethod
+    def build(cls, model) -> "DecodeStep | None":
+        try:
+            return cls(model)
+        except Unsupported as e:
+            log.debug("lean decode step not used: %s", e)
+            return None
+
+    # ---------------------------------------------------------------------------------- gate
+    def accepts(self, cache) -> bool:
+        """Whether the next single-token step on ``cache`` can take this path."""
+        from transformers import StaticCache
+        from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+
+        if type(cache) is not StaticCache or getattr(cache, "offloading", False):
+            return False
+        if not torch.is_inference_mode_enabled() or len(cache.layers) != len(self.layers):
+            return False
+        for lay in cache.layers:
+            t = type(lay)
+            if (t is not StaticLayer and t is not StaticSlidingWindowLayer) or not lay.is_initialized:
+                return False
+            if lay.keys.dtype is not torch.float32 or lay.keys.shape[0] != 1 or lay.keys.device.type != "cpu":
+                return False
+        return True
+
+    # ---------------------------------------------------------------------------------- step
+    def _cache_plan(self, cache):
+        """Per layer: (layer, keys / values / counter pointers, capacity, sliding?) of ``cache``,
+        made once per cache (static layers keep their tensors' addresses for their lifetime)."""
+        plan = cache.__dict__.get("_kt_lean_plan")
+        if plan is None or plan[0] != cache.layers[0].keys.data_ptr():
+            rows = []
+            for lay, cl in zip(self.layers, cache.layers):
+                k, v = cl.keys, cl.values
+                if (k.shape[1] != lay.hkv or k.shape[3] != lay.d or v.shape != k.shape
+                        or not (k.is_contiguous() and v.is_contiguous())):
+                    raise Unsupported("cache layer shape")
+                rows.append((cl, k.data_ptr(), v.data_ptr(), cl.cumulative_length.data_ptr(), int(cl.max_cache_len),
+                             bool(cl.is_sliding)))
+            full = next((i for i, r in enumerate(rows) if not r[5]), None)
+            plan = (cache.layers[0].keys.data_ptr(), rows, full)
+            cache.__dict__["_kt_lean_plan"] = plan
+        return plan[1], plan[2]
+
+    def step(self, token: int, pos: int, cache) -> torch.Tensor | None:
+        """Logits [1, vocab] of ``token`` at ``pos`` (the cache holds positions < pos), or None when
+        this cache state is not one the step reproduces (the caller takes the generic forward).
+        The step's buffers are the model's: one step at a time (a lock, uncontended per stream)."""
+        with self._lock:
+            return self._step(token, pos, cache)
+
+    def _step(self, token: int, pos: int, cache) -> torch.Tensor | None:
+        ops = self._ops
+        try:
+            plan, full = self._cache_plan(cache)
+        except Unsupported:
+            return None
+        if full is not None:
+            cl, cap = plan[full][0], plan[full][4]
+            if pos >= cap or int(cl.cumulative_length) != pos:
+                return None
+        self._tok_t[0, 0] = token
+        self._pos_t[0, 0] = pos
+        x = self.x
+        x.copy_(self.embed(self._tok_t).reshape(-1))
+        rope = {}
+        for lt in self.layer_types:
+            cos, sin = self.rotary(x, self._pos_t, lt) if self.gemma_rope else self.rotary(x, self._pos_t)
+            cos, sin = cos.reshape(-1).float().contiguous(), sin.reshape(-1).float().contiguous()
+            rope[lt] = (cos, sin, cos.data_ptr(), sin.data_ptr())
+        H, xp, h, hp, attp = self.hidden, self.x_ptr, self.h, self.h_ptr, self.att_ptr
+        first = self.layers[0]
+        ops.rms_norm(xp, first.in_norm[2], hp, 1, H, 0, first.in_norm[1])
+        n_layers = len(self.layers)
+        for i, (lay, (cl, kp, vp, lp, cap, sliding)) in enumerate(zip(self.layers, plan)):
+            hq, hkv, d = lay.hq, lay.hkv, lay.d
+            qkv = lay.qkv(h)
+            qp = qkv.data_ptr()
+            if lay.qk_norm is not None:
+                ops.rms_norm(qp, lay.qk_norm[2], qp, hq + hkv, d, d, lay.qk_norm[1])
+            r = rope[lay.layer_type]
+            ops.rope(qp, hq + hkv, d, r[2], r[3])
+            if sliding:
+                cur = cl.cumulative_length_int
+                cl.cumulative_length_int = cur + 1
+                if cur < cap:
+                    slot, roll, n, lenp = cur, 0, cur + 1, lp
+                else:  # a full window: shifted left by one, newest last (the layer's own layout)
+                    slot, roll, n, lenp = cap - 1, 1, cap, 0
+            else:
+                slot, roll, n, lenp = pos, 0, pos + 1, lp
+            ops.attend(qp, qp + 4 * hq * d, qp + 4 * (hq + hkv) * d, kp, vp, hq, hkv, d, cap, slot, roll, n,
+                       lay.scaling, lenp, attp)
+            a = lay.o(lay.att_view)
+            if lay.gemma:
+                ops.residual_norm(xp, a.data_ptr(), lay.post_attn_norm[2], lay.post_attn_norm[1],
+                                  lay.pre_mlp_norm[2], lay.pre_mlp_norm[1], hp, H)
+            else:
+                ops.residual_norm(xp, a.data_ptr(), 0, 0.0, lay.pre_mlp_norm[2], lay.pre_mlp_norm[1], hp, H)
+            if lay.mlp_module is None:
+                m = lay.down(lay.gate_up(h))
+            else:
+                m = lay.mlp_module(h.view(1, 1, H))
+                m = (m[0] if isinstance(m, tuple) else m).reshape(-1).float().contiguous()
+            nxt = self.layers[i + 1].in_norm if i + 1 < n_layers else self.final_norm
+            if lay.gemma:
+                ops.residual_norm(xp, m.data_ptr(), lay.post_mlp_norm[2], lay.post_mlp_norm[1], nxt[2], nxt[1], hp, H)
+            else:
+                ops.residual_norm(xp, m.data_ptr(), 0, 0.0, nxt[2], nxt[1], hp, H)
+        logits = self.head(h)
+        if self.softcap is not None:
+            logits.div_(self.softcap).tanh_().mul_(self.softcap)
+        return logits.view(1, -1)
+
+
+def decode_step_for(model) -> DecodeStep | None:
+    """The model's ``DecodeStep``, built on first use (``None`` where the model is not served)."""
+    step = model.__dict__.get("_kt_decode_step", False)
+    if step is False:
+        step = DecodeStep.build(model)
+        model.__dict__["_kt_decode_step"] = step
+    return step
