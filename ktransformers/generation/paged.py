@@ -441,6 +441,10 @@ _register_attention()
 # ---------------------------------------------------------------------------------- the runner
 
 
+class NotPageable(ValueError):
+    """The model has a layer whose state the page pool cannot hold (linear attention, sinks ...)."""
+
+
 @dataclass(frozen=True)
 class _AttnLayer:
     index: int
@@ -466,17 +470,20 @@ def _attention_layers(model) -> list[_AttnLayer]:
             continue
         is_mla = hasattr(mod, "kv_lora_rank")
         if is_mla and not hasattr(mod, "absorb_weights"):
-            raise ValueError(f"{name}: {type(mod).__name__} (MLA) has no paged path; inject KDeepseekV2Attention "
+            raise NotPageable(f"{name}: {type(mod).__name__} (MLA) has no paged path; inject KDeepseekV2Attention "
                              f"(the shipped DeepSeek rules do)")
+        if getattr(mod, "sinks", None) is not None:
+            raise NotPageable(f"{name}: {type(mod).__name__} has attention sinks (gpt-oss), which the paged "
+                             f"attention does not compute")
         if not is_mla and not (hasattr(mod, "k_proj") and hasattr(mod, "head_dim")):
-            raise ValueError(f"{name}: {type(mod).__name__} has no paged cache layout "
+            raise NotPageable(f"{name}: {type(mod).__name__} has no paged cache layout "
                              f"(softmax attention with k_proj/v_proj, or MLA, only)")
         layers.append(_AttnLayer(int(mod.layer_idx), name, mod, is_mla))
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     n = int(cfg.num_hidden_layers)
     if sorted(la.index for la in layers) != list(range(n)):
         have = sorted(la.index for la in layers)
-        raise ValueError(f"{type(model).__name__}: paged batching needs an attention layer per decoder layer "
+        raise NotPageable(f"{type(model).__name__}: paged batching needs an attention layer per decoder layer "
                          f"(found layer ids {have[:8]} of {n}; linear-attention / state layers are not paged)")
     return sorted(layers, key=lambda la: la.index)
 

@@ -191,9 +191,14 @@ def build_engine(settings: Settings):
     common = dict(model_name=name, defaults=_sampling_defaults(settings, model), max_queue=settings.max_queue,
                   model_info=_model_info(settings, model, source, load_s))
     if settings.backend_type == "balance_serve":
+        from ..generation.paged import NotPageable
         from .batch_engine import build_batch_engine
 
-        return build_batch_engine(settings, model, tokenizer, max_pos, **common)
+        try:
+            return build_batch_engine(settings, model, tokenizer, max_pos, **common)
+        except NotPageable as e:  # a layer the paged cache cannot hold (linear attention, sinks)
+            log.warning("continuous batching is not available for this model (%s); serving one request "
+                        "at a time (--backend_type ktransformers)", e)
     max_context = settings.cache_lens or max_pos
     generator = Generator(model, tokenizer, chunk_size=settings.prefill_chunk, max_cache_len=max_context)
     return Engine(generator, tokenizer, max_context=max_context, **common)

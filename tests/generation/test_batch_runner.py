@@ -17,7 +17,8 @@ from ktransformers.util.tiny_models import TINY_CONFIGS
 
 # every family with softmax or MLA attention: GQA (llama, qwen*), CPU experts (qwen3_moe, mixtral, ...),
 # MLA latent pages (deepseek_v2/v3), sliding window (gemma3_text)
-ARCHS = [a for a in TINY_CONFIGS if a != "qwen3_5_moe_text"]
+#: linear attention (Qwen3.5-MoE) and attention sinks (gpt-oss) are refused by name (test below)
+ARCHS = [a for a in TINY_CONFIGS if a not in ("qwen3_5_moe_text", "gpt_oss")]
 TOL = 1e-4
 
 
@@ -245,6 +246,8 @@ def test_moe_experts_run_once_per_step_for_all_tokens(models, one_torch_thread):
 def test_linear_attention_model_is_refused_by_name(models):
     with pytest.raises(ValueError, match="linear-attention"):
         BatchRunner(models("qwen3_5_moe_text"), page_size=4, num_pages=4)
+    with pytest.raises(ValueError, match="self_attn: GptOssAttention has attention sinks"):
+        BatchRunner(models("gpt_oss"), page_size=4, num_pages=4)
 
 
 def test_bad_chunks_are_named(models):

@@ -49,6 +49,16 @@ def test_defaults_and_backends(tiny_dir):
     assert type(single) is Engine and single.max_context == 1000
 
 
+def test_a_model_the_pages_cannot_hold_is_served_one_at_a_time(tiny_model_dir, caplog):
+    from ktransformers.server.engine import Engine
+
+    d = tiny_model_dir("gpt_oss")  # attention sinks: no paged path
+    with caplog.at_level("WARNING", logger="ktransformers.server"):
+        engine = build_engine(parse_settings(["--model_path", str(d), "--cache_lens", "512"]))
+    assert type(engine) is Engine and engine.max_context == 512
+    assert "continuous batching is not available for this model" in caplog.text and "sinks" in caplog.text
+
+
 def test_queue_full_counts_free_batch_slots(tiny):
     from ktransformers.generation import Generator
     from ktransformers.server.batch_engine import BatchEngine
