@@ -43,6 +43,23 @@ def experts_geometry(orig: nn.Module, config) -> tuple[int, int, int]:
     raise WeightError(f"{type(orig).__name__}: cannot read the experts' shapes (no 3-D gate_up_proj)")
 
 
+
+def routed_groups(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int):
+    """``(expert, token rows, routing weights)`` for every expert some token was routed to, in
+    expert order: the tokens of one expert are computed together (one matmul per expert)."""
+    k = top_k_index.shape[1]
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    token_of = order // k
+    w_sorted = top_k_weights.reshape(-1)[order]
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            yield e, token_of[start:start + n], w_sorted[start:start + n]
+        start += n
+
+
 class ExpertsOp(Op):
     """Base of experts ops: knows the geometry, the parameter layout and the activation."""
 
@@ -162,26 +179,16 @@ class KExpertsTorch(ExpertsOp):
         self.down_bias = b["down_proj"] if b else None
 
     def forward(self, x, top_k_index, top_k_weights):
-        T, k = top_k_index.shape
+        T = top_k_index.shape[0]
         out = torch.zeros(T, self.hidden, dtype=torch.float32 if x.dtype == torch.float32 else x.dtype,
                           device=x.device)
-        flat = top_k_index.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        token_of = order // k
-        w_sorted = top_k_weights.reshape(-1)[order]
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            sel = token_of[start:start + n]
+        for e, sel, w in routed_groups(top_k_index, top_k_weights, self.num_experts):
             xs = x.index_select(0, sel).to(self.gate_up.dtype)
             gub = self.gate_up_bias[e] if self.gate_up_bias is not None else None
             gate, up = F.linear(xs, self.gate_up[e], gub).chunk(2, dim=-1)
             h = F.linear(self.glu(gate, up), self.down[e], self.down_bias[e] if self.down_bias is not None else None)
-            h = h * w_sorted[start:start + n, None].to(h.dtype)
+            h = h * w[:, None].to(h.dtype)
             out.index_add_(0, sel, h.to(out.dtype))
-            start += n
         return out.to(x.dtype)
 
 

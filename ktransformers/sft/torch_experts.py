@@ -23,6 +23,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..operators.base import BaseInjectedModule
+from ..operators.experts import routed_groups
 from ..operators.kinds import EXPERTS
 from ..operators.registry import register
 
@@ -115,18 +116,9 @@ class KSFTExpertsTorch(BaseInjectedModule):
 
     # -- forward ----------------------------------------------------------------------
     def forward(self, hidden_states, top_k_index, top_k_weights):
-        T, k = top_k_index.shape
+        T = top_k_index.shape[0]
         out = torch.zeros(T, hidden_states.shape[-1], dtype=hidden_states.dtype, device=hidden_states.device)
-        flat = top_k_index.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        token_of = order // k
-        w_sorted = top_k_weights.reshape(-1)[order]
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            sel = token_of[start:start + n]
+        for e, sel, w in routed_groups(top_k_index, top_k_weights, self.num_experts):
             xs = hidden_states.index_select(0, sel)
             gu = F.linear(xs.to(self.gate_up_proj.dtype), self.gate_up_proj[e])
             d = self._lora("gate_up_proj", e, xs)
@@ -138,7 +130,6 @@ class KSFTExpertsTorch(BaseInjectedModule):
             d = self._lora("down_proj", e, h)
             if d is not None:
                 y = y + d.to(y.dtype)
-            y = y * w_sorted[start:start + n, None].to(y.dtype)
+            y = y * w[:, None].to(y.dtype)
             out = out.index_add(0, sel, y.to(out.dtype))
-            start += n
         return out
