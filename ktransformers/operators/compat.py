@@ -30,7 +30,7 @@ _NORM = Alias("KRMSNorm", "RMSNorm, placed")
 _MLP = Alias("KMLP", "dense MLP, placed")
 _MODEL = Alias("KTransformersModel", "decoder backbone; device hops follow the layers' rules")
 _MLA = Alias("KDeepseekV2Attention", "absorbed multi-head latent attention")
-_ATTN = Alias("default", "the transformers attention, placed; no batched-server attention here")
+_ATTN = Alias("default", "the transformers attention, placed; the batching server pages its cache")
 
 #: operator class names (the leaf of ``ktransformers.operators.<module>.<Name>``)
 OPERATORS: dict[str, Alias] = {
