@@ -104,13 +104,18 @@ def tokenizer_metadata(folder: str | Path, vocab_size: int | None = None, arch: 
         if isinstance(v, str) and v in ids:
             md[f"tokenizer.ggml.{key}"] = ("u32", ids[v])
     md["tokenizer.ggml.add_bos_token"] = ("bool", bool(cfg.get("add_bos_token", False)))
+    _add_chat_template(md, cfg, folder)
+    return md
+
+
+def _add_chat_template(md: dict, cfg: dict, folder) -> None:
+    """The folder's chat template (tokenizer_config.json's, else chat_template.jinja) into ``md``."""
     tpl = cfg.get("chat_template")
     jinja = folder / "chat_template.jinja"
     if not tpl and jinja.is_file():
         tpl = jinja.read_text(encoding="utf-8")
     if isinstance(tpl, str) and tpl.strip():
         md["tokenizer.chat_template"] = ("str", tpl)
-    return md
 
 
 def _looks_special(tok: str) -> bool:
@@ -225,10 +230,5 @@ def sentencepiece_metadata(folder: str | Path, vocab_size: int | None = None, ar
         md["tokenizer.ggml.add_space_prefix"] = ("bool", False)
     elif isinstance(cfg.get("add_prefix_space"), bool):
         md["tokenizer.ggml.add_space_prefix"] = ("bool", cfg["add_prefix_space"])
-    tpl = cfg.get("chat_template")
-    jinja = folder / "chat_template.jinja"
-    if not tpl and jinja.is_file():
-        tpl = jinja.read_text(encoding="utf-8")
-    if isinstance(tpl, str) and tpl.strip():
-        md["tokenizer.chat_template"] = ("str", tpl)
+    _add_chat_template(md, cfg, folder)
     return md
