@@ -10,9 +10,9 @@ about 55 M parameters) into ``.cache/bench/convert``, converts it once with llam
 * ``python -m ktransformers.convert --model_path HF --preset PRESET`` (ours, same threads),
 
 and prints both in parameters per second, with the ratio (also for our converter called in-process
-after its imports are warm: a fresh process loads torch and transformers first, 2-3 s on an idle
-machine, far more on a busy one), and the load average before and after (the machine is shared:
-compare figures of one run).  Both write the same tensor types.
+after its imports are warm; the fresh process takes the light path, which imports neither torch nor
+transformers), and the load average before and after (the machine is shared: compare figures of one
+run).  Both write the same tensor types.
 """
 
 from __future__ import annotations

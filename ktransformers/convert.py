@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 import numpy as np
-import torch
 
 from .errors import ConfigError, KTError, WeightError
 from .weights import gguf_names as gn
@@ -217,22 +216,17 @@ def fit_type(t: str, row: int) -> str:
 # ------------------------------------------------------------------------------ checkpoint
 
 
-class Checkpoint:
-    """Lazy tensors of an HF safetensors folder, by canonical transformers 5 names.
+class _LightUnsupported(Exception):
+    """The light path (no torch, no transformers) cannot vouch for this folder: convert it with transformers."""
 
-    Accepts per-expert keys (``experts.E.gate_proj.weight``), fused/stacked keys
-    (``experts.gate_up_proj``) and Mixtral's original ``block_sparse_moe.experts.E.w1/w2/w3``.
-    """
 
-    def __init__(self, path: Path):
+class _TorchFiles:
+    """Safetensors files through the safetensors library (torch tensors, every stored dtype)."""
+
+    def __init__(self, files: list[Path]):
         from safetensors import safe_open
 
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise WeightError(f"{path}: no .safetensors files")
-        self.path = path
-        self._handles = {}
-        self._where: dict[str, Path] = {}
+        self._handles, self.where = {}, {}
         for f in files:
             try:
                 h = safe_open(str(f), framework="pt")
@@ -240,7 +234,82 @@ class Checkpoint:
                 raise WeightError(f"{f}: unreadable safetensors file ({e})") from e
             self._handles[f] = h
             for k in h.keys():
-                self._where[k] = f
+                self.where[k] = f
+
+    def get(self, key: str, index: int | None = None):
+        import torch
+
+        h = self._handles[self.where[key]]
+        t = h.get_tensor(key) if index is None else h.get_slice(key)[index]
+        return t.to(torch.float32)
+
+
+class _NumpyFiles:
+    """Safetensors files read without torch: the JSON header parsed here, the data mapped with numpy.
+    Only float32/float16/bfloat16 tensors (others: :class:`_LightUnsupported`)."""
+
+    _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+
+    def __init__(self, files: list[Path]):
+        self.where, self._info, self._maps = {}, {}, {}
+        for f in files:
+            size = f.stat().st_size
+            try:
+                with open(f, "rb") as fh:
+                    n = int.from_bytes(fh.read(8), "little")
+                    if not 2 <= n <= min(size - 8, 1 << 27):
+                        raise ValueError(f"header length {n} does not fit a {size}-byte file")
+                    header = json.loads(fh.read(n))
+                if not isinstance(header, dict):
+                    raise ValueError("the header is not a JSON object")
+            except (OSError, ValueError, UnicodeDecodeError) as e:
+                raise WeightError(f"{f}: unreadable safetensors file ({e})") from e
+            mm = np.memmap(f, dtype=np.uint8, mode="r")
+            for k, v in header.items():
+                if k == "__metadata__":
+                    continue
+                try:
+                    dtype, shape, (b0, b1) = v["dtype"], tuple(int(x) for x in v["shape"]), v["data_offsets"]
+                except (KeyError, TypeError, ValueError) as e:
+                    raise WeightError(f"{f}: tensor '{k}' has a malformed header entry ({e})") from e
+                if dtype not in self._DTYPES:
+                    raise _LightUnsupported(f"{k}: dtype {dtype}")
+                itemsize = np.dtype(self._DTYPES[dtype]).itemsize
+                if not (0 <= b0 <= b1 <= size - 8 - n) or b1 - b0 != itemsize * int(np.prod(shape, dtype=np.int64)):
+                    raise WeightError(f"{f}: tensor '{k}' has data offsets {b0}..{b1} that do not match its "
+                                      f"shape {list(shape)} {dtype} inside the file")
+                self.where[k] = f
+                self._info[k] = (dtype, shape, 8 + n + b0, 8 + n + b1)
+                self._maps[k] = mm
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._info[key][1]
+
+    def get(self, key: str, index: int | None = None) -> np.ndarray:
+        dtype, shape, b0, b1 = self._info[key]
+        a = self._maps[key][b0:b1].view(self._DTYPES[dtype]).reshape(shape)
+        if index is not None:
+            a = a[index]
+        if dtype == "BF16":  # bfloat16 is the top half of a float32
+            return (a.astype(np.uint32) << 16).view(np.float32)
+        return a.astype(np.float32)
+
+
+class Checkpoint:
+    """Lazy float32 tensors of an HF safetensors folder, by canonical transformers 5 names.
+
+    Accepts per-expert keys (``experts.E.gate_proj.weight``), fused/stacked keys
+    (``experts.gate_up_proj``) and Mixtral's original ``block_sparse_moe.experts.E.w1/w2/w3``.
+    ``light=True`` reads them as numpy arrays without importing torch (:class:`_NumpyFiles`).
+    """
+
+    def __init__(self, path: Path, light: bool = False):
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise WeightError(f"{path}: no .safetensors files")
+        self.path = path
+        self.files = _NumpyFiles(files) if light else _TorchFiles(files)
+        self._where = self.files.where
         self.keys = set(self._where)
 
     def _alias(self, name: str) -> str | None:
@@ -255,25 +324,22 @@ class Checkpoint:
     def has(self, name: str) -> bool:
         return self._alias(name) is not None
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str):
         key = self._alias(name)
         if key is None:
             raise WeightError(f"{self.path}: tensor '{name}' not found in the checkpoint")
-        return self._handles[self._where[key]].get_tensor(key).to(torch.float32)
+        return self.files.get(key)
 
-    def expert(self, base: str, proj: str, e: int, n_inter: int) -> torch.Tensor:
+    def expert(self, base: str, proj: str, e: int, n_inter: int):
         """One expert's [out, in] matrix of ``proj`` (gate_proj/up_proj/down_proj) below ``base``."""
         per = f"{base}.{e}.{proj}.weight"
         if self.has(per):
             return self.get(per)
         if proj in ("gate_proj", "up_proj") and self.has(f"{base}.gate_up_proj"):
-            key = self._alias(f"{base}.gate_up_proj")
-            sl = self._handles[self._where[key]].get_slice(key)
-            fused = sl[e].to(torch.float32)
+            fused = self.files.get(self._alias(f"{base}.gate_up_proj"), e)
             return fused[:n_inter] if proj == "gate_proj" else fused[n_inter:]
         if self.has(f"{base}.{proj}"):
-            key = self._alias(f"{base}.{proj}")
-            return self._handles[self._where[key]].get_slice(key)[e].to(torch.float32)
+            return self.files.get(self._alias(f"{base}.{proj}"), e)
         raise WeightError(f"{self.path}: no weights for expert {e} of {base}.{proj}")
 
 
@@ -292,11 +358,14 @@ class _Out:
         return ggml_type_info(self.ggml_type).nbytes(self.shape)
 
 
-def _meta_model(config):
+def _model_params(config) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every parameter of the transformers model of ``config`` (built on the meta device)."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config)
+    return [(k, tuple(v.shape)) for k, v in model.state_dict().items()]
 
 
 def _arch_of(config) -> str:
@@ -399,12 +468,15 @@ def metadata_for(config, arch: str, tensor_names: Iterable[str]) -> dict[str, tu
     return md
 
 
-def plan(config, ckpt: Checkpoint, policy: TypePolicy) -> tuple[str, list[_Out]]:
-    """The GGUF tensors to write for ``config``, each with a producer that reads the checkpoint."""
+def plan(config, ckpt: Checkpoint, policy: TypePolicy, params=None) -> tuple[str, list[_Out]]:
+    """The GGUF tensors to write for ``config``, each with a producer that reads the checkpoint.
+
+    ``params``: the model's (name, shape) list; default: from the transformers model itself."""
     text_cfg = config.get_text_config() if config.model_type == "gemma3" else config
     arch = _arch_of(config)
     nmap = gn.name_map(arch)
-    model = _meta_model(text_cfg)
+    if params is None:
+        params = _model_params(text_cfg)
     tied = bool(getattr(text_cfg, "tie_word_embeddings", False))
     outs: list[_Out] = []
     n_head = text_cfg.num_attention_heads
@@ -422,8 +494,7 @@ def plan(config, ckpt: Checkpoint, policy: TypePolicy) -> tuple[str, list[_Out]]
         t = policy.choose(gname, shape)
         outs.append(_Out(gname, shape, t, lambda fn=fn, t=t: quantize(fn(), t)))
 
-    for hf, p in model.state_dict().items():
-        shape = tuple(p.shape)
+    for hf, shape in params:
         if hf == "lm_head.weight" and tied:
             continue
         base, leaf = hf.rsplit(".", 1)
@@ -460,7 +531,17 @@ def plan(config, ckpt: Checkpoint, policy: TypePolicy) -> tuple[str, list[_Out]]
             add(gname, shape, lambda src=src: ckpt.get(src) + 1.0)
         else:
             add(gname, shape, lambda src=src: ckpt.get(src))
+    outs.sort(key=lambda o: _file_order(o.name))
     return arch, outs
+
+
+def _file_order(gguf_name: str) -> tuple:
+    """Tensors in the file: token_embd, then layer by layer (names sorted within a layer), then the rest —
+    the same order whichever way the model's tensors were listed."""
+    m = re.match(r"blk\.(\d+)\.", gguf_name)
+    if m:
+        return (1, int(m.group(1)), gguf_name)
+    return (0 if gguf_name.startswith("token_embd") else 2, 0, gguf_name)
 
 
 def _expert_producer(ckpt: Checkpoint, base: str, proj: str, E: int, n_inter: int, t: str):
@@ -474,6 +555,123 @@ def _expert_producer(ckpt: Checkpoint, base: str, proj: str, E: int, n_inter: in
         return out
 
     return produce
+
+
+# ------------------------------------------------------------------------------ the light path
+
+#: model types converted without importing torch or transformers (start-up in well under a second
+#: instead of seconds): config.json read as written, the model's tensors listed from the safetensors
+#: headers and checked against the layer structure below; anything else goes through transformers
+LIGHT_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+#: config fields that are no attribute of these config classes (or whose absence means what the
+#: converter assumes): a missing one reads as absent; any other missing field ends the light path
+_ABSENT_MEANS_DEFAULT = ("head_dim", "num_experts", "num_local_experts", "n_routed_experts", "scoring_func",
+                         "tie_word_embeddings", "_name_or_path", "attention_bias", "mlp_bias", "mlp_only_layers",
+                         "decoder_sparse_step")
+#: config attribute aliases of these classes (transformers' ``attribute_map``)
+_CONFIG_ALIASES = {"num_experts": "num_local_experts", "num_local_experts": "num_experts"}
+
+
+class _ConfigView:
+    """config.json as attributes, the way the converter reads a transformers config."""
+
+    def __init__(self, raw: dict):
+        self._raw = dict(raw)
+        rp = raw.get("rope_parameters")
+        if rp is None:
+            if raw.get("rope_scaling") or "rope_theta" not in raw:
+                raise _LightUnsupported("rope parameters need transformers' standardization")
+            rp = {"rope_type": "default", "rope_theta": raw["rope_theta"]}
+        self._raw["rope_parameters"] = rp
+
+    def __getattr__(self, name: str):
+        raw = self.__dict__["_raw"]
+        if name in raw:
+            return raw[name]
+        if _CONFIG_ALIASES.get(name) in raw:
+            return raw[_CONFIG_ALIASES[name]]
+        if name in _ABSENT_MEANS_DEFAULT:
+            raise AttributeError(name)
+        raise _LightUnsupported(f"config.json has no '{name}'")
+
+    def get_text_config(self):
+        return self
+
+
+def _light_roles(cfg, arch: str, layer: int) -> set[str]:
+    """The tensors layer ``layer`` must have (GGUF names after ``blk.N.``, ``.weight`` dropped)."""
+    roles = {"attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm"}
+    if arch in ("qwen2", "qwen2moe") or getattr(cfg, "attention_bias", False):
+        roles |= {"attn_q.bias", "attn_k.bias", "attn_v.bias"}
+    if getattr(cfg, "attention_bias", False) and arch == "llama":
+        roles.add("attn_output.bias")
+    if arch in ("qwen3", "qwen3moe"):
+        roles |= {"attn_q_norm", "attn_k_norm"}
+    n_exp = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or 0
+    step = getattr(cfg, "decoder_sparse_step", 1) or 1
+    moe = n_exp > 0 and layer not in (getattr(cfg, "mlp_only_layers", None) or []) and (layer + 1) % step == 0
+    if moe:
+        roles |= {"ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"}
+        if arch == "qwen2moe":
+            roles |= {"ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"}
+    else:
+        roles |= {"ffn_gate", "ffn_up", "ffn_down"}
+        if getattr(cfg, "mlp_bias", False):
+            raise _LightUnsupported("MLP biases")
+    return roles
+
+
+def _checkpoint_params(cfg, ckpt: Checkpoint, arch: str) -> list[tuple[str, tuple[int, ...]]]:
+    """The model's (name, shape) list read from the checkpoint's own keys (canonical transformers 5
+    names, per-expert matrices stacked as the model stacks them), checked for completeness."""
+    nmap = gn.name_map(arch)
+    files = ckpt.files
+    params: list[tuple[str, tuple[int, ...]]] = []
+    experts: dict[str, dict[str, dict[int, tuple[int, ...]]]] = {}
+    roles: dict[int, set[str]] = {}
+    n_layer = cfg.num_hidden_layers
+    per_expert = re.compile(r"(model\.layers\.(\d+)\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+    for key in sorted(ckpt.keys):
+        name = key.replace(".block_sparse_moe.", ".mlp.")
+        m = per_expert.match(name)
+        if m:
+            proj = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}.get(m.group(4), m.group(4))
+            experts.setdefault(m.group(1), {}).setdefault(proj, {})[int(m.group(3))] = files.shape(key)
+            continue
+        params.append((name, files.shape(key)))
+    for base, projs in experts.items():
+        shapes = [projs.get(p, {}) for p in ("gate_proj", "up_proj", "down_proj")]
+        E = len(shapes[0])
+        if any(sorted(sh) != list(range(E)) for sh in shapes) or len({sh[e] for sh in shapes[:2] for e in sh}) != 1:
+            raise _LightUnsupported(f"{base}: incomplete or uneven experts")
+        (I, H), down = shapes[0][0], set(shapes[2].values())
+        if down != {(H, I)}:
+            raise _LightUnsupported(f"{base}: down_proj shapes {down}")
+        params += [(f"{base}.gate_up_proj", (E, 2 * I, H)), (f"{base}.down_proj", (E, H, I))]
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    top = set()
+    for name, _ in params:
+        base, leaf = name.rsplit(".", 1)
+        if base.endswith("mlp.experts") and leaf in ("gate_up_proj", "down_proj"):
+            g = ["ffn_gate_exps", "ffn_up_exps"] if leaf == "gate_up_proj" else ["ffn_down_exps"]
+        else:
+            gname = nmap.hf_to_gguf(name) if not (tied and name == "lm_head.weight") else "output.weight"
+            if gname is None:
+                raise _LightUnsupported(f"no GGUF name for '{name}'")
+            if not gname.startswith("blk."):
+                top.add(gname)
+                continue
+            g = [gname.split(".", 2)[2].removesuffix(".weight")]
+        layer = int(re.match(r"model\.layers\.(\d+)\.", name).group(1))
+        roles.setdefault(layer, set()).update(g)
+    if set(roles) != set(range(n_layer)):
+        raise _LightUnsupported(f"layers {sorted(roles)[:3]}... of {n_layer}")
+    for layer, have in roles.items():
+        if have != _light_roles(cfg, arch, layer):
+            raise _LightUnsupported(f"layer {layer} holds {sorted(have)}")
+    if not {"token_embd.weight", "output_norm.weight"} <= top or (not tied and "output.weight" not in top):
+        raise _LightUnsupported(f"top-level tensors {sorted(top)}")
+    return params
 
 
 # ------------------------------------------------------------------------------ writing
@@ -566,32 +764,38 @@ def convert(
     preset: str | None = None,
     progress: bool = False,
     tokenizer: bool = True,
+    light: bool = True,
 ) -> Path:
     """Convert an HF safetensors model folder into one GGUF file; returns the output path.
 
     ``preset`` (``Q4_K_M``, ``Q6_K``, ...) picks every tensor's type the way llama-quantize does
     for that preset and replaces the per-role types; ``tokenizer`` writes the folder's tokenizer.
+    ``light``: convert the :data:`LIGHT_MODEL_TYPES` without importing torch or transformers when the
+    folder allows it (the same file either way); False always goes through transformers.
     """
-    from transformers import AutoConfig
-
     mp = Path(model_path)
     if not (mp / "config.json").is_file():
         raise ConfigError(f"{mp}: no config.json (expected a Hugging Face model folder)")
     try:
-        config = AutoConfig.from_pretrained(str(mp))
-    except Exception as e:
-        raise ConfigError(f"{mp / 'config.json'}: cannot be read by transformers ({e})") from e
-    raw_cfg = json.loads((mp / "config.json").read_text())
-    if "scoring_func" in raw_cfg and not hasattr(config, "scoring_func"):
-        config.scoring_func = raw_cfg["scoring_func"]
-    text_cfg = config.get_text_config() if config.model_type == "gemma3" else config
-    if preset:
-        policy = PresetPolicy.for_config(preset, text_cfg, _arch_of(config))
+        raw_cfg = json.loads((mp / "config.json").read_text(encoding="utf-8"))
+        if not isinstance(raw_cfg, dict):
+            raise ValueError("not a JSON object")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{mp / 'config.json'}: not a valid JSON config ({e})") from e
+    policy = None if preset else TypePolicy(experts, attention, default, embeddings, output_type, norms)
+    planned = _plan_light(mp, raw_cfg, preset, policy) if light and raw_cfg.get("model_type") in LIGHT_MODEL_TYPES \
+        else None
+    if planned is None:
+        config = _transformers_config(mp, raw_cfg)
+        text_cfg = config.get_text_config() if config.model_type == "gemma3" else config
+        if preset:
+            policy = PresetPolicy.for_config(preset, text_cfg, _arch_of(config))
+        arch, outs = plan(config, Checkpoint(mp), policy)
+        md = metadata_for(text_cfg, arch, [o.name for o in outs])
     else:
-        policy = TypePolicy(experts, attention, default, embeddings, output_type, norms)
-    ckpt = Checkpoint(mp)
-    arch, outs = plan(config, ckpt, policy)
-    md = metadata_for(text_cfg, arch, [o.name for o in outs])
+        text_cfg, policy, arch, outs, md = planned
+        if log:
+            log("reading the folder without transformers (light path)")
     md["general.name"] = ("str", raw_cfg.get("_name_or_path") or mp.name)
     if preset:
         md["general.file_type"] = ("u32", FILE_TYPES[policy.preset])
@@ -610,6 +814,35 @@ def convert(
     out = Path(output)
     write_gguf(out, md, outs, log, progress=progress)
     return out
+
+
+def _transformers_config(mp: Path, raw_cfg: dict):
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(mp))
+    except Exception as e:
+        raise ConfigError(f"{mp / 'config.json'}: cannot be read by transformers ({e})") from e
+    if "scoring_func" in raw_cfg and not hasattr(config, "scoring_func"):
+        config.scoring_func = raw_cfg["scoring_func"]
+    return config
+
+
+def _plan_light(mp: Path, raw_cfg: dict, preset: str | None, policy):
+    """(config, policy, arch, outs, metadata) planned without transformers, or None where the light
+    path cannot vouch for the folder (then transformers plans it)."""
+    try:
+        cfg = _ConfigView(raw_cfg)
+        arch = _arch_of(cfg)
+        ckpt = Checkpoint(mp, light=True)
+        params = _checkpoint_params(cfg, ckpt, arch)
+        if preset:
+            policy = PresetPolicy.for_config(preset, cfg, arch)
+        arch, outs = plan(cfg, ckpt, policy, params=params)
+        md = metadata_for(cfg, arch, [o.name for o in outs])
+    except _LightUnsupported:
+        return None
+    return cfg, policy, arch, outs, md
 
 
 def main(argv: list[str] | None = None) -> int:

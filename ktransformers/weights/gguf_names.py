@@ -25,8 +25,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-import torch
-
 #: architectures the source and the converter handle (GGUF ``general.architecture`` values)
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "deepseek2", "gemma3", "glm4moe", "minimax-m2",
                    "gpt-oss")
@@ -256,6 +254,8 @@ def unpermute_qk(w: torch.Tensor, n_head: int, n_head_kv: int | None = None) -> 
 
 def qk_row_order(rows: int, n_head: int, n_head_kv: int | None = None) -> torch.Tensor:
     """Index ``idx`` with ``hf_rows = gguf_rows[idx]`` (for reordering quantized rows of llama Q/K)."""
+    import torch
+
     return unpermute_qk(torch.arange(rows), n_head, n_head_kv)
 
 
@@ -264,6 +264,8 @@ def kv_b_from_split(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
     ``k_b[h] = kv_b[h, :nope, :].T`` i.e. torch ``[H, r, nope]``) and ``attn_v_b [H, v, r]``."""
     n_head, r, nope = k_b.shape
     assert v_b.shape[0] == n_head and v_b.shape[2] == r, (k_b.shape, v_b.shape)
+    import torch
+
     per_head = torch.cat([k_b.transpose(1, 2), v_b], dim=1)  # [H, nope+v, r]
     return per_head.reshape(n_head * (nope + v_b.shape[1]), r).contiguous()
 

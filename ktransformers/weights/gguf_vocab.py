@@ -51,15 +51,21 @@ def _split_patterns(node) -> list[str]:
     return out
 
 
+#: llama.cpp's pre-tokenizer names and the split regex each stands for (the ones the byte-level BPE
+#: tokenizers of the supported families use; transformers' GGUF tokenizer mapping holds the same)
+PRE_TOKENIZER_SPLITS = {
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "tekken": r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "gpt-4o": r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+
+
 def _pre_name(tok_json: dict) -> str:
     """llama.cpp's pre-tokenizer name for the file's split regex ('default' when not one we know)."""
-    try:
-        from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
-    except ImportError:
-        return "default"
     pats = _split_patterns(tok_json.get("pre_tokenizer"))
-    for name in ("qwen2", "llama-bpe", "tekken", "gpt-4o"):  # the canonical name of each pattern
-        if GGUF_PRE_TOKENIZER_SPLITS.get(name) in pats:
+    for name, pat in PRE_TOKENIZER_SPLITS.items():
+        if pat in pats:
             return name
     return "default"
 

@@ -19,9 +19,22 @@ order, which can flip a near-tie); the tests check the RMS error against llama.c
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from .ggml_types import ggml_type_info
+
+
+class _LazyTorch:
+    """torch, imported on first use: the converter's C++ and gguf-py paths run without it, so a
+    conversion does not pay torch's import time."""
+
+    def __getattr__(self, name):
+        import torch as _torch
+
+        globals()["torch"] = _torch
+        return getattr(_torch, name)
+
+
+torch = _LazyTorch()
 
 QK_K = 256
 GROUP_MAX_EPS = 1e-15
@@ -313,24 +326,26 @@ def quantize(x, ggml_type, chunk_elems: int = CHUNK_ELEMS, native: bool = True) 
     C++ only.
     """
     info = ggml_type_info(ggml_type)
-    t = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x))
-    t = t.detach().to(torch.float32)
-    if t.dim() == 0:
-        t = t.reshape(1)
-    n = t.shape[-1]
+    if isinstance(x, np.ndarray):
+        a = np.ascontiguousarray(x, dtype=np.float32)
+    else:  # a torch tensor
+        a = x.detach().to(torch.float32).contiguous().cpu().numpy()
+    if a.ndim == 0:
+        a = a.reshape(1)
+    n = a.shape[-1]
     if n % info.block_elems:
         raise ValueError(f"rows of {n} values are not a multiple of the {info.name} block ({info.block_elems})")
+    flat = a.reshape(-1)
     if info.name == "F32":
-        return t.contiguous().cpu().numpy().reshape(-1).view(np.uint8)
-    if info.name in ("F16", "BF16"):
-        dt = torch.float16 if info.name == "F16" else torch.bfloat16
-        return t.to(dt).contiguous().cpu().view(torch.int16).numpy().reshape(-1).view(np.uint8)
-    flat = t.contiguous().reshape(-1)
+        return flat.view(np.uint8)
+    if info.name == "F16":
+        return flat.astype(np.float16).view(np.uint8)  # round to nearest even, as torch and ggml do
+    if info.name == "BF16":
+        return torch.from_numpy(flat).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint8)
     ext = _native_quantizer() if native else None
     if ext is not None and ext.quantize_rows_supported(info.id):
-        src = flat.cpu()
-        out = np.empty(src.numel() // info.block_elems * info.block_bytes, dtype=np.uint8)
-        ext.quantize_rows(info.id, src.data_ptr(), src.numel() // n, n, out.ctypes.data, quantize_threads())
+        out = np.empty(flat.size // info.block_elems * info.block_bytes, dtype=np.uint8)
+        ext.quantize_rows(info.id, flat.ctypes.data, flat.size // n, n, out.ctypes.data, quantize_threads())
         return out
     fn = _K_QUANTS.get(info.name)
     if fn is None:
@@ -338,11 +353,12 @@ def quantize(x, ggml_type, chunk_elems: int = CHUNK_ELEMS, native: bool = True) 
 
         qt = gguf.GGMLQuantizationType(info.id)
         try:
-            arr = flat.cpu().numpy().reshape(-1, n)
+            arr = flat.reshape(-1, n)
             return np.ascontiguousarray(gguf.quants.quantize(arr, qt)).reshape(-1).view(np.uint8)
         except NotImplementedError as e:
             raise NotImplementedError(f"cannot quantize to {info.name} without the C++ extension's quantizer "
                                       f"(build it: python setup.py build_ext --inplace)") from e
+    flat = torch.from_numpy(flat)
     nb = flat.numel() // info.block_elems
     out = torch.empty(nb, info.block_bytes, dtype=torch.uint8)
     step = max(1, chunk_elems // info.block_elems)

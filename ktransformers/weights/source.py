@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Iterable
 
 import numpy as np
-import torch
 
 from ..errors import WeightError
 from .ggml_types import GGMLType
@@ -64,9 +63,9 @@ class RawTensor:
 
     @property
     def nbytes(self) -> int:
-        if isinstance(self.data, torch.Tensor):
-            return self.data.numel() * self.data.element_size()
-        return int(self.data.nbytes)
+        if isinstance(self.data, np.ndarray):
+            return int(self.data.nbytes)
+        return self.data.numel() * self.data.element_size()
 
 
 class WeightSource(abc.ABC):
@@ -150,6 +149,8 @@ class WeightSource(abc.ABC):
             g, u = f"{base}.gate_proj", f"{base}.up_proj"
             E, inter, H = self._native_shape(g)
             dt = dtype or self._natural_dtype(g)
+            import torch
+
             # filled half by half: no second full-size copy of gate and up
             out = torch.empty((E, 2 * inter, H), dtype=dt, device=device or "cpu")
             self._load_into(g, out[:, :inter])
