@@ -42,7 +42,7 @@ import numpy as np
 from .errors import ConfigError, KTError, WeightError
 from .weights import gguf_names as gn
 from .weights.ggml_types import FILE_TYPES, ggml_type_info
-from .weights.quantize import QUANTIZABLE, quantize
+from .weights.quantize import QUANTIZABLE, native_quantizer, quantize
 
 #: llama-quantize's type for rows that are not a multiple of a 256-value block
 _FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL"}
@@ -290,9 +290,18 @@ class _NumpyFiles:
         a = self._maps[key][b0:b1].view(self._DTYPES[dtype]).reshape(shape)
         if index is not None:
             a = a[index]
-        if dtype == "BF16":  # bfloat16 is the top half of a float32
-            return (a.astype(np.uint32) << 16).view(np.float32)
-        return a.astype(np.float32)
+        if dtype == "F32":
+            return np.array(a)
+        a = np.ascontiguousarray(a)
+        out = np.empty(a.shape, dtype=np.float32)
+        ext = native_quantizer()
+        if ext is not None:  # F16C / AVX2 conversion, without the GIL
+            ext.dequantize(ggml_type_info(dtype).id, a.ctypes.data, a.size, out.ctypes.data)
+        elif dtype == "BF16":  # bfloat16 is the top half of a float32
+            out[...] = (a.astype(np.uint32) << 16).view(np.float32)
+        else:
+            out[...] = a
+        return out
 
 
 class Checkpoint:

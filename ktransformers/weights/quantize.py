@@ -291,7 +291,7 @@ _K_QUANTS = {"Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K":
 CHUNK_ELEMS = 1 << 18
 
 
-def _native_quantizer():
+def native_quantizer():
     """The C++ row quantizer (Q4_K/Q5_K/Q6_K on all cores), or None in a build without it."""
     global _NATIVE
     if _NATIVE is False:
@@ -342,7 +342,7 @@ def quantize(x, ggml_type, chunk_elems: int = CHUNK_ELEMS, native: bool = True) 
         return flat.astype(np.float16).view(np.uint8)  # round to nearest even, as torch and ggml do
     if info.name == "BF16":
         return torch.from_numpy(flat).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint8)
-    ext = _native_quantizer() if native else None
+    ext = native_quantizer() if native else None
     if ext is not None and ext.quantize_rows_supported(info.id):
         out = np.empty(flat.size // info.block_elems * info.block_bytes, dtype=np.uint8)
         ext.quantize_rows(info.id, flat.ctypes.data, flat.size // n, n, out.ctypes.data, quantize_threads())

@@ -21,7 +21,7 @@ import torch
 
 from ktransformers.convert import PresetPolicy, _arch_of, convert, fit_type
 from ktransformers.weights.dequant import dequantize
-from ktransformers.weights.quantize import _native_quantizer, quantize
+from ktransformers.weights.quantize import native_quantizer, quantize
 
 from ._util import fixture_dir
 
@@ -34,7 +34,7 @@ LLAMA_CPP = Path(os.environ.get("KT_LLAMA_CPP_DIR", "/nonexistent"))
 #: our RMS error may exceed llama-quantize's on the same tensors by at most this factor
 ERR_RATIO = 1.02
 
-needs_native = pytest.mark.skipif(_native_quantizer() is None or not _native_quantizer().quantize_rows_supported(23),
+needs_native = pytest.mark.skipif(native_quantizer() is None or not native_quantizer().quantize_rows_supported(23),
                                   reason="extension built without the C++ IQ4 quantizer")
 
 

@@ -13,7 +13,7 @@ import torch
 from ktransformers.convert import PresetPolicy, _arch_of, convert
 from ktransformers.weights.dequant import dequantize
 from ktransformers.weights.gguf_source import GGUFSource
-from ktransformers.weights.quantize import _native_quantizer, quantize
+from ktransformers.weights.quantize import native_quantizer, quantize
 
 from ._util import fixture_dir
 
@@ -42,7 +42,7 @@ def test_unwritable_preset_is_one_line():
         PresetPolicy("Q9_K", n_layer=2)
 
 
-needs_native = pytest.mark.skipif(_native_quantizer() is None or not hasattr(_native_quantizer(), "quantize_rows"),
+needs_native = pytest.mark.skipif(native_quantizer() is None or not hasattr(native_quantizer(), "quantize_rows"),
                                   reason="extension built without the C++ quantizer")
 
 
