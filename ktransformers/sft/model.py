@@ -183,6 +183,10 @@ def load_training_model(cfg, log=print) -> TrainModel:
     tm = TrainModel(model, peft_model, tokenizer, rules, modules, params)
     if not tm.trainable():
         raise cfg.error("lora_target", "leaves nothing to train")
+    if cfg.checkpointing:
+        # transformers 5's name of gradient_checkpointing_enable; non-reentrant, so the recomputed forward
+        # runs under autograd again, KSFTExpertsCPU's Function included
+        model.activation_checkpointing_enable({"use_reentrant": False})
     model.train()
     return tm
 
