@@ -115,6 +115,12 @@ def peft_expert_aliases(model: nn.Module, names) -> set[str]:
     return out
 
 
+def _native_bf16_cpu() -> bool:
+    """Does torch have bf16 matmul instructions on this CPU (else it emulates them, slowly for some layouts)?"""
+    cpu = torch.cpu
+    return any(getattr(cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
 def _is_linear(m: nn.Module) -> bool:
     from ..operators.linear import KTransformersLinear
 
@@ -146,6 +152,9 @@ def load_training_model(cfg, log=print) -> TrainModel:
                                                 "which this build lacks; name rules with KSFTExpertsTorch "
                                                 f"(e.g. {SFT_RULES_DIR / rules.name.replace('-sft', '-sft-torch')})")
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+    if cfg.bf16 and not _native_bf16_cpu():
+        log("note: bf16: this CPU has no bf16 instructions (AVX512-BF16/AMX); torch's bf16 matmuls of the backward "
+            "(grad @ weight) run ~100x slower than fp32 here; leave bf16 off on it (the experts keep their type)")
     log(f"loading {weights} with rules {rules} ...")
     try:
         model = load_model(source, model_path, rules, dtype=dtype, device="cpu", config=config)
