@@ -1,26 +1,36 @@
 """LoRA training throughput and peak RSS: ours (training rules) vs transformers + PEFT.
 
-    python bench/sft.py                                  # Qwen3-MoE shape, 2 layers, real dims
+    python bench/sft.py                                  # Qwen3-MoE layer dims, 2 layers, vocab 8192
     python bench/sft.py --layers 4 --contenders peft,torch,kernels:llamafile,kernels:AMXBF16
+    python bench/sft.py --dtype fp32                     # fp32 torch weights, no autocast (every contender)
     python bench/sft.py --tiny --steps 3                 # smoke run on the tiny model (seconds)
 
-Model: a random Qwen3-MoE-shaped checkpoint (hidden 2048, 128 experts, top-8, expert
-intermediate 768, 32 heads / 4 KV heads, head_dim 128, vocab ``--vocab``; ``--layers`` layers),
-bf16 safetensors, written once into ``.cache/models``.  LoRA rank ``--rank`` on q/k/v/o and on the
-experts' ``gate_up_proj`` / ``down_proj``.
+Model: a random Qwen3-MoE-shaped checkpoint with the real layer dims of Qwen3-MoE-30B-A3B
+(hidden 2048, 128 experts, top-8, expert intermediate 768, 32 heads / 4 KV heads, head_dim 128),
+``--layers`` layers and vocabulary ``--vocab`` (reduced from the real 151936 by default: the
+head's matmuls would otherwise dominate every contender's step alike), bf16 safetensors, written
+once into ``.cache/models``.  LoRA rank ``--rank`` on q/k/v/o and on the experts'
+``gate_up_proj`` / ``down_proj``.
 
-Contenders, each in a fresh process (its own peak RSS), same random token batches, same threads:
+Contenders, each in a fresh process (its own peak RSS, ``ru_maxrss``), same random token
+batches, same threads, each stopped after ``--time-limit`` seconds (load included) and then
+reported as "did not finish" with what it did by then:
 
-* ``peft``: the unmodified transformers model (experts as plain bf16 torch parameters) with PEFT
-  (``target_modules`` + ``target_parameters``) — the baseline;
+* ``peft``: the unmodified transformers model (experts as plain torch parameters, ``--dtype``)
+  with PEFT (``target_modules`` + ``target_parameters``) — the baseline;
 * ``torch``: our loader with ``Qwen3Moe-sft-torch-cpu.yaml`` (experts in torch autograd);
 * ``kernels:<backend>``: our loader with ``Qwen3Moe-sft-cpu.yaml`` (``KSFTExpertsCPU``, the CPU
   kernels' forward and backward), the rule's ``backend:`` set to ``<backend>``; ``--gguf FILE``
   trains on those quantized weights instead of the bf16 checkpoint.
 
-Each step: forward of ``--batch`` x ``--seq`` tokens under bf16 autocast, cross-entropy on all
-tokens, backward, AdamW on the LoRA parameters.  Printed: tokens/s (median over the steps after
-``--warmup``), peak RSS, and both as ratios to the baseline (target: >= 3x tokens/s at <= 0.5x RSS).
+Each step: forward of ``--batch`` x ``--seq`` tokens, cross-entropy on all tokens, backward,
+AdamW on the LoRA parameters; ``--dtype bf16`` (the default): torch-side weights (the
+baseline's experts included) in bf16 under bf16 autocast, ``fp32``: fp32 weights, no autocast;
+the kernels contenders' experts are bf16 (a ``--gguf`` file's: its types) either way.  On CPUs
+without bf16 instructions torch emulates bf16 matmuls and its backward's ``grad @ weight``
+layout crawls (docs/sft.md), which slows every contender's torch side in ``bf16``.  Printed: tokens/s (median over the ``--steps`` steps after
+``--warmup``), peak RSS, both as ratios to the baseline, and whether the targets (>= 3x the
+baseline's tokens/s at <= 0.5x its peak RSS) are met.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -56,7 +67,7 @@ def model_dir(args) -> Path:
 
 
 def make_model(path: Path, tiny: bool, layers: int, vocab: int) -> None:
-    """Write the random checkpoint (runs in its own process: keeps the bench's RSS small)."""
+    """Write the random checkpoint."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -79,15 +90,15 @@ def make_model(path: Path, tiny: bool, layers: int, vocab: int) -> None:
 # ------------------------------------------------------------------------------ one contender
 
 
-def build(contender: str, path: Path, rank: int, gguf: str | None):
-    """(model, trainable parameters) for ``contender``."""
+def build(contender: str, path: Path, rank: int, gguf: str | None, dtype):
+    """(model, trainable parameters) for ``contender``, torch-side weights in ``dtype``."""
     import torch
 
     if contender == "peft":
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
         model.requires_grad_(False)
         pm = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=ATTENTION,
                                               target_parameters=EXPERTS))
@@ -103,7 +114,9 @@ def build(contender: str, path: Path, rank: int, gguf: str | None):
     else:
         backend = contender.partition(":")[2] or "llamafile"
         rules = (SFT_RULES / "Qwen3Moe-sft-cpu.yaml").read_text().replace("backend: llamafile", f"backend: {backend}")
+    # experts into the kernels as bf16 (this checkpoint's type; a --gguf file's own), the torch side in dtype
     model = load_model(gguf or path, path, rules, dtype=torch.bfloat16, device="cpu")
+    model.to(dtype)
     model.requires_grad_(False)
     wrap_linears(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=ATTENTION))
     for m in expert_modules(model).values():
@@ -112,8 +125,16 @@ def build(contender: str, path: Path, rank: int, gguf: str | None):
     return model, [p for p in model.parameters() if p.requires_grad]
 
 
-def worker(args) -> None:
+def _report(**fields) -> None:
+    """One progress line to the bench (JSON on stdout): what a stopped contender leaves behind."""
     import resource
+
+    fields["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps(fields), flush=True)
+
+
+def worker(args) -> None:
+    import contextlib
 
     import torch
     import torch.nn.functional as F
@@ -125,47 +146,130 @@ def worker(args) -> None:
         set_cpu_infer_threads(args.threads)
     except ImportError:
         pass
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     t0 = time.perf_counter()
-    model, params = build(args.worker, Path(args.model), args.rank, args.gguf)
-    load_s = time.perf_counter() - t0
+    model, params = build(args.worker, Path(args.model), args.rank, args.gguf, dtype)
+    _report(event="loaded", load_s=time.perf_counter() - t0, trainable=sum(p.numel() for p in params))
     opt = torch.optim.AdamW(params, lr=1e-4)
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
-    times, losses = [], []
-    for _ in range(args.warmup + args.steps):
+    for i in range(args.warmup + args.steps):
         ids = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
         t = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == torch.bfloat16 else contextlib.nullcontext()
+        with autocast:
             logits = model(input_ids=ids, use_cache=False).logits
         loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, vocab), ids[:, 1:].reshape(-1))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t)
-        losses.append(float(loss))
-    steady = sorted(times[args.warmup:])
-    median = steady[len(steady) // 2]
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"contender": args.worker, "tokens_per_s": args.batch * args.seq / median,
-                      "step_s": median, "peak_rss_mib": rss, "load_s": load_s, "first_loss": losses[0],
-                      "trainable": sum(p.numel() for p in params)}))
+        _report(event="step", step=i, warmup=i < args.warmup, step_s=time.perf_counter() - t, loss=float(loss))
 
 
 # ------------------------------------------------------------------------------ the bench
 
 
-def run_worker(args, contender: str, path: Path) -> dict | None:
+@dataclass
+class Result:
+    """What one contender's process reported (complete, or up to its time limit)."""
+
+    contender: str
+    tokens_per_step: int
+    total_steps: int
+    events: list = field(default_factory=list)
+    finished: bool = False
+    error: str | None = None
+    in_progress_s: float = 0.0  # time spent in the step running when it was stopped
+
+    @property
+    def steady(self) -> list[float]:
+        return sorted(e["step_s"] for e in self.events if e.get("event") == "step" and not e["warmup"])
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Median over the timed steps it completed (all of them, or those before its time limit)."""
+        s = self.steady
+        return self.tokens_per_step / s[len(s) // 2] if s else None
+
+    @property
+    def tokens_per_s_bound(self) -> float | None:
+        """Stopped before any timed step: an upper bound (its step in progress took at least this long)."""
+        if self.finished or self.error or self.steady or self.load_s is None or self.in_progress_s <= 0:
+            return None  # (stopped while loading: no step to bound)
+        return self.tokens_per_step / self.in_progress_s
+
+    @property
+    def peak_rss_mib(self) -> float | None:
+        return max((e["peak_rss_mib"] for e in self.events), default=None)
+
+    @property
+    def load_s(self) -> float | None:
+        return next((e["load_s"] for e in self.events if e.get("event") == "loaded"), None)
+
+
+def run_worker(args, contender: str, path: Path) -> Result:
+    """Run one contender in its own process for at most ``--time-limit`` seconds."""
+    import threading
+
     cmd = [sys.executable, __file__, "--worker", contender, "--model", str(path), "--rank", str(args.rank),
            "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--threads", str(args.threads)]
+           "--warmup", str(args.warmup), "--threads", str(args.threads), "--dtype", args.dtype]
     if args.gguf and contender.startswith("kernels"):
         cmd += ["--gguf", args.gguf]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
-        print(f"{contender:<20} skipped: {tail}")
-        return None
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    res = Result(contender, args.batch * args.seq, args.warmup + args.steps)
+    last = [time.perf_counter()]
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+
+        def read():
+            for line in proc.stdout:
+                if line.startswith("{"):
+                    res.events.append(json.loads(line))
+                    last[0] = time.perf_counter()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        try:
+            rc = proc.wait(timeout=args.time_limit)
+        except subprocess.TimeoutExpired:
+            res.in_progress_s = time.perf_counter() - last[0]
+            proc.kill()
+            proc.wait()
+            reader.join(5)
+            return res
+        reader.join(5)
+        if rc != 0:
+            err.seek(0)
+            res.error = (err.read().strip().splitlines() or [f"exit status {rc}"])[-1]
+            return res
+    res.finished = True
+    return res
+
+
+def print_row(r: Result, base: Result | None, limit: int) -> None:
+    if r.error:
+        print(f"{r.contender:<22} failed: {r.error}")
+        return
+    tps, bound, rss = r.tokens_per_s, r.tokens_per_s_bound, r.peak_rss_mib
+    tps_s = f"{tps:.1f}" if tps else (f"<{bound:.1f}" if bound else "-")
+    step_s = f"{r.tokens_per_step / tps:.2f}" if tps else (f">{r.in_progress_s:.0f}" if bound else "-")
+    rss_s = "-" if rss is None else f"{'' if r.finished else '>='}{rss:.0f}"
+    x_tps = x_rss = verdict = ""
+    if base is not None and r is not base and tps:
+        btps, brss = base.tokens_per_s or base.tokens_per_s_bound, base.peak_rss_mib
+        if btps:
+            x_tps = f"{'' if base.tokens_per_s else '>'}{tps / btps:.2f}"  # a bound when the baseline has one
+        if rss is not None and brss:
+            x_rss = f"{'' if r.finished and base.finished else '~'}{rss / brss:.2f}"
+        if btps and brss and rss is not None:
+            missed = [w for w, ok in (("tokens/s", tps >= 3 * btps), ("RSS", rss <= 0.5 * brss)) if not ok]
+            verdict = "targets met" if not missed else "targets not met: " + ", ".join(missed)
+    print(f"{r.contender:<22} {tps_s:>10} {step_s:>8} {rss_s:>13} {x_tps or '-':>11} {x_rss or '-':>7}  {verdict}",
+          flush=True)
+    if not r.finished:
+        done = sum(e.get("event") == "step" for e in r.events)
+        load = f"loaded in {r.load_s:.0f} s" if r.load_s is not None else "still loading"
+        print(f"{'':<22} did not finish in {limit} s ({load}; {done} of {r.total_steps} steps done)")
 
 
 def main(argv=None) -> int:
@@ -173,18 +277,25 @@ def main(argv=None) -> int:
     p.add_argument("--contenders", default="peft,torch,kernels:llamafile",
                    help="comma-separated: peft (baseline, first), torch, kernels:<backend>")
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--vocab", type=int, default=8192, help="vocabulary (the real model's: 151936)")
     p.add_argument("--tiny", action="store_true", help="the tiny model (smoke run)")
     p.add_argument("--gguf", help="quantized weights for the kernels contenders (same shape)")
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=2, help="timed steps (the median is reported)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                   help="torch-side weights (and the baseline's experts): bf16 under bf16 autocast, or fp32")
+    p.add_argument("--time-limit", type=int, default=150, help="seconds per contender, its load included")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--make-model", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.make_model:  # in its own process: keeps the bench's RSS small
+        make_model(Path(args.make_model), args.tiny, args.layers, args.vocab)
+        return 0
     if args.worker:
         worker(args)
         return 0
@@ -192,25 +303,21 @@ def main(argv=None) -> int:
     if not path.is_dir():
         path.parent.mkdir(parents=True, exist_ok=True)
         print(f"writing {path} ...", flush=True)
-        code = ("import sys; sys.path.insert(0, sys.argv[1]); from pathlib import Path; import importlib.util as u; "
-                "s = u.spec_from_file_location('b', sys.argv[2]); b = u.module_from_spec(s); s.loader.exec_module(b); "
-                "b.make_model(Path(sys.argv[3]), sys.argv[4] == '1', int(sys.argv[5]), int(sys.argv[6]))")
-        subprocess.run([sys.executable, "-c", code, str(ROOT), __file__, str(path), "1" if args.tiny else "0",
-                        str(args.layers), str(args.vocab)], check=True)
+        subprocess.run([sys.executable, __file__, "--make-model", str(path), "--layers", str(args.layers),
+                        "--vocab", str(args.vocab)] + (["--tiny"] if args.tiny else []), check=True)
     print(f"model {path.name}; batch {args.batch} x {args.seq} tokens, LoRA r={args.rank} on "
-          f"{'/'.join(ATTENTION)} + experts; {args.threads} threads; median of {args.steps} steps")
+          f"{'/'.join(ATTENTION)} + experts; {args.dtype} torch weights"
+          f"{' under bf16 autocast' if args.dtype == 'bf16' else ', no autocast'}; {args.threads} threads; "
+          f"median of {args.steps} steps after {args.warmup} warm-up; at most {args.time_limit} s per contender")
     base = None
-    print(f"{'contender':<20} {'tokens/s':>10} {'step s':>8} {'peak RSS MiB':>13} {'x tokens/s':>11} {'x RSS':>7}")
+    print(f"{'contender':<22} {'tokens/s':>10} {'step s':>8} {'peak RSS MiB':>13} {'x tokens/s':>11} {'x RSS':>7}"
+          "  targets: >= 3x tokens/s, <= 0.5x RSS")
     for c in [s.strip() for s in args.contenders.split(",") if s.strip()]:
         r = run_worker(args, c, path)
-        if r is None:
-            continue
         if c == "peft":
+            r.contender = f"peft ({args.dtype} experts)"
             base = r
-        rt = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
-        rr = f"{r['peak_rss_mib'] / base['peak_rss_mib']:.2f}" if base else "-"
-        print(f"{c:<20} {r['tokens_per_s']:>10.1f} {r['step_s']:>8.3f} {r['peak_rss_mib']:>13.0f} {rt:>11} {rr:>7}",
-              flush=True)
+        print_row(r, base, args.time_limit)
     try:
         import kt_kernel  # noqa: F401
 

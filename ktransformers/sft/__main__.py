@@ -29,10 +29,11 @@ def keys_table() -> str:
     from .config import KEYS
 
     rows = []
+    width = max(map(len, KEYS))
     for k, spec in KEYS.items():
         default = "-" if spec.default is None else repr(spec.default)
         choices = f" [{'|'.join(spec.choices)}]" if spec.choices else ""
-        rows.append(f"{k:<28} {default:<14} {spec.help}{choices}")
+        rows.append(f"{k:<{width}} {default:<14} {spec.help}{choices}")
     return "\n".join(rows)
 
 

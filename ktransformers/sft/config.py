@@ -47,6 +47,10 @@ KEYS: dict[str, Key] = {
                      positive=True),
     "chunk_size": Key(_I, 8192, "prompt tokens per prefill step when chatting with the adapter", positive=True),
     "bf16": Key(_B, False, "base weights in bf16 and bf16 autocast (LoRA weights stay fp32)"),
+    "gradient_checkpointing": Key(_B + _N, None, "recompute each decoder layer in the backward instead of keeping "
+                                                 "its activations (default: off)"),
+    "disable_gradient_checkpointing": Key(_B + _N, None, "LLaMA-Factory's name: false turns gradient checkpointing "
+                                                         "on, true off (default: off)"),
     # LoRA
     "lora_rank": Key(_I, 8, "LoRA rank r", positive=True),
     "lora_alpha": Key(_F + _N, None, "LoRA alpha (default: 2 * lora_rank)", positive=True),
@@ -118,6 +122,16 @@ class SFTConfig:
     @property
     def alpha(self) -> float:
         return float(self.lora_alpha) if self.lora_alpha is not None else 2.0 * self.lora_rank
+
+    @property
+    def checkpointing(self) -> bool:
+        """Gradient checkpointing on?  ``gradient_checkpointing`` or LLaMA-Factory's inverse
+        ``disable_gradient_checkpointing``; off when neither is given (see docs/sft.md)."""
+        if self.gradient_checkpointing is not None:
+            return bool(self.gradient_checkpointing)
+        if self.disable_gradient_checkpointing is not None:
+            return not self.disable_gradient_checkpointing
+        return False
 
     def targets(self) -> list[str]:
         t = self.lora_target
@@ -231,6 +245,10 @@ def _check_together(cfg: SFTConfig) -> None:
         raise cfg.error("warmup_ratio", f"must be below 1, not {cfg.warmup_ratio}")
     if cfg.lora_dropout >= 1.0:
         raise cfg.error("lora_dropout", f"must be below 1, not {cfg.lora_dropout}")
+    gc, dgc = cfg.gradient_checkpointing, cfg.disable_gradient_checkpointing
+    if gc is not None and dgc is not None and gc == dgc:
+        raise cfg.error("disable_gradient_checkpointing", f"{str(dgc).lower()} contradicts gradient_checkpointing: "
+                                                          f"{str(gc).lower()} (it is its inverse); give one of them")
     if cfg.max_steps == 0 or cfg.max_steps < -1:
         raise cfg.error("max_steps", f"must be positive, or -1 to use num_train_epochs (not {cfg.max_steps})")
 

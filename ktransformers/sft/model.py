@@ -22,6 +22,9 @@ from .torch_experts import EXPERT_PARAMS
 SFT_RULES_DIR = Path(__file__).resolve().parents[1] / "optimize_rules" / "sft"
 #: the name of the CPU-kernel training operator the shipped training rules use
 KERNEL_OPERATOR = "KSFTExpertsCPU"
+#: training-rule family stems that differ from the inference family stem (DEFAULT_RULES); Kimi-K2 and
+#: Moonlight are ``DeepseekV3ForCausalLM`` too and share these rules
+SFT_FAMILIES = {"DeepseekV3ForCausalLM": "DeepSeek-V3"}
 
 
 def training_rule_file(config, cuda: bool | None = None) -> Path:
@@ -29,7 +32,7 @@ def training_rule_file(config, cuda: bool | None = None) -> Path:
     from ..optimize_rules import DEFAULT_RULES, architecture
 
     arch = architecture(config)
-    stem = DEFAULT_RULES.get(arch)
+    stem = SFT_FAMILIES.get(arch, DEFAULT_RULES.get(arch))
     if cuda is None:
         cuda = torch.cuda.is_available()
     path = SFT_RULES_DIR / f"{stem}-sft{'' if cuda else '-cpu'}.yaml" if stem else None
@@ -58,9 +61,10 @@ def split_targets(names: list[str], model: nn.Module, experts_trainable: bool) -
                             if _is_linear(m) and n != "lm_head" and ".layers." in f".{n}"})
     modules: list[str] = []
     params: list[str] = []
+    renamed = peft_expert_aliases(model, linear_leaves)
     for name in names:
         if name == "all":
-            modules += linear_leaves
+            modules += [n for n in linear_leaves if n not in renamed]
             if experts_trainable:
                 params += list(EXPERT_PARAMS)
         elif name in ("experts", "mlp.experts"):
@@ -68,6 +72,11 @@ def split_targets(names: list[str], model: nn.Module, experts_trainable: bool) -
         elif name.rpartition(".")[2] in EXPERT_PARAMS and (name.startswith(("experts.", "mlp.experts."))
                                                           or name == "gate_up_proj"):
             params.append(name.rpartition(".")[2])
+        elif name.rpartition(".")[2] in renamed:
+            raise ConfigError(f"lora_target: '{name}': PEFT reads this name on {model.config.model_type} models as the "
+                              "routed experts' (it retargets it to their fused parameters when it loads an adapter), "
+                              "so no adapter can put LoRA on the dense or shared-expert linears of that name; "
+                              "use 'experts' for the routed experts")
         elif name in linear_leaves or any(n == name or n.endswith("." + name) for n, m in model.named_modules()
                                           if _is_linear(m)):
             modules.append(name)
@@ -84,6 +93,32 @@ def split_targets(names: list[str], model: nn.Module, experts_trainable: bool) -
         raise ConfigError(f"lora_target: LoRA on experts needs a training experts operator ({KERNEL_OPERATOR} or "
                           f"KSFTExpertsTorch); the rules put {', '.join(kinds) or 'no experts'} there")
     return sorted(dict.fromkeys(modules)), params
+
+
+def peft_expert_aliases(model: nn.Module, names) -> set[str]:
+    """Those of ``names`` that PEFT, for this model type, takes for the routed experts' names before
+    transformers 5 fused them (``gate_proj`` / ``up_proj`` / ``down_proj`` on DeepSeek-V3 and Qwen3-MoE)
+    and retargets to the fused expert parameters — on our model and on the unmodified one alike."""
+    from peft import LoraConfig
+    from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+
+    out = set()
+    for name in names:
+        cfg = LoraConfig(target_modules=[name])
+        try:
+            convert_peft_config_for_transformers(cfg, model, None)
+        except ValueError:  # half of a fused pair: PEFT refuses it, i.e. it is an expert name there
+            out.add(name)
+            continue
+        if name not in (cfg.target_modules or ()):
+            out.add(name)
+    return out
+
+
+def _native_bf16_cpu() -> bool:
+    """Does torch have bf16 matmul instructions on this CPU (else it emulates them, slowly for some layouts)?"""
+    cpu = torch.cpu
+    return any(getattr(cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
 
 
 def _is_linear(m: nn.Module) -> bool:
@@ -117,6 +152,9 @@ def load_training_model(cfg, log=print) -> TrainModel:
                                                 "which this build lacks; name rules with KSFTExpertsTorch "
                                                 f"(e.g. {SFT_RULES_DIR / rules.name.replace('-sft', '-sft-torch')})")
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+    if cfg.bf16 and not _native_bf16_cpu():
+        log("note: bf16: this CPU has no bf16 instructions (AVX512-BF16/AMX); torch's bf16 matmuls of the backward "
+            "(grad @ weight) run ~100x slower than fp32 here; leave bf16 off on it (the experts keep their type)")
     log(f"loading {weights} with rules {rules} ...")
     try:
         model = load_model(source, model_path, rules, dtype=dtype, device="cpu", config=config)
@@ -154,6 +192,10 @@ def load_training_model(cfg, log=print) -> TrainModel:
     tm = TrainModel(model, peft_model, tokenizer, rules, modules, params)
     if not tm.trainable():
         raise cfg.error("lora_target", "leaves nothing to train")
+    if cfg.checkpointing:
+        # transformers 5's name of gradient_checkpointing_enable; non-reentrant, so the recomputed forward
+        # runs under autograd again, KSFTExpertsCPU's Function included
+        model.activation_checkpointing_enable({"use_reentrant": False})
     model.train()
     return tm
 

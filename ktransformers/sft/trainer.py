@@ -70,6 +70,33 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+class SavedActivations:
+    """Bytes autograd keeps between a forward and its backward: every tensor the ops save (the CPU
+    experts' Function and gradient checkpointing's kept layer inputs included), counted once per
+    storage through torch's saved-tensor hooks, the model's parameters left out."""
+
+    def __init__(self, params):
+        self.skip = {p.untyped_storage().data_ptr() for p in params}
+        self.seen: set[int] = set()
+        self.bytes = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr and ptr not in self.skip and ptr not in self.seen:
+            self.seen.add(ptr)
+            self.bytes += st.nbytes()
+        return t
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._hooks.__exit__(*exc)
+
+
 class Trainer:
     def __init__(self, cfg, tm, rows: list[tuple[list[int], list[int]]], log=print):
         self.cfg = cfg
@@ -96,6 +123,8 @@ class Trainer:
         self.losses: list[float] = []
         self.records: list[dict] = []
         self._orders: dict[int, list[int]] = {}
+        #: saved-activation bytes of the run's first micro-batch (measured once, then logged)
+        self.saved_activation_bytes: int | None = None
 
     # -- data position ---------------------------------------------------------------
     def _order(self, epoch: int) -> list[int]:
@@ -122,10 +151,17 @@ class Trainer:
             if b.target_tokens == 0:
                 continue
             with contextlib.ExitStack() as stack:
+                saved = None
+                if self.saved_activation_bytes is None:
+                    saved = stack.enter_context(SavedActivations(model.parameters()))
                 for kind in self.device_types:  # bf16 autocast wherever modules run
                     stack.enter_context(torch.autocast(kind, dtype=torch.bfloat16, enabled=self.cfg.bf16))
                 logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False).logits
-            loss_sum = token_loss_sum(logits, b.labels.to(logits.device))
+                loss_sum = token_loss_sum(logits, b.labels.to(logits.device))
+            if saved is not None:
+                self.saved_activation_bytes = saved.bytes
+                self.log(f"saved activations of one micro-batch ({b.tokens} tokens): {saved.bytes / 2**20:.3g} MiB "
+                         f"(gradient checkpointing {'on' if self.cfg.checkpointing else 'off'})")
             (loss_sum / n_target).backward()
             total += float(loss_sum.detach())
         if self.cfg.max_grad_norm > 0:

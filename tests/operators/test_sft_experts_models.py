@@ -201,3 +201,60 @@ def test_frozen_experts_without_lora(tiny_model_dir, one_torch_thread):
     assert len(grads) == _moe_layers(model) > 0
     for n, g in grads:
         assert rel_err(g, ref[n].grad) <= 1e-4, n
+
+
+MLA_LINEARS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+
+
+def _shipped_deepseek_v3_rules(backend: str) -> str:
+    from ktransformers.sft.model import SFT_RULES_DIR
+
+    text = (SFT_RULES_DIR / "DeepSeek-V3-sft-cpu.yaml").read_text()
+    assert "backend: llamafile" in text
+    return text.replace("backend: llamafile", f"backend: {backend}")
+
+
+@pytest.mark.parametrize("backend,tol", [("llamafile", 1e-4), ("AMXBF16", 2e-2), ("AMXInt8", 5e-2)])
+def test_deepseek_v3_shipped_rules_attention_and_experts(backend, tol, tiny_model_dir, one_torch_thread):
+    """The shipped DeepSeek-V3 training rules (grouped top-k router, shared expert, MLA attention
+    left to transformers) with PEFT's LoRA on the five MLA linears and ours on the routed experts:
+    loss, input gradients and every LoRA gradient against PEFT on the unmodified model (fp32,
+    dequantized) with the same LoRA values.  Tolerances as for Qwen3-MoE above; the worst tensor
+    measured: llamafile on F32 weights [1.5e-6], AMXBF16 [4.0e-3], AMXInt8 [3.6e-2]."""
+    from ktransformers.sft.adapter import PREFIX, expert_modules, lora_state_dict, wrap_linears
+
+    d = tiny_model_dir("deepseek_v3")
+    model = load_model(d, model_path=d, rules=_shipped_deepseek_v3_rules(backend))
+    experts = expert_modules(model)
+    assert len(experts) == 2 and all(ex.generate_op.backend == backend for ex in experts.values())
+    assert type(model.model.layers[1].mlp.gate).__name__ == "KMoEGate"
+    assert type(model.model.layers[1].self_attn).__name__ == "DeepseekV3Attention"
+    model.requires_grad_(False)
+    ours = wrap_linears(model, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=MLA_LINEARS))
+    for ex in experts.values():
+        ex.add_lora(RANK, ALPHA, 0.0, TARGETS)
+    pm = get_peft_model(AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32),
+                        LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=MLA_LINEARS, target_parameters=TARGETS))
+    g = torch.Generator().manual_seed(1)
+    sd = {k: torch.randn(v.shape, generator=g) * 0.1 for k, v in lora_state_dict(model, ours).items()}
+    assert sum(".self_attn." in k for k in sd) == 2 * len(MLA_LINEARS) * model.config.num_hidden_layers
+    set_peft_model_state_dict(ours, sd)
+    for name, ex in experts.items():
+        ex.load_lora_state_dict({k[len(PREFIX) + len(name) + 1:]: v for k, v in sd.items()
+                                 if k.startswith(f"{PREFIX}{name}.")})
+    res = set_peft_model_state_dict(pm, sd)
+    assert not res.unexpected_keys and not [k for k in res.missing_keys if "lora_" in k]
+    vocab = model.config.vocab_size
+    loss, dx = step(model, vocab)
+    ref_loss, ref_dx = step(pm, vocab)
+    assert abs(loss.item() - ref_loss.item()) <= tol * abs(ref_loss.item())
+    assert rel_err(dx, ref_dx) <= tol
+    ref = dict(pm.named_parameters())
+    n = 0
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            key = name if name in ref else f"{PREFIX}{name}"
+            assert p.grad is not None, name
+            assert rel_err(p.grad, ref[key].grad) <= tol, name
+            n += 1
+    assert n == len(sd)  # every LoRA tensor of the adapter, attention and experts

@@ -36,14 +36,15 @@ def losses_of(out):
     return [json.loads(line)["loss"] for line in (out / "trainer_log.jsonl").read_text().splitlines()]
 
 
-def write_trainable_tiny_model(folder):
-    """The tiny random Qwen3-MoE with its (frozen) head scaled up 4x: the random head's logits are so
-    flat that no LoRA below it can make a confident prediction (the loss floor would be ~2.6 nats)."""
+def write_trainable_tiny_model(folder, arch="qwen3_moe"):
+    """The tiny random model (Qwen3-MoE by default) with its (frozen) head scaled up 4x: the random
+    head's logits are so flat that no LoRA below it can make a confident prediction (the loss floor
+    would be ~2.6 nats)."""
     from safetensors.torch import load_file, save_file
 
     from ktransformers.util.tiny_models import write_tiny_model
 
-    write_tiny_model("qwen3_moe", folder, seed=0)
+    write_tiny_model(arch, folder, seed=0)
     f = folder / "model.safetensors"
     sd = load_file(str(f))
     sd["lm_head.weight"] = sd["lm_head.weight"] * 4
