@@ -78,7 +78,8 @@ def explain_plan(model: nn.Module, plan: Plan, weights=None) -> Explanation:
                 totals[str(dev)] = totals.get(str(dev), 0) + nbytes
     counts = [(r.index, r.where(), len(plan.matches.get(r.index, [])), r.describe_match()) for r in plan.rules]
     unmatched = [r.index for r in plan.unmatched_rules()]
-    return Explanation(counts, list(rows.values()), totals, unmatched, notes=_kv_cache_notes(model),
+    return Explanation(counts, list(rows.values()), totals, unmatched,
+                       notes=plan.absent_kind_notes() + _kv_cache_notes(model),
                        aliases=alias_lines(plan.rules))
 
 

@@ -65,9 +65,17 @@ class Plan:
     rules: list[Rule]
     matches: dict[int, list[str]]  # rule index -> module names it matched
     default_device: torch.device
+    #: rules that match nothing only because this configuration lacks a layer kind of its own family
+    #: (e.g. a dense-MLP rule for a Qwen3-MoE whose every layer is sparse): noted, never an error
+    absent_kind: dict[int, str] = field(default_factory=dict)
 
     def unmatched_rules(self) -> list[Rule]:
-        return [r for r in self.rules if not self.matches.get(r.index)]
+        """Rules that match nothing (a likely typo): an error unless the caller allows it."""
+        return [r for r in self.rules if not self.matches.get(r.index) and r.index not in self.absent_kind]
+
+    def absent_kind_notes(self) -> list[str]:
+        return [f"{r.where()}: matches nothing: {self.absent_kind[r.index]}" for r in self.rules
+                if r.index in self.absent_kind]
 
     def injected(self) -> list[Placement]:
         return [p for p in self.placements.values() if p.operator is not None]
@@ -102,7 +110,23 @@ def plan_model(model: nn.Module, rules, default_device: str | torch.device = "cp
             visit(f"{name}.{child_name}" if name else child_name, child, place, child_active)
 
     visit("", model, root, True)
-    return Plan(placements, rules, matches, default_device)
+    return Plan(placements, rules, matches, default_device, _absent_kinds(model, rules, matches))
+
+
+def _absent_kinds(model: nn.Module, rules: list[Rule], matches: dict[int, list[str]]) -> dict[int, str]:
+    """Unmatched rules whose class is one of the model's own modeling classes (its family has such
+    layers, this configuration has none): rule files for a family — the reference system's too —
+    carry rules for every variant of it."""
+    family = type(model).__module__
+    present = {type(m) for m in model.modules()}
+    out = {}
+    for r in rules:
+        if matches.get(r.index) or not isinstance(r.match_class, tuple):
+            continue
+        own = [c for c in r.match_class if c.__module__ == family]
+        if own and not any(issubclass(t, tuple(own)) for t in present):  # else the name part missed them
+            out[r.index] = f"this {type(model).__name__} has no {own[0].__name__} module"
+    return out
 
 
 def _from_rule(name: str, module: nn.Module, rule: Rule, parent: Placement) -> Placement:
