@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
+#include <algorithm>
 #include <vector>
 
 #include "thread_pool.h"
@@ -18,6 +19,8 @@ namespace py = pybind11;
 
 namespace kt {
 namespace {
+
+constexpr int64_t kMinSplitKeys = 64;  // a key split shorter than this costs more to merge than it saves
 
 template <class T>
 T* ptr(uintptr_t p) { return reinterpret_cast<T*>(p); }
@@ -86,56 +89,148 @@ struct Batch {
     std::memcpy(values + at, row + static_cast<size_t>(hq + hkv + g) * d, sizeof(float) * d);
   }
 
-  // query head h of row r over the row's keys lo .. pos (two-pass softmax)
-  void attend(int r, int h, std::vector<float>& p) const {
-    const int64_t hi = pos[r];
-    const int64_t lo = window > 0 && hi - window + 1 > 0 ? hi - window + 1 : 0;
-    const int n = static_cast<int>(hi - lo + 1);
-    if (static_cast<int>(p.size()) < n) p.resize(n);
-    const int g = h / (hq / hkv);
-    const float* qh = qkv + r * row_width() + static_cast<size_t>(h) * d;
-    float m = -INFINITY;
-    for (int j = 0; j < n; ++j) {
-      const float* kr = keys + (static_cast<size_t>(slot(r, lo + j)) * hkv + g) * d;
-      p[j] = dot(qh, kr, d) * scale;
-      m = p[j] > m ? p[j] : m;
+  // key positions lo .. hi (inclusive) that row r's query sees
+  void key_range(int r, int64_t& lo, int64_t& hi) const {
+    hi = pos[r];
+    lo = window > 0 && hi - window + 1 > 0 ? hi - window + 1 : 0;
+  }
+
+  // The q heads of kv group g of row r over split s (of nsplit) of the row's keys: each key and
+  // value row is read once for the whole group.  nsplit == 1: the normalised result into out;
+  // otherwise the split's running max, sum and unnormalised output into part_ml / part_o (merged
+  // by merge()).
+  void attend(int r, int g, int s, int nsplit, float* part_ml, float* part_o, std::vector<float>& p) const {
+    const int G = hq / hkv;
+    int64_t lo, hi;
+    key_range(r, lo, hi);
+    const int64_t len = hi - lo + 1;
+    const int64_t a = lo + len * s / nsplit, b = lo + len * (s + 1) / nsplit;
+    const int n = static_cast<int>(b - a);
+    if (static_cast<int64_t>(p.size()) < static_cast<int64_t>(G) * n) p.resize(static_cast<size_t>(G) * n);
+    const float* qrow = qkv + r * row_width() + static_cast<size_t>(g) * G * d;
+    const size_t kstride = static_cast<size_t>(hkv) * d;
+    // scores, page run by page run (no per-key division)
+    for (int64_t j = a; j < b;) {
+      const int64_t within = j % page_size;
+      const int64_t run = std::min<int64_t>(page_size - within, b - j);
+      const float* kr = keys + (static_cast<size_t>(pages[offsets[r] + j / page_size] * page_size + within) * hkv + g) * d;
+      for (int64_t t = 0; t < run; ++t, kr += kstride)
+        for (int h = 0; h < G; ++h) p[static_cast<size_t>(h) * n + (j - a + t)] = dot(qrow + static_cast<size_t>(h) * d, kr, d) * scale;
+      j += run;
     }
-    float sum = 0;
-    for (int j = 0; j < n; ++j) {
-      p[j] = std::exp(p[j] - m);
-      sum += p[j];
+    float m[64], l[64];  // G <= 64 (checked by the caller)
+    for (int h = 0; h < G; ++h) {
+      float* ph = p.data() + static_cast<size_t>(h) * n;
+      float mh = -INFINITY;
+      for (int j = 0; j < n; ++j) mh = ph[j] > mh ? ph[j] : mh;
+      float sum = 0;
+      for (int j = 0; j < n; ++j) {
+        ph[j] = std::exp(ph[j] - mh);
+        sum += ph[j];
+      }
+      m[h] = mh;
+      l[h] = sum;
     }
-    const float inv = 1.0f / sum;
-    float* o = out + (static_cast<size_t>(r) * hq + h) * d;
+    float* o0 = nsplit == 1 ? out + (static_cast<size_t>(r) * hq + g * G) * d : nullptr;
+    auto o_of = [&](int h) {
+      return nsplit == 1 ? o0 + static_cast<size_t>(h) * d
+                         : part_o + ((static_cast<size_t>(r) * hq + g * G + h) * nsplit + s) * d;
+    };
+    for (int h = 0; h < G; ++h) std::memset(o_of(h), 0, sizeof(float) * d);
+    for (int64_t j = a; j < b;) {
+      const int64_t within = j % page_size;
+      const int64_t run = std::min<int64_t>(page_size - within, b - j);
+      const float* vr = values + (static_cast<size_t>(pages[offsets[r] + j / page_size] * page_size + within) * hkv + g) * d;
+      for (int64_t t = 0; t < run; ++t, vr += kstride)
+        for (int h = 0; h < G; ++h) {
+          const float pj = p[static_cast<size_t>(h) * n + (j - a + t)];
+          float* o = o_of(h);
+          for (int i = 0; i < d; ++i) o[i] += pj * vr[i];
+        }
+      j += run;
+    }
+    for (int h = 0; h < G; ++h) {
+      if (nsplit == 1) {
+        const float inv = 1.0f / l[h];
+        float* o = o_of(h);
+        for (int i = 0; i < d; ++i) o[i] *= inv;
+      } else {
+        float* ml = part_ml + ((static_cast<size_t>(r) * hq + g * G + h) * nsplit + s) * 2;
+        ml[0] = m[h];
+        ml[1] = l[h];
+      }
+    }
+  }
+
+  // combine the splits of query head h of row r (log-sum-exp rescaling)
+  void merge(int r, int h, int nsplit, const float* part_ml, const float* part_o) const {
+    const size_t base = static_cast<size_t>(r) * hq + h;
+    const float* ml = part_ml + base * nsplit * 2;
+    float M = -INFINITY;
+    for (int s = 0; s < nsplit; ++s)
+      if (ml[2 * s + 1] > 0 && ml[2 * s] > M) M = ml[2 * s];
+    float L = 0;
+    float* o = out + base * d;
     std::memset(o, 0, sizeof(float) * d);
-    for (int j = 0; j < n; ++j) {
-      const float pj = p[j] * inv;
-      const float* vr = values + (static_cast<size_t>(slot(r, lo + j)) * hkv + g) * d;
-      for (int i = 0; i < d; ++i) o[i] += pj * vr[i];
+    for (int s = 0; s < nsplit; ++s) {
+      if (!(ml[2 * s + 1] > 0)) continue;  // an empty split
+      const float w = std::exp(ml[2 * s] - M);
+      L += ml[2 * s + 1] * w;
+      const float* po = part_o + (base * nsplit + s) * d;
+      for (int i = 0; i < d; ++i) o[i] += w * po[i];
     }
+    const float inv = 1.0f / L;
+    for (int i = 0; i < d; ++i) o[i] *= inv;
   }
 };
 
-// One layer's attention for N single-token rows: q/k norm, RoPE, K/V into the pages, then each
-// query head over its own sequence's pages (GQA: head h reads kv head h / (hq / hkv)).  Two
-// parallel passes on the pool: over (row, kv head), then over (row, q head).
+// One layer's attention for N single-token rows: q/k norm, RoPE, K/V into the pages, then the q
+// heads of each (row, kv head) over that row's own pages (GQA: head h reads kv head h / (hq / hkv)).
+// Threaded over (row, kv head); with fewer of those than twice the pool's threads, each one's keys
+// are split too (flash-decoding style, merged by log-sum-exp), so one long sequence uses every thread.
 void paged_decode_attention(CPUInfer& ci, uintptr_t qkv, int n_rows, int hq, int hkv, int d, uintptr_t qk_w,
                             float qk_eps, uintptr_t cos, uintptr_t sin, uintptr_t keys, uintptr_t values,
                             int page_size, uintptr_t pages, uintptr_t offsets, uintptr_t pos, int window, float scale,
                             uintptr_t out) {
-  if (n_rows < 1 || hq < 1 || hkv < 1 || hq % hkv || d < 2 || d % 2 || page_size < 1)
-    throw std::invalid_argument("paged_decode_attention: bad shape (rows, hq % hkv, even d, page_size)");
+  if (n_rows < 1 || hq < 1 || hkv < 1 || hq % hkv || hq / hkv > 64 || d < 2 || d % 2 || page_size < 1)
+    throw std::invalid_argument("paged_decode_attention: bad shape (rows, hq % hkv, hq / hkv <= 64, even d, page_size)");
   const Batch b{ptr<float>(qkv), hq, hkv, d, ptr<const float>(qk_w), qk_eps, ptr<const float>(cos),
                 ptr<const float>(sin), ptr<float>(keys), ptr<float>(values), page_size, ptr<const int64_t>(pages),
                 ptr<const int64_t>(offsets), ptr<const int64_t>(pos), window, scale, ptr<float>(out)};
   py::gil_scoped_release nogil;
   ci.run_now([&] {
     ThreadPool& pool = ci.pool();
-    pool.parallel_for(n_rows * hkv, [&](int t, int) { b.prepare(t / hkv, t % hkv); });
-    pool.parallel_for(n_rows * hq, [&](int t, int) {
+    const int tasks = n_rows * hkv;
+    int64_t longest = 0;
+    for (int r = 0; r < n_rows; ++r) {
+      int64_t lo, hi;
+      b.key_range(r, lo, hi);
+      longest = std::max(longest, hi - lo + 1);
+    }
+    int nsplit = 1;
+    if (pool.size() > 1 && tasks < 2 * pool.size())
+      nsplit = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((2 * pool.size() + tasks - 1) / tasks,
+                                                                        longest / kMinSplitKeys)));
+    if (nsplit == 1) {
+      pool.parallel_for(tasks, [&](int t, int) {
+        thread_local std::vector<float> p;
+        b.prepare(t / hkv, t % hkv);
+        b.attend(t / hkv, t % hkv, 0, 1, nullptr, nullptr, p);
+      });
+      return;
+    }
+    for (int t = 0; t < tasks; ++t) b.prepare(t / hkv, t % hkv);  // few rows: not worth a wake-up
+    thread_local std::vector<float> part_ml, part_o;
+    part_ml.resize(static_cast<size_t>(n_rows) * hq * nsplit * 2);
+    part_o.resize(static_cast<size_t>(n_rows) * hq * nsplit * d);
+    float* ml = part_ml.data();
+    float* po = part_o.data();
+    pool.parallel_for(tasks * nsplit, [&](int t, int) {
       thread_local std::vector<float> p;
-      b.attend(t / hq, t % hq, p);
+      const int rg = t / nsplit;
+      b.attend(rg / hkv, rg % hkv, t % nsplit, nsplit, ml, po, p);
     });
+    for (int t = 0; t < n_rows * hq; ++t) b.merge(t / hq, t % hq, nsplit, ml, po);
   });
 }
 
