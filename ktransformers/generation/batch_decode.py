@@ -52,12 +52,17 @@ class _Buf:
     def __init__(self, width: int):
         self.width = int(width)
         self.t = torch.empty(0)
+        self._views: dict[tuple[int, int], torch.Tensor] = {}
 
     def rows(self, n: int, width: int | None = None) -> torch.Tensor:
-        width = self.width if width is None else int(width)
-        if self.t.numel() < n * self.width:
-            self.t = torch.empty(n * self.width)
-        return self.t[: n * width].view(n, width)
+        width = self.width if width is None else width
+        v = self._views.get((n, width))
+        if v is None:
+            if self.t.numel() < n * self.width:
+                self.t = torch.empty(n * self.width)
+                self._views.clear()
+            v = self._views[(n, width)] = self.t[: n * width].view(n, width)
+        return v
 
 
 class BatchDecodeStep:
@@ -78,6 +83,10 @@ class BatchDecodeStep:
         if getattr(model, "training", False):
             raise Unsupported("model in training mode")
         self.embed = backbone.embed_tokens
+        from .paged import _module_device
+
+        if _module_device(self.embed).type != "cpu":
+            raise Unsupported("embeddings off the CPU")
         self.rotary = backbone.rotary_emb
         self.gemma_rope = gemma  # Gemma-3's rotary module takes the layer type
         self.hidden = H = int(config.hidden_size)
