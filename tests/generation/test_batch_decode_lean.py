@@ -190,3 +190,63 @@ def test_rows_above_the_prefill_threshold_take_the_generic_step(models, one_torc
     worst = _drive(lean, generic, prompts, starts=[0, 0, 0], new=4)
     assert count.calls == 0  # every decode step had 3 rows
     assert worst <= TOL
+
+
+def _rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat([-x[..., h:], x[..., :h]], -1)
+
+
+@pytest.mark.parametrize("positions", [[300, 0, 37, 15], [300]])  # one row on 2 threads: its keys are split
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("window,qk_norm", [(0, False), (0, True), (24, False)])
+def test_paged_decode_attention_against_torch(positions, threads, window, qk_norm):
+    """csrc/paged_attention.cpp alone against torch: GQA, scattered pages, per-row positions, q/k
+    norm, sliding window, keys split across threads; the new K/V land in their slots."""
+    from ktransformers import cpuinfer_ext
+    from ktransformers.kernels.pool import cpu_infer
+
+    n = len(positions)
+    g = torch.Generator().manual_seed(threads * 7 + window + qk_norm + n)
+    hq, hkv, d, S, eps, scale = 8, 2, 32, 16, 1e-6, 0.17
+    need = [p // S + 1 for p in positions]
+    perm = torch.randperm(sum(need) + 5, generator=g)  # pages out of order, some unused
+    tables, at = [], 0
+    for k in need:
+        tables.append(perm[at : at + k].tolist())
+        at += k
+    slots = (sum(need) + 5) * S
+    keys, values = torch.randn(slots, hkv, d, generator=g), torch.randn(slots, hkv, d, generator=g)
+    k0, v0 = keys.clone(), values.clone()
+    qkv = torch.randn(n, (hq + 2 * hkv) * d, generator=g)
+    qkv_in = qkv.clone()
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    ang = torch.tensor(positions).float()[:, None] * inv[None]
+    cos, sin = torch.cat([ang, ang], -1).cos().contiguous(), torch.cat([ang, ang], -1).sin().contiguous()
+    w = (torch.rand(hq + hkv, d, generator=g) + 0.5).contiguous()
+    pages = torch.tensor([p for t in tables for p in t], dtype=torch.long)
+    offs = torch.tensor([0] + torch.tensor(need).cumsum(0).tolist(), dtype=torch.long)
+    pos = torch.tensor(positions, dtype=torch.long)
+    out = torch.empty(n, hq * d)
+    cpuinfer_ext.paged_ops.decode_attention(
+        cpu_infer(threads)._c, qkv.data_ptr(), n, hq, hkv, d, w.data_ptr() if qk_norm else 0, eps, cos.data_ptr(),
+        sin.data_ptr(), keys.data_ptr(), values.data_ptr(), S, pages.data_ptr(), offs.data_ptr(), pos.data_ptr(),
+        window, scale, out.data_ptr())
+
+    heads = qkv_in.view(n, hq + 2 * hkv, d)
+    qk = heads[:, : hq + hkv]
+    if qk_norm:
+        qk = qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True) + eps) * w
+    qk = qk * cos[:, None] + _rotate_half(qk) * sin[:, None]
+    q, k, v = qk[:, :hq], qk[:, hq:], heads[:, hq + hkv :]
+    for r, (p, table) in enumerate(zip(positions, tables)):
+        rows = torch.tensor([table[j // S] * S + j % S for j in range(p + 1)])
+        k0[rows[-1]], v0[rows[-1]] = k[r], v[r]
+        lo = max(0, p - window + 1) if window else 0
+        kk, vv = k0[rows[lo:]], v0[rows[lo:]]  # [L, hkv, d]
+        kk, vv = kk.repeat_interleave(hq // hkv, 1), vv.repeat_interleave(hq // hkv, 1)
+        att = torch.softmax(torch.einsum("hd,lhd->hl", q[r], kk) * scale, -1)
+        want = torch.einsum("hl,lhd->hd", att, vv).reshape(-1)
+        torch.testing.assert_close(out[r], want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(keys, k0, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(values, v0, rtol=0, atol=0)
