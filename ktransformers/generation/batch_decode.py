@@ -121,6 +121,11 @@ class BatchDecodeStep:
         self.max_rows = _rows_limit(linears)
         self.page_size = pool.page_size
         self.layer_types = sorted({lay.layer_type for lay in self.layers})
+        probe = torch.zeros(1, 1, H), torch.zeros(1, 1, dtype=torch.long)
+        for lt in self.layer_types:
+            cos = self._rope(*probe, lt)[0]
+            if any(cos.shape[-1] != lay.d for lay in self.layers if lay.layer_type == lt):
+                raise Unsupported(f"{lt}: rotary width {cos.shape[-1]} is not the head_dim (partial rotary)")
         self._cpuinfer = self.layers[0].qkv._pool
         from .. import cpuinfer_ext
 
@@ -143,6 +148,9 @@ class BatchDecodeStep:
     def accepts(self, n_rows: int) -> bool:
         """Whether a decode-only step of ``n_rows`` sequences can take this path (no autograd)."""
         return 1 <= n_rows <= self.max_rows and not torch.is_grad_enabled()
+
+    def _rope(self, x, pos_t, layer_type):
+        return self.rotary(x, pos_t, layer_type) if self.gemma_rope else self.rotary(x, pos_t)
 
     @staticmethod
     def _linear(proj: _Proj, n: int, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -168,9 +176,8 @@ class BatchDecodeStep:
         x.copy_(self.embed(torch.tensor([tokens], dtype=torch.long)).reshape(n, H))
         rope = {}
         for lt in self.layer_types:
-            cos, sin = self.rotary(x[None], pos_t, lt) if self.gemma_rope else self.rotary(x[None], pos_t)
-            cos, sin = cos.reshape(n, -1).float().contiguous(), sin.reshape(n, -1).float().contiguous()
-            rope[lt] = (cos, sin)
+            cos, sin = self._rope(x[None], pos_t, lt)
+            rope[lt] = (cos.reshape(n, -1).float().contiguous(), sin.reshape(n, -1).float().contiguous())
         xp, hp, ap, mp = x.data_ptr(), h.data_ptr(), a.data_ptr(), m.data_ptr()
         first = self.layers[0]
         ops.rms_norm(xp, first.in_norm[2], hp, n, H, 0, first.in_norm[1])
@@ -178,8 +185,6 @@ class BatchDecodeStep:
         for i, lay in enumerate(self.layers):
             q = lin(lay.qkv, n, h, self.qkv.rows(n, lay.qkv.group.out_features))
             cos, sin = rope[lay.layer_type]
-            if cos.shape[1] != lay.d:
-                raise RuntimeError(f"layer {i}: rotary width {cos.shape[1]} != head_dim {lay.d} (partial rotary)")
             o_att = self.att.rows(n, lay.hq * lay.d)
             paged.decode_attention(self._cpuinfer, q.data_ptr(), n, lay.hq, lay.hkv, lay.d, lay.qk_ptr, lay.qk_eps,
                                    cos.data_ptr(), sin.data_ptr(), lay.k_ptr, lay.v_ptr, self.page_size, pages_p,
