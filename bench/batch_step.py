@@ -6,6 +6,8 @@ Builds a random model (``--small``: 4 layers, hidden 512, 32 experts top-4, voca
 otherwise the tests' tiny config), injects the shipped CPU rules, prefills N sequences of
 ``--context`` tokens and times decode steps (best of ``--rounds`` interleaved rounds of ``--steps`` steps).  Rows: N, ms per batched
 step, ms per step of the single-request path (DynamicCache, one sequence), ratio to N single steps.
+Each N is timed twice: the lean batched decode step (generation/batch_decode.py, where it serves the
+model) and the generic forward (``lean_decode = False``), same pages, same tokens.
 With ``--hf`` also transformers' own continuous batching (``generate_batch``) end to end.
 """
 
@@ -86,13 +88,17 @@ def main(argv=None):
                 nxt = model(nxt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
 
     runners, lasts = {}, {}
+    kinds = ("lean", "generic")
     for n in ns:
-        runner = runners[n] = BatchRunner(model, page_size=16,
-                                          num_pages=n * ((ctx + 2 * args.rounds * args.steps) // 16 + 2))
-        lasts[n] = {i: int(runner.step([(i, prompt(i))])[0].argmax()) for i in range(n) if runner.begin(i) is None}
+        for kind in kinds:
+            runner = runners[n, kind] = BatchRunner(model, page_size=16,
+                                                    num_pages=n * ((ctx + 2 * args.rounds * args.steps) // 16 + 2))
+            runner.lean_decode = kind == "lean"
+            lasts[n, kind] = {i: int(runner.step([(i, prompt(i))])[0].argmax()) for i in range(n)
+                              if runner.begin(i) is None}
 
-    def batched(n):
-        runner, last = runners[n], lasts[n]
+    def batched(key):
+        runner, last, n = runners[key], lasts[key], key[0]
 
         def run():
             for _ in range(args.steps):
@@ -102,18 +108,21 @@ def main(argv=None):
         return run
 
     # interleaved rounds, best of each: load drifting on a shared machine hits every row alike
-    times = {"single": [], **{n: [] for n in ns}}
+    times = {"single": [], **{key: [] for key in runners}}
     for _ in range(args.rounds):
         times["single"].append(best(single, 1) / args.steps)
-        for n in ns:
-            times[n].append(best(batched(n), 1) / args.steps)
+        for key in runners:
+            times[key].append(best(batched(key), 1) / args.steps)
     t_single = min(times["single"])
+    lean_used = any(r._lean for (n, kind), r in runners.items() if kind == "lean")
     print(f"{args.arch}{'' if args.gguf else ' small' if args.small else ' tiny'}, {args.threads} threads, context {ctx}: "
-          f"single-request decode step {t_single * 1e3:.2f} ms")
-    print(f"{'N':>3} {'batched step ms':>16} {'ms/token':>9} {'vs N single steps':>18}")
+          f"single-request decode step {t_single * 1e3:.2f} ms"
+          f"{'' if lean_used else ' (the lean batched step does not serve this model: both rows generic)'}")
+    print(f"{'N':>3} {'step':>8} {'batched step ms':>16} {'ms/token':>9} {'vs N single steps':>18}")
     for n in ns:
-        t = min(times[n])
-        print(f"{n:>3} {t * 1e3:>16.2f} {t / n * 1e3:>9.2f} {t / (n * t_single):>17.2f}x")
+        for kind in kinds:
+            t = min(times[n, kind])
+            print(f"{n:>3} {kind:>8} {t * 1e3:>16.2f} {t / n * 1e3:>9.2f} {t / (n * t_single):>17.2f}x")
 
     if args.hf:
         from transformers import ContinuousBatchingConfig, GenerationConfig

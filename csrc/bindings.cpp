@@ -24,6 +24,7 @@ using namespace kt;
 
 namespace kt {
 void register_decode_ops(py::module_& m);
+void register_paged_ops(py::module_& m);  // paged_attention.cpp
 }
 
 namespace {
@@ -80,6 +81,7 @@ double probe_peak(CPUInfer& ci, int kind, int64_t iters) {
 
 PYBIND11_MODULE(KT_EXT_NAME, m) {
   kt::register_decode_ops(m);  // decode_ops.cpp
+  kt::register_paged_ops(m);   // paged_attention.cpp
   m.doc() = "ktransformers CPU kernels (see ktransformers.kernels for the documented Python API)";
   m.def("isa_tier", [] { return std::string(kt::tier_name(kt::active_tier())); },
         "ISA tier in force (best supported, or lowered by KT_ISA)");

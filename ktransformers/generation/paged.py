@@ -48,6 +48,7 @@ early-exit for a custom attention name, and ``logits_to_keep`` with an index ten
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -524,6 +525,11 @@ class BatchRunner:
 
     During ``step`` the model's attention implementation is ``"kt_paged"``; it is restored after, so
     ``model.generate`` and the single-request path are untouched (do not run both at the same time).
+
+    A decode-only step (every chunk one token) takes the lean batched step of
+    ``generation/batch_decode.py`` where it serves the model (same results, without the generic
+    forward's per-layer dispatch); ``lean_decode = False`` (or ``KT_LEAN_DECODE=0`` in the
+    environment at construction) keeps every step on the generic forward.
     """
 
     def __init__(self, model, *, page_size: int, num_pages: int, dtype: torch.dtype | None = None):
@@ -538,6 +544,8 @@ class BatchRunner:
         self._configs = list({id(c): c for c in [model.config] + [la.module.config for la in self.layers
                                                                   if hasattr(la.module, "config")]}.values())
         self._seqs: dict[int, _Seq] = {}
+        self.lean_decode = os.environ.get("KT_LEAN_DECODE", "1") != "0"
+        self._lean = None  # BatchDecodeStep, built on the first decode-only step (False: not served)
 
     # -- sequences
     def _seq(self, seq_id: int) -> _Seq:
@@ -611,8 +619,10 @@ class BatchRunner:
             for (sid, toks), n in zip(chunks, need):
                 s = self._seqs[sid]
                 tables.append((s.pages + [next(it) for _ in range(n)], s.length, len(toks)))
-            batch = _PagedBatch(self.pool, tables)
-            logits = self._forward(batch, [t for _, toks in chunks for t in toks])
+            logits = self._lean_step(chunks, tables)
+            if logits is None:
+                batch = _PagedBatch(self.pool, tables)
+                logits = self._forward(batch, [t for _, toks in chunks for t in toks])
         except BaseException:
             for p in fresh:
                 self.pool.decref(p)
@@ -621,6 +631,20 @@ class BatchRunner:
             s = self._seqs[sid]
             s.pages, s.length = pages, past + t
         return logits
+
+    def _lean_step(self, chunks, tables) -> torch.Tensor | None:
+        """Logits of a decode-only step by the lean batched step, or None (the generic forward)."""
+        if not self.lean_decode or any(t != 1 for *_, t in tables) or getattr(self.model, "training", False):
+            return None
+        lean = self._lean
+        if lean is None:
+            from .batch_decode import BatchDecodeStep
+
+            lean = self._lean = BatchDecodeStep.build(self.model, self.pool) or False
+        if not lean or not lean.accepts(len(tables)):
+            return None
+        return lean.step([toks[0] for _, toks in chunks], [past for _, past, _ in tables],
+                         [pages for pages, _, _ in tables])
 
     def _forward(self, batch: _PagedBatch, tokens: list[int]) -> torch.Tensor:
         emb = self.model.get_input_embeddings()
