@@ -20,6 +20,7 @@ DEFAULT_RULES = {
     "DeepseekV2ForCausalLM": "DeepSeek-V2-Chat",
     "Glm4MoeForCausalLM": "Glm4Moe",
     "Qwen3_5MoeForCausalLM": "Qwen3_5Moe",
+    "Qwen3NextForCausalLM": "Qwen3Next",
     "MiniMaxM2ForCausalLM": "MiniMaxM2",
     "GptOssForCausalLM": "GptOss",
     "LlamaForCausalLM": "Dense",

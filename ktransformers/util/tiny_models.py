@@ -46,6 +46,14 @@ TINY_CONFIGS: dict[str, dict] = {
                              moe_intermediate_size=32, shared_expert_intermediate_size=48,
                              linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
                              linear_num_value_heads=4),
+    # Qwen3-Next: as Qwen3.5-MoE (gated DeltaNet + gated full attention, gated shared expert) with the
+    # DeltaNet projections fused (in_proj_qkvz, in_proj_ba); the DeltaNet layer keeps a dense MLP
+    # (mlp_only_layers) so that branch is present.  One DeltaNet layer: random ones amplify bf16 rounding.
+    "qwen3_next": dict(_COMMON, num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "full_attention"],
+                       mlp_only_layers=[0], head_dim=16, num_experts=8, num_experts_per_tok=2,
+                       moe_intermediate_size=32, shared_expert_intermediate_size=48, intermediate_size=96,
+                       linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                       linear_num_value_heads=4),
     # MiniMax-M2: every layer sparse, no shared expert, sigmoid router whose correction bias sits on the
     # block; q/k norms over all heads; partial rotary (rotary_dim = head_dim / 2 as released)
     "minimax_m2": dict(_COMMON, head_dim=16, rotary_dim=8, num_local_experts=8, num_experts_per_tok=2,
