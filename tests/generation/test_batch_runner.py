@@ -17,8 +17,8 @@ from ktransformers.util.tiny_models import TINY_CONFIGS
 
 # every family with softmax or MLA attention: GQA (llama, qwen*), CPU experts (qwen3_moe, mixtral, ...),
 # MLA latent pages (deepseek_v2/v3), sliding window (gemma3_text)
-#: linear attention (Qwen3.5-MoE) and attention sinks (gpt-oss) are refused by name (test below)
-ARCHS = [a for a in TINY_CONFIGS if a not in ("qwen3_5_moe_text", "gpt_oss")]
+#: linear attention (Qwen3.5-MoE, Qwen3-Next) and attention sinks (gpt-oss) are refused by name (test below)
+ARCHS = [a for a in TINY_CONFIGS if a not in ("qwen3_5_moe_text", "qwen3_next", "gpt_oss")]
 TOL = 1e-4
 
 
