@@ -19,6 +19,8 @@ DEFAULT_RULES = {
     "DeepseekV3ForCausalLM": "DeepSeek-V3-Chat",
     "DeepseekV2ForCausalLM": "DeepSeek-V2-Chat",
     "Glm4MoeForCausalLM": "Glm4Moe",
+    "DeepseekV32ForCausalLM": "DeepseekV32",
+    "GlmMoeDsaForCausalLM": "GlmMoeDsa",
     "Qwen3_5MoeForCausalLM": "Qwen3_5Moe",
     "Qwen3NextForCausalLM": "Qwen3Next",
     "MiniMaxM2ForCausalLM": "MiniMaxM2",

@@ -1,0 +1,217 @@
+"""DeepSeek-V3.2 (``deepseek_v32``) and GLM-5 (``glm_moe_dsa``) through the shipped rules: MLA with the
+DeepSeek sparse-attention indexer keeps its transformers forward (the indexer's keys in the cache next
+to the latent KV; GLM-5's "shared" layers reuse the previous layer's top-k), its projections on
+KLinearCPU; routed experts on every expert backend, against the unmodified transformers model.
+fp32 parity of the shipped CPU rules (the indexer choosing its own top-k) runs in
+tests/generation/test_parity.py.
+
+The indexer's top-k keys and the router's top-k experts are discrete choices: at bf16 precision
+transformers' own model picks other keys and experts than its fp32 run (its bf16 logits are 31 % /
+40 % off its fp32 ones on these tiny models), and two bf16 models each choosing for itself differ by
+those flips (up to 30 %), not by the operators.  The bf16 and quantized-backend checks here replay the
+reference's choices into ours (the attention, the experts' arithmetic and the rest are compared);
+the fp32 checks let ours choose.  Measured on the tiny
+models (max |Δ| relative to max |logit|, 24 tokens):
+
+===============================  ==================  ==================
+rules / backend                  deepseek_v32        glm_moe_dsa
+===============================  ==================  ==================
+-cpu (llamafile F32)             6.6e-7              5.8e-7
+KExpertsTorch                    7.6e-7              5.8e-7
+AMXBF16 (choices replayed)       1.5e-3              1.6e-3
+AMXInt8 (choices replayed)       8.7e-3              8.4e-3
+bf16 model (choices replayed)    6.1e-3              4.8e-3
+===============================  ==================  ==================
+
+GGUF (llama.cpp's ``deepseek32`` / ``glm-dsa``) is not read here yet.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ktransformers import load_model
+from ktransformers.optimize_rules import RULES_DIR, default_rule_file
+
+# model_type -> (architecture, shipped rule stem, attention class)
+FAMILIES = {
+    "deepseek_v32": ("DeepseekV32ForCausalLM", "DeepseekV32", "DeepseekV32Attention"),
+    "glm_moe_dsa": ("GlmMoeDsaForCausalLM", "GlmMoeDsa", "GlmMoeDsaAttention"),
+}
+# backend -> (rule text change, tolerance relative to max |logit|)
+BACKENDS = {
+    "KExpertsTorch": ("generate_op: KExpertsCPU\n      backend: llamafile", "generate_op: KExpertsTorch", 1e-4),
+    "AMXBF16": ("backend: llamafile", "backend: AMXBF16", 1e-2),
+    "AMXInt8": ("backend: llamafile", "backend: AMXInt8", 3e-2),
+}
+BF16_TOL = 2e-2  # as test_parity.py
+
+
+def _ids(n=12, seed=0):
+    return torch.randint(0, 300, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _rel(got, ref) -> float:
+    return (got - ref).abs().max().item() / ref.abs().max().item()
+
+
+def _choosers(model) -> list[torch.nn.Module]:
+    """The modules making discrete choices, in call order: per layer the indexer (absent on GLM-5's
+    layers reusing the previous top-k), then the router of a sparse layer."""
+    out = []
+    for layer in model.model.layers:
+        if layer.self_attn.indexer is not None:
+            out.append(layer.self_attn.indexer)
+        if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts"):
+            out.append(layer.mlp.gate)
+    return out
+
+
+def _forward_with_reference_choices(model, hf, ids):
+    """Both models' logits on ``ids``, ours with every indexer and router returning the reference's
+    top-k (each called once per forward, in layer order)."""
+    chosen = []
+    hooks = [m.register_forward_hook(lambda mod, args, out: chosen.append(out)) for m in _choosers(hf)]
+    try:
+        with torch.no_grad():
+            ref = hf(ids).logits.float()
+    finally:
+        for h in hooks:
+            h.remove()
+    replay = iter(chosen)
+    hooks = [m.register_forward_hook(lambda mod, args, out: next(replay)) for m in _choosers(model)]
+    try:
+        with torch.no_grad():
+            got = model(ids).logits.float()
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len(chosen) == len(_choosers(hf)) and next(replay, None) is None, "every recorded choice replayed"
+    return got, ref
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_torch_thread):
+    yield
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_load_model_picks_the_family_rules(arch, tiny_model_dir):
+    from transformers import AutoConfig
+
+    name, stem, attn_cls = FAMILIES[arch]
+    d = tiny_model_dir(arch)
+    cfg = AutoConfig.from_pretrained(d)
+    assert cfg.architectures == [name]
+    assert default_rule_file(cfg, cuda=False) == RULES_DIR / f"{stem}-cpu.yaml"
+    assert default_rule_file(cfg, cuda=True) == RULES_DIR / f"{stem}.yaml"
+    model = load_model(d, model_path=d, allow_unmatched=False)
+    sparse = 0
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        assert type(attn).__name__ == attn_cls
+        for leaf in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
+            assert getattr(attn, leaf).generate_op.name == "KLinearCPU", leaf
+        if attn.indexer is not None:  # transformers' indexer, its projections plain
+            assert type(attn.indexer.wq_b) is torch.nn.Linear and attn.indexer.wq_b.weight.device.type == "cpu"
+        if cfg.mlp_layer_types[i] == "dense":
+            assert layer.mlp.gate_proj.generate_op.name == "KLinearCPU"
+            continue
+        sparse += 1
+        assert type(layer.mlp).__name__ == "KMoEBlock" and type(layer.mlp.gate).__name__ == "KMoEGate"
+        op = layer.mlp.experts.generate_op
+        assert op.name == "KExpertsCPU" and op.backend == "llamafile"
+        assert layer.mlp.shared_experts.down_proj.generate_op.name == "KLinearCPU"
+    assert sparse
+    if arch == "glm_moe_dsa":  # a layer reusing the previous top-k is present
+        assert [layer.self_attn.indexer is None for layer in model.model.layers] == [False, False, True]
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_the_indexer_selects(arch, tiny_model_dir):
+    """The tiny models' top-k is smaller than the prompts: the sparse selection changes the logits (so
+    the fp32 parity covers it)."""
+    d = tiny_model_dir(arch)
+    ids = _ids()
+    with torch.no_grad():
+        sparse = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()(ids).logits
+        dense = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, index_topk=ids.shape[1]).eval()(ids).logits
+    assert sparse.shape == dense.shape and _rel(sparse, dense) > 0.1
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_expert_backends(arch, backend, tiny_model_dir):
+    old, new, tol = BACKENDS[backend]
+    rules = (RULES_DIR / f"{FAMILIES[arch][1]}-cpu.yaml").read_text()
+    assert old in rules
+    d = tiny_model_dir(arch)
+    model = load_model(d, model_path=d, rules=rules.replace(old, new), allow_unmatched=False)
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    ids = _ids(24, seed=3)
+    if backend == "KExpertsTorch":  # exact: ours chooses its own top-k
+        with torch.no_grad():
+            assert _rel(model(ids).logits, hf(ids).logits) <= tol
+        a = model.generate(ids[:, :4], max_new_tokens=16, do_sample=False)
+        assert torch.equal(a, hf.generate(ids[:, :4], max_new_tokens=16, do_sample=False))
+    else:
+        got, ref = _forward_with_reference_choices(model, hf, ids)
+        assert _rel(got, ref) <= tol
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_bf16_close_to_hf_bf16_with_the_reference_choices(arch, tiny_model_dir):
+    """Both models in bf16, ours on the reference's top-k keys and experts: logits within test_parity's bf16 bar and
+    the greedy token agreeing (teacher-forced) wherever the reference's top-1 margin exceeds it."""
+    d = tiny_model_dir(arch)
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).eval()
+    model = load_model(d, model_path=d, dtype=torch.bfloat16, allow_unmatched=False)
+    prompt = _ids()[:, :4]
+    seq = hf.generate(prompt, max_new_tokens=8, do_sample=False)
+    got, ref = _forward_with_reference_choices(model, hf, seq)
+    tol = BF16_TOL * ref.abs().max().item()
+    assert (got - ref).abs().max().item() <= tol
+    ref_steps, got_steps = ref[0, prompt.shape[1] - 1 : -1], got[0, prompt.shape[1] - 1 : -1]
+    top2 = ref_steps.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > tol
+    assert clear.sum().item() >= 4
+    want = seq[0, prompt.shape[1]:]
+    assert all(got_steps[i].argmax() == want[i] for i in range(8) if clear[i])
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_generator_carries_the_indexer_keys(arch, tiny_model_dir):
+    """The project's engine (static cache, chunked prefill of 5 tokens, then decode): the indexer's
+    key cache fills across the chunks and decode steps, the tokens equal transformers' greedy ones."""
+    from ktransformers.generation import Generator, SamplingParams
+
+    d = tiny_model_dir(arch)
+    tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
+    gen = Generator(load_model(d, model_path=d), tok, chunk_size=5)
+    gen.eos_ids = set()
+    ids = gen.apply_chat_template([{"role": "user", "content": "Hello there, how are you today?"}])
+    ours = [e.token_id for e in gen.stream(ids, SamplingParams(max_new_tokens=16))][:-1]
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    ref = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                      pad_token_id=0)[0, len(ids):].tolist()
+    assert ours == ref
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_continuous_batching_refuses_it_by_name(arch, tiny_model_dir, caplog):
+    """The paged attention has no indexer: NotPageable naming it, and the server serves one request
+    at a time."""
+    from ktransformers.generation.paged import BatchRunner, NotPageable
+    from ktransformers.server.engine import Engine
+    from ktransformers.server.main import build_engine, parse_settings
+
+    d = tiny_model_dir(arch)
+    with pytest.raises(NotPageable, match=f"self_attn: {FAMILIES[arch][2]} has a sparse-attention indexer"):
+        BatchRunner(load_model(d, model_path=d), page_size=4, num_pages=4)
+    with caplog.at_level("WARNING", logger="ktransformers.server"):
+        engine = build_engine(parse_settings(["--model_path", str(d), "--cache_lens", "512"]))
+    assert type(engine) is Engine
+    assert "continuous batching is not available for this model" in caplog.text
+    assert "sparse-attention indexer" in caplog.text
