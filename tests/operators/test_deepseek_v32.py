@@ -215,3 +215,17 @@ def test_continuous_batching_refuses_it_by_name(arch, tiny_model_dir, caplog):
     assert type(engine) is Engine
     assert "continuous batching is not available for this model" in caplog.text
     assert "sparse-attention indexer" in caplog.text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CPU+GPU rule files)")
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_gpu_rules_cross_device_parity(arch, tiny_model_dir):
+    d = tiny_model_dir(arch)
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    model = load_model(d, model_path=d, allow_unmatched=False)  # picks the CUDA variant
+    assert any(p.generate_device.type == "cuda" for p in model.kt_plan.placements.values())
+    ids = _ids()
+    with torch.no_grad():
+        assert _rel(model(ids).logits.cpu(), hf(ids).logits) <= 1e-3
+    a = model.generate(ids[:, :4], max_new_tokens=16, do_sample=False).cpu()
+    assert torch.equal(a, hf.generate(ids[:, :4], max_new_tokens=16, do_sample=False))

@@ -168,3 +168,15 @@ def test_server_falls_back_to_one_request_at_a_time(tiny_model_dir, caplog):
     assert type(engine) is Engine and engine.max_context == 512
     assert "continuous batching is not available for this model" in caplog.text
     assert "linear-attention" in caplog.text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CPU+GPU rule files)")
+def test_gpu_rules_cross_device_parity(tiny_model_dir, hf):
+    d = tiny_model_dir(ARCH)
+    model = load_model(d, model_path=d, allow_unmatched=False)  # picks Qwen3Next.yaml
+    assert any(p.generate_device.type == "cuda" for p in model.kt_plan.placements.values())
+    ids = _ids()
+    with torch.no_grad():
+        assert _rel(model(ids).logits.cpu(), hf(ids).logits) <= 1e-3
+    a = model.generate(ids[:, :4], max_new_tokens=16, do_sample=False).cpu()
+    assert torch.equal(a, hf.generate(ids[:, :4], max_new_tokens=16, do_sample=False))
