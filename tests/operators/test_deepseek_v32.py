@@ -23,7 +23,9 @@ AMXInt8 (choices replayed)       8.7e-3              8.4e-3
 bf16 model (choices replayed)    6.1e-3              4.8e-3
 ===============================  ==================  ==================
 
-GGUF (llama.cpp's ``deepseek32`` / ``glm-dsa``) is not read here yet.
+GGUF: DeepSeek-V3.2 as llama.cpp's ``deepseek32`` (the ``deepseek2`` MLA names and keys plus the
+indexer's ``indexer.*`` tensors and ``attention.indexer.*`` keys), written by this project's converter:
+F32 4.7e-7; GLM-5's ``glm-dsa`` is not read yet.
 """
 
 from __future__ import annotations
@@ -229,3 +231,43 @@ def test_gpu_rules_cross_device_parity(arch, tiny_model_dir):
         assert _rel(model(ids).logits.cpu(), hf(ids).logits) <= 1e-3
     a = model.generate(ids[:, :4], max_new_tokens=16, do_sample=False).cpu()
     assert torch.equal(a, hf.generate(ids[:, :4], max_new_tokens=16, do_sample=False))
+
+
+def _hf_on(source):
+    """The unmodified HF model with every weight dequantized from ``source``."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(source.config())
+    model.load_state_dict({k: source.tensor(k, dtype=torch.float32) for k in model.state_dict()}, assign=True,
+                          strict=True)
+    return model.eval()
+
+
+def test_gguf_from_our_converter(tiny_model_dir, tmp_path):
+    """F32: the config (indexer included) comes back from the metadata alone and the logits match;
+    Q8_0 through the shipped rules is close to the HF model on the dequantized file."""
+    from ktransformers.convert import convert
+    from ktransformers.weights.gguf_source import GGUFSource
+
+    d = tiny_model_dir("deepseek_v32")
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    f32 = convert(d, tmp_path / "f32.gguf", "F32", "F32", "F32")
+    src = GGUFSource(f32)
+    src.validate()
+    assert src.metadata["general.architecture"] == "deepseek32"
+    cfg = src.config()
+    for key in ("num_hidden_layers", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+                "v_head_dim", "first_k_dense_replace", "n_shared_experts", "n_group", "topk_group",
+                "routed_scaling_factor", "norm_topk_prob", "index_n_heads", "index_head_dim", "index_topk",
+                "rope_parameters"):
+        assert getattr(cfg, key) == getattr(hf.config, key), key
+    ids = _ids()
+    with torch.no_grad():
+        ref = hf(ids).logits
+        assert _rel(load_model(f32, allow_unmatched=False)(ids).logits, ref) <= 1e-4
+        q8 = convert(d, tmp_path / "q8.gguf", "Q8_0", "Q8_0", "Q8_0")
+        deq = _hf_on(GGUFSource(q8))(ids).logits
+        diff = (load_model(q8, allow_unmatched=False)(ids).logits - deq).abs()[0]
+    # the kernels quantize activations to 8 bits: llama.cpp's own bar (as tests/generation/test_families.py)
+    assert diff.mean() <= 0.05 and diff.max(1).values.median() <= 0.2 and diff.max() <= 0.75
