@@ -467,9 +467,9 @@ def metadata_for(config, arch: str, tensor_names: Iterable[str]) -> dict[str, tu
         if c.q_lora_rank:
             md[f"{A}.attention.q_lora_rank"] = ("u32", c.q_lora_rank)
         sigmoid = c.model_type == "deepseek_v3" or getattr(c, "scoring_func", "softmax") == "sigmoid"
-        md[f"{A}.expert_gating_func"] = ("u32", 2 if sigmoid or A == "deepseek32" else 1)
-    if A == "deepseek32":
-        md.update(gn.deepseek32_metadata(c))
+        md[f"{A}.expert_gating_func"] = ("u32", 2 if sigmoid or A in gn.DSA_ARCHS else 1)
+    if A in gn.DSA_ARCHS:
+        md.update(gn.dsa_metadata(c, A))
     if A == "gemma3":
         md[f"{A}.attention.sliding_window"] = ("u32", c.sliding_window)
     if A == "glm4moe":

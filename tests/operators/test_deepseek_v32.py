@@ -23,12 +23,17 @@ AMXInt8 (choices replayed)       8.7e-3              8.4e-3
 bf16 model (choices replayed)    6.1e-3              4.8e-3
 ===============================  ==================  ==================
 
-GGUF: DeepSeek-V3.2 as llama.cpp's ``deepseek32`` (the ``deepseek2`` MLA names and keys plus the
-indexer's ``indexer.*`` tensors and ``attention.indexer.*`` keys), written by this project's converter:
-F32 4.7e-7; GLM-5's ``glm-dsa`` is not read yet.
+GGUF: llama.cpp's ``deepseek32`` / ``glm-dsa`` (the ``deepseek2`` MLA names and keys plus the
+indexer's ``indexer.*`` tensors and ``attention.indexer.*`` keys; GLM-5's per-layer indexer types),
+written by this project's converter: F32 4.7e-7 / 3.9e-7.
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -244,23 +249,24 @@ def _hf_on(source):
     return model.eval()
 
 
-def test_gguf_from_our_converter(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("arch,gguf_arch", [("deepseek_v32", "deepseek32"), ("glm_moe_dsa", "glm-dsa")])
+def test_gguf_from_our_converter(arch, gguf_arch, tiny_model_dir, tmp_path):
     """F32: the config (indexer included) comes back from the metadata alone and the logits match;
     Q8_0 through the shipped rules is close to the HF model on the dequantized file."""
     from ktransformers.convert import convert
     from ktransformers.weights.gguf_source import GGUFSource
 
-    d = tiny_model_dir("deepseek_v32")
+    d = tiny_model_dir(arch)
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     f32 = convert(d, tmp_path / "f32.gguf", "F32", "F32", "F32")
     src = GGUFSource(f32)
     src.validate()
-    assert src.metadata["general.architecture"] == "deepseek32"
+    assert src.metadata["general.architecture"] == gguf_arch
     cfg = src.config()
     for key in ("num_hidden_layers", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
                 "v_head_dim", "first_k_dense_replace", "n_shared_experts", "n_group", "topk_group",
                 "routed_scaling_factor", "norm_topk_prob", "index_n_heads", "index_head_dim", "index_topk",
-                "rope_parameters"):
+                "rope_parameters", "mlp_layer_types") + (("indexer_types",) if arch == "glm_moe_dsa" else ()):
         assert getattr(cfg, key) == getattr(hf.config, key), key
     ids = _ids()
     with torch.no_grad():
@@ -271,3 +277,33 @@ def test_gguf_from_our_converter(tiny_model_dir, tmp_path):
         diff = (load_model(q8, allow_unmatched=False)(ids).logits - deq).abs()[0]
     # the kernels quantize activations to 8 bits: llama.cpp's own bar (as tests/generation/test_families.py)
     assert diff.mean() <= 0.05 and diff.max(1).values.median() <= 0.2 and diff.max() <= 0.75
+
+
+LLAMA_CPP = Path(os.environ.get("KT_LLAMA_CPP_DIR", "/nonexistent"))  # a llama.cpp source tree (its gguf-py)
+_LLAMA_NAMES = r"""
+import re, sys
+sys.path.insert(0, sys.argv[1])
+import gguf
+r = gguf.GGUFReader(sys.argv[2])
+arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == sys.argv[3])
+allowed = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[arch]}
+bad = [t.name for t in r.tensors if re.sub(r"^blk\.\d+\.", "blk.{bid}.", t.name).rsplit(".", 1)[0] not in allowed]
+keys = {gguf.Keys.Attention.Indexer.HEAD_COUNT, gguf.Keys.Attention.Indexer.KEY_LENGTH, gguf.Keys.Attention.Indexer.TOP_K}
+missing = [k.format(arch=sys.argv[3]) for k in keys if k.format(arch=sys.argv[3]) not in r.fields]
+print(bad, missing)
+sys.exit(1 if bad or missing else 0)
+"""
+
+
+@pytest.mark.skipif(not (LLAMA_CPP / "gguf-py" / "gguf").is_dir(),
+                    reason=f"llama.cpp's gguf-py not found under {LLAMA_CPP} (set KT_LLAMA_CPP_DIR)")
+@pytest.mark.parametrize("arch,gguf_arch", [("deepseek_v32", "deepseek32"), ("glm_moe_dsa", "glm-dsa")])
+def test_gguf_names_are_llama_cpps(arch, gguf_arch, tiny_model_dir, tmp_path):
+    """Every tensor the converter writes is one llama.cpp's gguf-py lists for the architecture, and
+    the indexer keys are its own (read in a separate process: its gguf-py, not the installed one)."""
+    from ktransformers.convert import convert
+
+    f = convert(tiny_model_dir(arch), tmp_path / "f32.gguf", "F32", "F32", "F32")
+    r = subprocess.run([sys.executable, "-c", _LLAMA_NAMES, str(LLAMA_CPP / "gguf-py"), str(f), gguf_arch],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
