@@ -25,7 +25,9 @@ bf16 model (choices replayed)    6.1e-3              4.8e-3
 
 GGUF: llama.cpp's ``deepseek32`` / ``glm-dsa`` (the ``deepseek2`` MLA names and keys plus the
 indexer's ``indexer.*`` tensors and ``attention.indexer.*`` keys; GLM-5's per-layer indexer types),
-written by this project's converter: F32 4.7e-7 / 3.9e-7.
+written by this project's converter: F32 4.7e-7 / 3.9e-7; Q8_0 through the shipped rules vs the HF
+model on the dequantized file, mean / median per-position max / max abs: 0.013 / 0.021 / 0.21 and
+0.004 / 0.014 / 0.018.
 """
 
 from __future__ import annotations
