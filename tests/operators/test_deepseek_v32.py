@@ -309,3 +309,41 @@ def test_gguf_names_are_llama_cpps(arch, gguf_arch, tiny_model_dir, tmp_path):
     r = subprocess.run([sys.executable, "-c", _LLAMA_NAMES, str(LLAMA_CPP / "gguf-py"), str(f), gguf_arch],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+
+
+def test_fp8_release_loads_dequantized(tmp_path):
+    """The FP8 block-quantized release format (as DeepSeek-V3's, test_deepseek_fp8.py): the shipped
+    rules take the linears and experts dequantized at load and match the HF model on the
+    dequantized weights."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from ktransformers.util.tiny_models import write_tiny_model
+    from ktransformers.weights.fp8 import block_dequant, block_quant
+
+    src, fp8, deq = tmp_path / "bf", tmp_path / "fp8", tmp_path / "deq"
+    # 128x128 scale blocks: sizes past one block
+    write_tiny_model("deepseek_v32", src, seed=7, with_tokenizer=False, hidden_size=160, intermediate_size=288,
+                     moe_intermediate_size=144, q_lora_rank=136)
+    qsd, dsd = {}, {}
+    for k, t in load_file(str(src / "model.safetensors")).items():
+        if t.dim() == 2 and k.startswith("model.layers.") and "norm" not in k and not k.endswith("mlp.gate.weight"):
+            q, s = block_quant(t)
+            qsd[k], qsd[k + "_scale_inv"] = q, s
+            dsd[k] = block_dequant(q, s)
+        else:
+            qsd[k] = dsd[k] = t
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                  "weight_block_size": [128, 128]}
+    for d, tensors in ((fp8, qsd), (deq, dsd)):
+        d.mkdir()
+        save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+        (d / "config.json").write_text(json.dumps(cfg))
+    assert sum(k.endswith("_scale_inv") for k in qsd) > 20
+    ref = AutoModelForCausalLM.from_pretrained(str(deq), dtype=torch.float32).eval()
+    model = load_model(fp8, model_path=fp8, allow_unmatched=False)
+    ids = _ids()
+    with torch.no_grad():
+        assert _rel(model(ids).logits, ref(ids).logits) <= 1e-4
