@@ -196,7 +196,7 @@ class PresetPolicy:
         heads = c.num_attention_heads
         kv = getattr(c, "num_key_value_heads", None) or heads
         # one attn_v per layer, except split-MLA deepseek2 (attn_k_b / attn_v_b count as other tensors)
-        n_attn_v = 0 if arch == "deepseek2" else c.num_hidden_layers
+        n_attn_v = 0 if arch in gn.MLA_ARCHS else c.num_hidden_layers
         return cls(preset, n_layer=c.num_hidden_layers, n_expert=n_expert, n_gqa=heads // max(1, kv),
                    n_attn_v=n_attn_v, tied=bool(getattr(c, "tie_word_embeddings", False)))
 
@@ -444,7 +444,7 @@ def metadata_for(config, arch: str, tensor_names: Iterable[str]) -> dict[str, tu
         md[f"{A}.expert_feed_forward_length"] = ("u32", c.moe_intermediate_size)
         if A == "qwen2moe":
             md[f"{A}.expert_shared_feed_forward_length"] = ("u32", c.shared_expert_intermediate_size)
-    if A == "deepseek2":
+    if A in gn.MLA_ARCHS:
         rope = c.qk_rope_head_dim
         md.update({
             f"{A}.attention.head_count_kv": ("u32", 1),
@@ -467,7 +467,9 @@ def metadata_for(config, arch: str, tensor_names: Iterable[str]) -> dict[str, tu
         if c.q_lora_rank:
             md[f"{A}.attention.q_lora_rank"] = ("u32", c.q_lora_rank)
         sigmoid = c.model_type == "deepseek_v3" or getattr(c, "scoring_func", "softmax") == "sigmoid"
-        md[f"{A}.expert_gating_func"] = ("u32", 2 if sigmoid else 1)
+        md[f"{A}.expert_gating_func"] = ("u32", 2 if sigmoid or A in gn.DSA_ARCHS else 1)
+    if A in gn.DSA_ARCHS:
+        md.update(gn.dsa_metadata(c, A))
     if A == "gemma3":
         md[f"{A}.attention.sliding_window"] = ("u32", c.sliding_window)
     if A == "glm4moe":
@@ -519,7 +521,7 @@ def plan(config, ckpt: Checkpoint, policy: TypePolicy, params=None) -> tuple[str
                 t = policy.choose(gname, (E, *eshape))
                 outs.append(_Out(gname, (E, *eshape), t, _expert_producer(ckpt, ck_name(base), proj, E, n_inter, t)))
             continue
-        if arch == "deepseek2" and hf.endswith("self_attn.kv_b_proj.weight"):
+        if arch in gn.MLA_ARCHS and hf.endswith("self_attn.kv_b_proj.weight"):
             layer = re.match(r"model\.layers\.(\d+)\.", hf).group(1)
             nope, v = text_cfg.qk_nope_head_dim, text_cfg.v_head_dim
             r = shape[1]

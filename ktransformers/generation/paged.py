@@ -470,6 +470,9 @@ def _attention_layers(model) -> list[_AttnLayer]:
         if not name.endswith("self_attn") or not hasattr(mod, "layer_idx"):
             continue
         is_mla = hasattr(mod, "kv_lora_rank")
+        if hasattr(mod, "indexer"):  # set on every DSA layer (None where it reuses the previous top-k)
+            raise NotPageable(f"{name}: {type(mod).__name__} has a sparse-attention indexer (DeepSeek-V3.2 / GLM-5), "
+                             f"whose key cache and top-k selection the paged attention does not compute")
         if is_mla and not hasattr(mod, "absorb_weights"):
             raise NotPageable(f"{name}: {type(mod).__name__} (MLA) has no paged path; inject KDeepseekV2Attention "
                              f"(the shipped DeepSeek rules do)")

@@ -82,6 +82,9 @@ class ExpertsOp(Op):
         if act is None and hasattr(orig_module, "alpha") and hasattr(orig_module, "limit"):
             # gpt-oss: (clamp(up, +-limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
             self.activation = "clamp_swiglu"
+        elif self.activation == "silu" and hasattr(orig_module, "limit") and not hasattr(orig_module, "alpha"):
+            # DeepSeek-V4: silu(min(gate, limit)) * clamp(up, +-limit); no kernel has it (KExpertsCPU refuses)
+            self.activation = "clamp_silu"
         self.alpha = float(getattr(orig_module, "alpha", 1.702))
         self.limit = float(getattr(orig_module, "limit", 7.0))
 
@@ -91,6 +94,8 @@ class ExpertsOp(Op):
             gate = gate.clamp(max=self.limit)
             up = up.clamp(min=-self.limit, max=self.limit)
             return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        if self.activation == "clamp_silu":
+            return self.act_fn(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
         return self.act_fn(gate) * up
 
     def from_parameters(self, weights) -> bool:

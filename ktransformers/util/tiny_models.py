@@ -46,6 +46,32 @@ TINY_CONFIGS: dict[str, dict] = {
                              moe_intermediate_size=32, shared_expert_intermediate_size=48,
                              linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
                              linear_num_value_heads=4),
+    # Qwen3-Next: as Qwen3.5-MoE (gated DeltaNet + gated full attention, gated shared expert) with the
+    # DeltaNet projections fused (in_proj_qkvz, in_proj_ba); the DeltaNet layer keeps a dense MLP
+    # (mlp_only_layers) so that branch is present.  One DeltaNet layer: random ones amplify bf16 rounding.
+    "qwen3_next": dict(_COMMON, num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "full_attention"],
+                       mlp_only_layers=[0], head_dim=16, num_experts=8, num_experts_per_tok=2,
+                       moe_intermediate_size=32, shared_expert_intermediate_size=48, intermediate_size=96,
+                       linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                       linear_num_value_heads=4),
+    # DeepSeek-V3.2: DeepSeek-V3's MLA, router and experts plus the sparse-attention indexer (its own
+    # query/key projections, a top-k of 4 keys per query: fewer than the test prompts, so it selects).
+    # 16 indexer heads: with few, every head's ReLU score is often 0 for a key, and such exact ties at the
+    # top-k boundary go either way with the key buffer's length (static vs dynamic cache)
+    "deepseek_v32": dict(_COMMON, num_hidden_layers=3, num_key_value_heads=4, n_routed_experts=8,
+                         num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96,
+                         n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+                         routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=32, kv_lora_rank=32,
+                         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, index_topk=4,
+                         index_head_dim=16, index_n_heads=16),
+    # GLM-5: as DeepSeek-V3.2 with an interleaved-rotary indexer; the last layer reuses the previous
+    # layer's top-k ("shared") instead of running its own indexer
+    "glm_moe_dsa": dict(_COMMON, num_hidden_layers=3, num_key_value_heads=4, n_routed_experts=8,
+                        num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96,
+                        n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+                        routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=32, kv_lora_rank=32,
+                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, index_topk=4,
+                        index_head_dim=16, index_n_heads=16, indexer_types=["full", "full", "shared"]),
     # MiniMax-M2: every layer sparse, no shared expert, sigmoid router whose correction bias sits on the
     # block; q/k norms over all heads; partial rotary (rotary_dim = head_dim / 2 as released)
     "minimax_m2": dict(_COMMON, head_dim=16, rotary_dim=8, num_local_experts=8, num_experts_per_tok=2,

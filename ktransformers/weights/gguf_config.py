@@ -12,6 +12,9 @@ qwen2moe       Qwen2MoeConfig
 qwen3moe       Qwen3MoeConfig
 deepseek2      DeepseekV3Config when ``expert_gating_func`` is 2 (sigmoid) or the file has
                ``exp_probs_b`` tensors, else DeepseekV2Config
+deepseek32     DeepseekV32Config (the deepseek2 keys plus ``attention.indexer.*``)
+glm-dsa        GlmMoeDsaConfig (as deepseek32; ``attention.indexer.types``: true where a layer runs
+               its own indexer, false where it reuses the previous top-k)
 gemma3         Gemma3TextConfig
 glm4moe        Glm4MoeConfig (``block_count`` counts the NextN/MTP layers llama.cpp keeps; the
                model has ``block_count - nextn_predict_layers``)
@@ -201,7 +204,7 @@ def config_from_metadata(
             kw.update(head_dim=int(key_len or hidden // n_head), norm_topk_prob=True)
             kw["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
             cfg = tf.Qwen3MoeConfig(**kw)
-    elif arch == "deepseek2":
+    elif arch in ("deepseek2", "deepseek32", "glm-dsa"):
         rope_dim = int(md.need("rope.dimension_count"))
         k_mla = md.get("attention.key_length_mla")
         v_mla = md.get("attention.value_length_mla")
@@ -231,7 +234,18 @@ def config_from_metadata(
             n_group=n_group,
             topk_group=topk_group,
         )
-        if gating == 2 or has_bias:
+        if arch in ("deepseek32", "glm-dsa"):
+            kw.update(index_n_heads=int(md.need("attention.indexer.head_count")),
+                      index_head_dim=int(md.need("attention.indexer.key_length")),
+                      index_topk=int(md.need("attention.indexer.top_k")))
+            if arch == "deepseek32":
+                cfg = tf.DeepseekV32Config(**kw)
+            else:
+                types = md.m.get(f"{arch}.attention.indexer.types")  # per layer: not collapsed by get()
+                if types is not None:
+                    kw["indexer_types"] = ["full" if t else "shared" for t in types][:n_layers]
+                cfg = tf.GlmMoeDsaConfig(**kw)
+        elif gating == 2 or has_bias:
             kw.update(num_nextn_predict_layers=0, rope_interleave=True)
             cfg = tf.DeepseekV3Config(**kw)
         else:
@@ -267,7 +281,7 @@ def config_from_metadata(
     else:
         raise WeightError(
             f"{where}: GGUF architecture '{arch}' is not supported "
-            "(supported: llama, mixtral-style llama, qwen2, qwen3, qwen2moe, qwen3moe, deepseek2, gemma3, glm4moe, minimax-m2, "
+            "(supported: llama, mixtral-style llama, qwen2, qwen3, qwen2moe, qwen3moe, deepseek2, deepseek32, glm-dsa, gemma3, glm4moe, minimax-m2, "
             "gpt-oss)"
         )
     if isinstance(dtype, str):
@@ -289,6 +303,8 @@ _ARCH_CLASS = {
     "Qwen3MoeConfig": "Qwen3MoeForCausalLM",
     "DeepseekV2Config": "DeepseekV2ForCausalLM",
     "DeepseekV3Config": "DeepseekV3ForCausalLM",
+    "DeepseekV32Config": "DeepseekV32ForCausalLM",
+    "GlmMoeDsaConfig": "GlmMoeDsaForCausalLM",
     "Gemma3TextConfig": "Gemma3ForCausalLM",
     "Glm4MoeConfig": "Glm4MoeForCausalLM",
     "MiniMaxM2Config": "MiniMaxM2ForCausalLM",

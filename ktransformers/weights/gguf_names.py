@@ -26,8 +26,12 @@ import re
 from dataclasses import dataclass
 
 #: architectures the source and the converter handle (GGUF ``general.architecture`` values)
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "deepseek2", "gemma3", "glm4moe", "minimax-m2",
-                   "gpt-oss")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "deepseek2", "deepseek32", "glm-dsa", "gemma3",
+                   "glm4moe", "minimax-m2", "gpt-oss")
+#: DeepSeek MLA architectures (split ``attn_k_b`` / ``attn_v_b``, the ``deepseek2`` metadata keys)
+MLA_ARCHS = ("deepseek2", "deepseek32", "glm-dsa")
+#: MLA with the sparse-attention indexer (``indexer.*`` tensors, ``attention.indexer.*`` keys)
+DSA_ARCHS = ("deepseek32", "glm-dsa")
 
 #: transformers ``model_type`` -> GGUF arch
 MODEL_TYPE_TO_ARCH = {
@@ -40,6 +44,8 @@ MODEL_TYPE_TO_ARCH = {
     "qwen3_moe": "qwen3moe",
     "deepseek_v2": "deepseek2",
     "deepseek_v3": "deepseek2",
+    "deepseek_v32": "deepseek32",
+    "glm_moe_dsa": "glm-dsa",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
     "glm4_moe": "glm4moe",
@@ -73,6 +79,16 @@ _MLA_BLOCK = [
     ("attn_kv_a_mqa", "self_attn.kv_a_proj_with_mqa"),
     ("attn_kv_a_norm", "self_attn.kv_a_layernorm"),
     ("attn_kv_b", "self_attn.kv_b_proj"),
+]
+
+
+# the sparse-attention indexer of DeepSeek-V3.2 / GLM-5 (llama.cpp's ``indexer.*`` tensors; GLM-5's
+# layers reusing the previous top-k have none)
+_INDEXER = [
+    ("indexer.attn_q_b", "self_attn.indexer.wq_b"),
+    ("indexer.attn_k", "self_attn.indexer.wk"),
+    ("indexer.k_norm", "self_attn.indexer.k_norm"),
+    ("indexer.proj", "self_attn.indexer.weights_proj"),
 ]
 
 
@@ -112,6 +128,8 @@ _BLOCK_TABLES = {
     "qwen2moe": _COMMON_BLOCK + _shexp("mlp.shared_expert") + [("ffn_gate_inp_shexp", "mlp.shared_expert_gate")],
     "qwen3moe": _COMMON_BLOCK,
     "deepseek2": _COMMON_BLOCK + _MLA_BLOCK + _shexp("mlp.shared_experts"),
+    "deepseek32": _COMMON_BLOCK + _MLA_BLOCK + _shexp("mlp.shared_experts") + _INDEXER,
+    "glm-dsa": _COMMON_BLOCK + _MLA_BLOCK + _shexp("mlp.shared_experts") + _INDEXER,
     "gemma3": _GEMMA3_BLOCK,
     "glm4moe": _GLM4MOE_BLOCK,
     "minimax-m2": _COMMON_BLOCK,
@@ -204,6 +222,19 @@ def glm4moe_metadata(c, head_dim: int) -> dict[str, tuple[str, object]]:
         f"{A}.expert_group_count": ("u32", c.n_group),
         f"{A}.expert_group_used_count": ("u32", c.topk_group),
     }
+
+
+def dsa_metadata(c, A: str) -> dict[str, tuple[str, object]]:
+    """The ``attention.indexer.*`` keys llama.cpp's converter writes beyond the ``deepseek2`` ones
+    (GLM-5: which layers run their own indexer, as booleans)."""
+    md = {
+        f"{A}.attention.indexer.head_count": ("u32", c.index_n_heads),
+        f"{A}.attention.indexer.key_length": ("u32", c.index_head_dim),
+        f"{A}.attention.indexer.top_k": ("u32", c.index_topk),
+    }
+    if getattr(c, "indexer_types", None) is not None:
+        md[f"{A}.attention.indexer.types"] = ("arr", [t == "full" for t in c.indexer_types])
+    return md
 
 
 def minimax_m2_metadata(c, head_dim: int) -> dict[str, tuple[str, object]]:

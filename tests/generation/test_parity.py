@@ -42,7 +42,12 @@ def test_fp32_logits_and_greedy_match_hf(arch, tiny_model_dir):
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+# sparse-attention families: their bf16 check replays the reference's top-k keys and experts
+# (tests/operators/test_deepseek_v32.py), two bf16 models each choosing for itself differ by the flips
+BF16_ARCHS = [a for a in ARCHS if a not in ("deepseek_v32", "glm_moe_dsa")]
+
+
+@pytest.mark.parametrize("arch", BF16_ARCHS)
 def test_bf16_close_to_hf_bf16(arch, tiny_model_dir):
     d = tiny_model_dir(arch)
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).eval()

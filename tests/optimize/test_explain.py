@@ -16,7 +16,8 @@ from ktransformers.util.tiny_models import tiny_config
 FAMILY_ARCH = {
     "Qwen3Moe": "qwen3_moe", "Qwen2Moe": "qwen2_moe", "Mixtral": "mixtral", "DeepSeek-V3": "deepseek_v3",
     "Kimi-K2": "deepseek_v3", "Moonlight": "deepseek_v3", "DeepSeek-V2": "deepseek_v2", "Dense": "llama",
-    "Glm4Moe": "glm4_moe", "Qwen3_5Moe": "qwen3_5_moe_text",
+    "Glm4Moe": "glm4_moe", "Qwen3_5Moe": "qwen3_5_moe_text", "Qwen3Next": "qwen3_next",
+    "DeepseekV32": "deepseek_v32", "GlmMoeDsa": "glm_moe_dsa",
     "MiniMaxM2": "minimax_m2", "GptOss": "gpt_oss",
 }
 
