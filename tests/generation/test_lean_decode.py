@@ -27,6 +27,7 @@ from ktransformers.generation import Generator, SamplingParams
 from ktransformers.operators.decode import DecodeStep, decode_step_for
 
 LEAN_ARCHS = ["llama", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe"]
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe")
 GEMMA = Path(__file__).resolve().parents[2] / ".cache" / "models" / "gemma-3-270m-q4_k_m.gguf"
 
 
@@ -53,6 +54,9 @@ def test_lean_step_equals_generic_forward(arch, tiny_model_dir, one_torch_thread
     model = load_model(d, model_path=d)
     step = DecodeStep.build(model)
     assert step is not None, f"{arch}: the lean decode step should serve this family"
+    if arch in MOE_ARCHS:  # the MoE blocks run in the step (router, experts, shared expert), not as modules
+        assert all(lay.moe is not None and lay.mlp_module is None for lay in step.layers)
+        assert (arch == "qwen2_moe") == (step.layers[0].moe.shared is not None)
     gen = Generator(model, _NoText())
     ids = _prompt()
     worst = 0.0
