@@ -274,7 +274,8 @@ def decode_breakdown(gen, ids, n: int) -> str:
         return wrapper
 
     patches = [(K.LinearKernel, "forward"), (K.MoEKernel, "forward"), (K.MoEKernel, "submit"), (K.CPUInfer, "sync"),
-               (D._Proj, "__call__"), (E.Sampler, "__call__")]  # _Proj: the lean decode step's kernel calls
+               (D._Proj, "__call__"), (D._MoE, "run_experts"),  # the lean decode step's kernel calls
+               (E.Sampler, "__call__")]
     saved = [(cls, attr, getattr(cls, attr)) for cls, attr in patches]
     try:
         for cls, attr, fn in saved:

@@ -167,3 +167,34 @@ def test_gemma3_q4km_within_the_generic_paths_own_spread():
         top2 = r["sdpa"].topk(2).values
         if top2[0] - top2[1] > tol:
             assert int(r["lean"].argmax()) == int(r["sdpa"].argmax()), f"step {i}: a clear top-1 differs"
+
+
+@pytest.mark.parametrize("E,k,norm", [(128, 8, True), (128, 8, False), (60, 4, True), (8, 8, True), (16, 1, False)])
+def test_moe_route_matches_the_transformers_router(E, k, norm):
+    """decode_ops.moe_route against Qwen3MoeTopKRouter's softmax -> topk -> renormalise (torch):
+    same expert ids in the same order (random logits, no ties), weights within 2e-6 relative."""
+    from ktransformers import cpuinfer_ext
+
+    g = torch.Generator().manual_seed(E * 10 + k)
+    for _ in range(20):
+        logits = (3 * torch.randn(E, generator=g)).contiguous()
+        probs = torch.softmax(logits[None], dim=-1, dtype=torch.float)
+        want_w, want_ids = torch.topk(probs, k, dim=-1)
+        if norm:
+            want_w = want_w / want_w.sum(dim=-1, keepdim=True)
+        ids = torch.full((1, k), -1, dtype=torch.int64)
+        w = torch.zeros(1, k)
+        cpuinfer_ext.decode_ops.moe_route(logits.data_ptr(), E, k, norm, ids.data_ptr(), w.data_ptr())
+        assert ids.tolist() == want_ids.tolist()
+        assert torch.allclose(w, want_w, rtol=2e-6, atol=0)
+
+
+def test_moe_route_rejects_bad_arguments():
+    from ktransformers import cpuinfer_ext
+
+    logits, ids, w = torch.zeros(8), torch.zeros(1, 9, dtype=torch.int64), torch.zeros(1, 9)
+    with pytest.raises(ValueError, match="0 < k <= E"):
+        cpuinfer_ext.decode_ops.moe_route(logits.data_ptr(), 8, 9, True, ids.data_ptr(), w.data_ptr())
+    logits[:] = float("nan")
+    with pytest.raises(ValueError, match="not finite"):
+        cpuinfer_ext.decode_ops.moe_route(logits.data_ptr(), 8, 2, True, ids.data_ptr(), w.data_ptr())
