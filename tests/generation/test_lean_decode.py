@@ -198,3 +198,23 @@ def test_moe_route_rejects_bad_arguments():
     logits[:] = float("nan")
     with pytest.raises(ValueError, match="not finite"):
         cpuinfer_ext.decode_ops.moe_route(logits.data_ptr(), 8, 2, True, ids.data_ptr(), w.data_ptr())
+
+
+QWEN3MOE_Q4KM = GEMMA.parent / "bench-qwen3moe-4l-h2048-e128-v32768-llama-Q4_K_M.gguf"
+
+
+@pytest.mark.parametrize("path", [GEMMA, QWEN3MOE_Q4KM], ids=["gemma3-Q8_0-scaled", "qwen3moe-Q4_K"])
+def test_lean_embedding_row_equals_the_module(path):
+    """The step's C++ dequantize of one embedding row (times Gemma's embed_scale) against the
+    embedding module's torch block dequantizer: equal within 1e-6 x max|row| (measured: 0)."""
+    if not path.is_file():
+        pytest.skip(f"{path} not present (bench/e2e.py builds it)")
+    model = load_model(path)
+    step = DecodeStep.build(model)
+    assert step is not None and step.embed_rows is not None
+    vocab = step.embed_rows[0].shape[0]
+    with torch.inference_mode():
+        for tok in (0, 1, 777, vocab - 1):
+            want = model.model.embed_tokens(torch.tensor([[tok]])).reshape(-1).float()
+            got = step.embed_into_x(tok)
+            assert torch.allclose(got, want, rtol=0, atol=1e-6 * want.abs().max().item()), f"token {tok}"
