@@ -238,6 +238,7 @@ def bench_model(name: str, path: Path, args) -> list[tuple]:
     kt[f"decode {args.decode}"] = max(rates)
     if args.breakdown:
         print(f"  decode step of {name}: " + decode_breakdown(gen, ids, args.decode), flush=True)
+        print(decode_ops_breakdown(gen, ids, args.decode), flush=True)
     del gen, model
     gc.collect()
     ref = bench_llama_bench(path, args) if args.llama_bin else {}
@@ -273,7 +274,8 @@ def decode_breakdown(gen, ids, n: int) -> str:
         return wrapper
 
     patches = [(K.LinearKernel, "forward"), (K.MoEKernel, "forward"), (K.MoEKernel, "submit"), (K.CPUInfer, "sync"),
-               (D._Proj, "__call__"), (E.Sampler, "__call__")]  # _Proj: the lean decode step's kernel calls
+               (D._Proj, "__call__"), (D._MoE, "run_experts"),  # the lean decode step's kernel calls
+               (E.Sampler, "__call__")]
     saved = [(cls, attr, getattr(cls, attr)) for cls, attr in patches]
     try:
         for cls, attr, fn in saved:
@@ -292,6 +294,109 @@ def decode_breakdown(gen, ids, n: int) -> str:
     per = st.decode_seconds / steps * 1e3
     return (f"{per:.2f} ms/token = kernels {k:.2f} + sampling {smp:.2f} + rest (Python/dispatch, attention, "
             f"norms) {max(per - k - smp, 0.0):.2f} (approx.; run total {total:.2f} ms/token)")
+
+
+def _nbytes(a) -> int:
+    return int(a.numel() * a.element_size()) if isinstance(a, torch.Tensor) else int(a.nbytes)
+
+
+def decode_ops_breakdown(gen, ids, n: int) -> str:
+    """Per op of the lean decode step (ms/token, the weight bytes it reads per token, GB/s, % of
+    the DRAM read bandwidth the kernel pool's probe measures right after): attention q/k/v and o,
+    dense gate/up and down, the MoE router and routed experts (k distinct experts' bytes), the
+    lm_head.  Timers wrap each bound kernel call while the lean step runs (the prefill is not
+    counted); the experts' split into gate/up and down is printed by the extension with
+    ``KT_MOE_PROFILE=N``."""
+    from ktransformers.generation import SamplingParams
+
+    step = gen._decode_step()
+    if step is None:
+        return "  (no lean decode step for this model: no per-op breakdown)"
+    spent: dict[str, list] = {}  # op -> [seconds, bytes]
+    undo = []
+    active = [False]
+
+    def wrap(obj, attr, key, nbytes):
+        fn = getattr(obj, attr)
+        rec = spent.setdefault(key, [0.0, 0])
+
+        def timed(*a, **kw):
+            if not active[0]:
+                return fn(*a, **kw)
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                rec[0] += time.perf_counter() - t0
+                rec[1] += nbytes
+        undo.append((obj, attr, attr in getattr(obj, "__dict__", {}), fn))
+        setattr(obj, attr, timed)
+
+    def proj_bytes(p):
+        return sum(_nbytes(m._weight) for m in p.group.members)
+
+    k = int(getattr(step.config, "num_experts_per_tok", 1) or 1)
+    pool = None
+    for lay in step.layers:
+        wrap(lay.qkv, "_call", "attn q/k/v", proj_bytes(lay.qkv))
+        wrap(lay.o, "_call", "attn o", proj_bytes(lay.o))
+        pool = pool or lay.qkv.group.pool
+        if lay.gate_up is not None:
+            wrap(lay.gate_up, "_call", "mlp gate/up", proj_bytes(lay.gate_up))
+            wrap(lay.down, "_call", "mlp down", proj_bytes(lay.down))
+        moe = getattr(lay, "moe", None)
+        if moe is not None:  # the lean step's own MoE layer
+            wrap(moe, "route", "moe router", _nbytes(moe.router_w))
+            wrap(moe, "run_experts", "moe experts", moe.expert_bytes * moe.top_k)
+            if moe.shared is not None:
+                wrap(moe.shared, "_call", "moe shared gate/up", proj_bytes(moe.shared))
+                wrap(moe.shared_down, "_call", "moe shared down", proj_bytes(moe.shared_down))
+        elif lay.mlp_module is not None:  # the MoE block's own forward
+            mods = lay.mlp_module._modules
+            router = mods.get("gate") or mods.get("router")
+            if router is not None:
+                w = getattr(router, "weight", None)
+                wrap(router, "forward", "moe router (module)", _nbytes(w) if w is not None else 0)
+            experts = mods.get("experts")
+            op = experts.select_op(1) if experts is not None and hasattr(experts, "select_op") else None
+            if op is not None and getattr(op, "_arrays", None):
+                per = sum(_nbytes(a) for a in op._arrays.values()) // op.num_experts
+                wrap(op, "submit", "moe experts (module)", per * k)
+                wrap(op, "collect", "moe experts (module)", 0)
+    wrap(step.head, "_call", "lm_head", proj_bytes(step.head))
+    inner = step._step
+
+    def flagged(*a, **kw):
+        active[0] = True
+        try:
+            return inner(*a, **kw)
+        finally:
+            active[0] = False
+    step._step = flagged
+    try:
+        gen.generate(ids, SamplingParams(max_new_tokens=n))
+    finally:
+        del step._step
+        for obj, attr, own, fn in reversed(undo):
+            if own:
+                setattr(obj, attr, fn)
+            else:
+                delattr(obj, attr)
+    bw = pool.probe_read_bw(1 << 28, 3) if pool is not None else 0.0
+    steps = max(gen.last_stats.generated_tokens - 1, 1)
+    lines = [f"  per op of the lean step ({steps} steps; DRAM read probe of the kernel pool {bw:.1f} GB/s):",
+             "  | op | ms/token | MB/token | GB/s | %DRAM |", "  |---|---|---|---|---|"]
+    total = 0.0
+    for key, (sec, nb) in spent.items():
+        if not sec:
+            continue
+        ms, mb = sec / steps * 1e3, nb / steps / 1e6
+        total += ms
+        gbs = nb / sec / 1e9
+        pct = f"{100 * gbs / bw:.0f} %" if bw else "n/a"
+        lines.append(f"  | {key} | {ms:.2f} | {mb:.1f} | {gbs:.1f} | {pct} |")
+    lines.append(f"  | all timed ops | {total:.2f} | | | |")
+    return "\n".join(lines)
 
 
 def peak_rss_mib(cmd: list[str]) -> float | None:

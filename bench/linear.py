@@ -71,7 +71,7 @@ def median_ms(fn, n: int, warmup: int = 3) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"names ({', '.join(SHAPES)}) or OUTxIN")
     ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q2_K,Q3_K,Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,IQ4_NL,IQ4_XS,F32,F16,BF16")
     ap.add_argument("--tokens", default="1,128")
     ap.add_argument("--threads", default="1,2")
@@ -91,7 +91,7 @@ def main() -> None:
           f"{'GB/s':>6s} {'%DRAM':>6s}  kernel")
     table = ext.kernel_rows()
     for sk in args.shapes.split(","):
-        N, Kin = SHAPES[sk]
+        N, Kin = SHAPES[sk] if sk in SHAPES else map(int, sk.split("x"))  # or any "OUTxIN"
         for t in args.types.split(","):
             be = BLOCK[t][0]
             if Kin % be:

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
 #include <vector>
 
 namespace py = pybind11;
@@ -119,6 +120,41 @@ void attend(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t keys, uintptr_t val
   }
 }
 
+// The softmax-top-k router of transformers' Qwen2/3-MoE for one token: p = softmax(logits[E]),
+// the k largest p in descending order (the lower expert id first on equal p) -> ids[k] (int64),
+// their p -> w[k], divided by their sum when `norm` (norm_topk_prob).  Top-k by k passes over E:
+// k and E are small (8 of 128), and no sort / allocation is needed.
+void moe_route(uintptr_t logits, int E, int k, bool norm, uintptr_t ids, uintptr_t w) {
+  if (E <= 0 || k <= 0 || k > E) throw std::invalid_argument("moe_route: need 0 < k <= E");
+  const float* l = ptr<const float>(logits);
+  thread_local std::vector<float> p;
+  if (static_cast<int>(p.size()) < E) p.resize(E);
+  float m = -INFINITY;
+  for (int e = 0; e < E; ++e) m = l[e] > m ? l[e] : m;
+  float sum = 0;
+  for (int e = 0; e < E; ++e) {
+    p[e] = std::exp(l[e] - m);
+    sum += p[e];
+  }
+  const float inv = 1.0f / sum;
+  for (int e = 0; e < E; ++e) p[e] *= inv;
+  int64_t* id = ptr<int64_t>(ids);
+  float* wt = ptr<float>(w);
+  float tot = 0;
+  for (int j = 0; j < k; ++j) {
+    int best = -1;
+    for (int e = 0; e < E; ++e)
+      if (p[e] >= 0.f && (best < 0 || p[e] > p[best])) best = e;  // chosen ones are marked -1 (NaN logits: never chosen)
+    if (best < 0) throw std::invalid_argument("moe_route: router logits are not finite");
+    id[j] = best;
+    wt[j] = p[best];
+    tot += p[best];
+    p[best] = -1.f;
+  }
+  if (norm)
+    for (int j = 0; j < k; ++j) wt[j] = wt[j] / tot;
+}
+
 }  // namespace
 
 void register_decode_ops(py::module_& m) {
@@ -131,6 +167,8 @@ void register_decode_ops(py::module_& m) {
   d.def("attend", &attend, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("keys"), py::arg("values"),
         py::arg("hq"), py::arg("hkv"), py::arg("d"), py::arg("cap"), py::arg("slot"), py::arg("roll"), py::arg("n"),
         py::arg("scale"), py::arg("len"), py::arg("out"));
+  d.def("moe_route", &moe_route, py::arg("logits"), py::arg("num_experts"), py::arg("top_k"), py::arg("norm"),
+        py::arg("ids"), py::arg("weights"));
 }
 
 }  // namespace kt

@@ -16,8 +16,12 @@ arithmetic for one token with the layer's weights bound once:
   cache's valid entries directly (no mask: a static layer's entries up to the position, a
   sliding layer's window, are exactly what the causal / sliding mask leaves visible).
 
-It serves Gemma-3 (text) and the Llama / Mistral / Qwen2 / Qwen3 family, and the attention of
-Qwen3-MoE / Qwen2-MoE layers (their MoE block is called as a module).  ``DecodeStep.build``
+It serves Gemma-3 (text) and the Llama / Mistral / Qwen2 / Qwen3 family, and Qwen3-MoE / Qwen2-MoE
+layers: their MoE block runs as ``_MoE`` (the router's linear on the kernels, softmax / top-k /
+renormalisation in one C++ call, the routed experts' ``MoEKernel`` straight into the step's
+buffer, the shared expert and its sigmoid gate as grouped kernel calls) where its router is the
+plain softmax-top-k one and its experts are on the CPU kernels; otherwise the block is called as
+a module.  ``DecodeStep.build``
 returns ``None`` for anything else, and ``accepts`` is checked on every call: one token, batch 1,
 inference mode, a ``StaticCache`` whose layers are initialised plain static / sliding layers,
 fp32 CPU model.  Everything else (prefill, batching, other caches, training) takes the generic
@@ -28,6 +32,7 @@ samples from it before the next step).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 
 import torch
@@ -68,23 +73,45 @@ def _cpu_kernel(linear):
     return op
 
 
-class _Proj:
-    """One or more linears sharing an input, as one call into a preallocated output."""
+def _embedding_rows(embed, hidden: int):
+    """(rows [V, row bytes] of the table read in place, ggml type id, scale or None) when the
+    embedding is ``KEmbeddingQuant`` on a type the kernels dequantize: the step dequantizes its one
+    row with the C++ ``dequantize`` (the torch block dequantizer costs ~0.25 ms a token on
+    Q4_K).  None otherwise: the module is called."""
+    from .embedding import KEmbeddingQuant, KTransformersEmbedding
 
-    def __init__(self, linears, glu: str | None = None):
+    op = getattr(embed, "generate_op", None)
+    if type(embed) is not KTransformersEmbedding or not isinstance(op, KEmbeddingQuant):
+        return None
+    t, rows = getattr(op, "ggml_type", None), getattr(op, "_rows", None)
+    if rows is None or t is None or not t.kernel or op.embedding_dim != hidden or torch.device(op.device).type != "cpu":
+        return None
+    scale = getattr(embed.orig_module, "embed_scale", None)
+    if scale is not None:
+        scale = (torch.tensor(float(hidden) ** 0.5) if scale.is_meta else scale.detach()).to(torch.float32)
+    return rows, int(t.id), scale
+
+
+class _Proj:
+    """One or more linears sharing an input, as one call into a preallocated output.
+
+    ``linears``: modules served by ``KLinearCPU``; ``kernels``: ``LinearKernel`` s appended after
+    them (weights the step binds itself, e.g. a router's)."""
+
+    def __init__(self, linears, glu: str | None = None, kernels=()):
         from ..kernels import LinearGroupKernel
 
         ops = [_cpu_kernel(m) for m in linears]
-        self.out_features = sum(int(op.out_features) for op in ops) if all(ops) else None
         if not all(ops):
             raise Unsupported("a projection is not on the CPU linear kernels")
         if any(op.bias is not None for op in ops):
-            if glu is not None:
-                raise Unsupported("gated projection with a bias")
+            if glu is not None or kernels:
+                raise Unsupported("gated or kernel-extended projection with a bias")
             self.bias = torch.cat([op.bias.float() for op in ops]).contiguous()
         else:
             self.bias = None
-        self.group = LinearGroupKernel([op.kernel for op in ops], glu=glu)
+        self.group = LinearGroupKernel([op.kernel for op in ops] + list(kernels), glu=glu)
+        self.out_features = self.group.out_features
         self.out = torch.empty(self.group.out_features)
         self._call = self.group._g.forward
         self._pool = self.group.pool._c
@@ -94,6 +121,112 @@ class _Proj:
         self._call(self._pool, 1, x.data_ptr(), out.data_ptr())  # x: one contiguous fp32 row (the step's buffers)
         if self.bias is not None:
             out.add_(self.bias)
+        return out
+
+
+#: routers whose forward is softmax -> top-k -> renormalise when ``norm_topk_prob`` (transformers')
+SOFTMAX_TOPK_ROUTERS = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter")
+
+
+def _experts_op(experts):
+    """The ``KExpertsCPU`` op that serves ``experts`` at T=1 with its output on the CPU, or None."""
+    from .cpu_experts import KExpertsCPU
+
+    if not hasattr(experts, "generate_op") or getattr(experts, "out_device", None) not in (None, "cpu"):
+        return None
+    pre = experts.prefill_op
+    op = pre if pre is not None and 1 > experts.prefill_threshold else experts.generate_op
+    if not isinstance(op, KExpertsCPU) or getattr(op, "kernel", None) is None:
+        return None
+    return op
+
+
+class _MoE:
+    """A Qwen-MoE block at T=1 on the step's buffers: the router's linear (fp32, on the kernels;
+    with the shared expert's gate row appended when there is one), ``decode_ops.moe_route``
+    (softmax, top-k, renormalisation as the router does), the routed experts' ``MoEKernel`` into a
+    preallocated output, and the shared expert (gate/up+activation, down) scaled by
+    sigmoid(its gate) and added."""
+
+    def __init__(self, mlp, config, act: str | None):
+        from ..kernels import LinearKernel
+
+        mods = mlp._modules
+        router, experts = mods.get("gate"), mods.get("experts")
+        if router is None or type(router).__name__ not in SOFTMAX_TOPK_ROUTERS:
+            raise Unsupported(f"router {type(router).__name__}")
+        op = _experts_op(experts) if experts is not None else None
+        if op is None:
+            raise Unsupported("routed experts not on the CPU kernels")
+        w = getattr(router, "weight", None)
+        E, H = op.num_experts, op.hidden
+        if w is None or w.is_meta or tuple(w.shape) != (E, H) or w.dtype != torch.float32:
+            raise Unsupported("router weight is not an fp32 [num_experts, hidden] tensor")
+        self.router_w = w.detach().contiguous()  # the kernel reads it in place
+        self.num_experts, self.hidden = E, H
+        self.top_k, self.norm = int(router.top_k), bool(router.norm_topk_prob)
+        if not 0 < self.top_k <= E:
+            raise Unsupported(f"top_k {self.top_k}")
+        extra = []
+        self.shared = self.shared_down = None
+        if "shared_experts" in mods:
+            raise Unsupported("shared_experts (DeepSeek-style block)")
+        sh = mods.get("shared_expert")
+        if sh is not None:
+            sgate = mods.get("shared_expert_gate")
+            if sgate is None or act not in GLU or not all(hasattr(sh, n) for n in ("gate_proj", "up_proj", "down_proj")):
+                raise Unsupported(f"shared expert {type(sh).__name__} without a gate / gated activation")
+            sg = _cpu_kernel(sgate)
+            if sg is not None:
+                if sg.bias is not None or int(sg.out_features) != 1:
+                    raise Unsupported("shared expert gate with a bias / more than one output")
+                extra = [sg.kernel]
+            else:  # a plain fp32 linear (not injected): its weight read in place
+                sw = getattr(sgate, "weight", None)
+                if (type(sgate) is not torch.nn.Linear or sgate.bias is not None or sw is None or sw.is_meta
+                        or tuple(sw.shape) != (1, H) or sw.dtype != torch.float32):
+                    raise Unsupported(f"shared expert gate {type(sgate).__name__}")
+                self.shared_gate_w = sw.detach().contiguous()
+                extra = [LinearKernel(op.pool, "llamafile", H, 1, self.shared_gate_w, "F32")]
+            self.shared = _Proj([sh.gate_proj, sh.up_proj], glu=GLU[act])
+            self.shared_down = _Proj([sh.down_proj])
+        self.router = _Proj([], kernels=[LinearKernel(op.pool, "llamafile", H, E, self.router_w, "F32")] + extra)
+        self.expert_bytes = int(op.kernel.packed_bytes) or sum(
+            int(a.numel() * a.element_size()) if isinstance(a, torch.Tensor) else int(a.nbytes)
+            for a in op._arrays.values())
+        self.expert_bytes //= E
+        self._op = op  # keeps the kernel (and its weights) alive
+        self._submit = op.kernel._m.submit
+        self._pool = op.pool._c
+        self.ids = torch.zeros(1, self.top_k, dtype=torch.int64)
+        self.weights = torch.zeros(1, self.top_k)
+        self.out = torch.empty(H)
+        self._ids_p, self._w_p, self._out_p = self.ids.data_ptr(), self.weights.data_ptr(), self.out.data_ptr()
+        from .. import cpuinfer_ext
+
+        self._route = cpuinfer_ext.decode_ops.moe_route
+
+    def route(self, h: torch.Tensor) -> torch.Tensor:
+        """Router logits of ``h`` (and the shared expert's gate logit last); fills ids / weights."""
+        logits = self.router(h)
+        self._route(logits.data_ptr(), self.num_experts, self.top_k, self.norm, self._ids_p, self._w_p)
+        return logits
+
+    def run_experts(self, h: torch.Tensor) -> torch.Tensor:
+        """The routed experts of ``h`` into ``out``.  Submitted to the pool's queue thread and
+        waited for (as the MoE block does) rather than run on the calling thread: on a loaded
+        machine the just-woken queue thread is scheduled promptly, the busy Python thread is not
+        (decode 2x slower on a 2-core box with other jobs, same speed when idle)."""
+        self._submit(self._pool, 1, self.top_k, h.data_ptr(), 0, self._ids_p, self._w_p, self._out_p, 0)  # 0: fp32
+        self._pool.sync()
+        return self.out
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.route(h)
+        out = self.run_experts(h)
+        if self.shared is not None:
+            s = self.shared_down(self.shared(h))
+            out.add_(s, alpha=1.0 / (1.0 + math.exp(-float(logits[self.num_experts]))))
         return out
 
 
@@ -132,14 +265,19 @@ class _Layer:
         mlp = layer.mlp
         act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
         self.gate_up = self.down = None
-        self.mlp_module = None
+        self.mlp_module = self.moe = None
         if all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")) and act in GLU:
             try:
                 self.gate_up = _Proj([mlp.gate_proj, mlp.up_proj], glu=GLU[act])
                 self.down = _Proj([mlp.down_proj])
             except Unsupported:
                 self.gate_up = self.down = None
-        if self.gate_up is None:
+        if self.gate_up is None and "experts" in mlp._modules:
+            try:
+                self.moe = _MoE(mlp, config, act)
+            except Unsupported as e:
+                log.debug("layer %d: MoE block called as a module: %s", idx, e)
+        if self.gate_up is None and self.moe is None:
             if not any(hasattr(mlp, n) for n in ("experts", "gate_proj")):
                 raise Unsupported(f"MLP {type(mlp).__name__}")
             self.mlp_module = mlp  # MoE block (or a dense MLP off the kernels): its own forward
@@ -163,6 +301,7 @@ class DecodeStep:
             raise Unsupported("model in training mode")
         self.config = config
         self.embed = backbone.embed_tokens
+        self.embed_rows = _embedding_rows(self.embed, int(config.hidden_size))
         self.rotary = backbone.rotary_emb
         self.layers = [_Layer(layer, i, config, gemma) for i, layer in enumerate(backbone.layers)]
         self.final_norm = _norm_weight(backbone.norm, gemma)
@@ -174,6 +313,7 @@ class DecodeStep:
         from .. import cpuinfer_ext
 
         self._ops = cpuinfer_ext.decode_ops
+        self._dequantize = cpuinfer_ext.dequantize
         self._lock = threading.Lock()
         width = max(lay.hq * lay.d for lay in self.layers)
         self.x, self.h, self.att = torch.empty(self.hidden), torch.empty(self.hidden), torch.empty(width)
@@ -228,6 +368,19 @@ class DecodeStep:
             cache.__dict__["_kt_lean_plan"] = plan
         return plan[1], plan[2]
 
+    def embed_into_x(self, token: int) -> torch.Tensor:
+        """The embedding of ``token``, in the step's ``x``."""
+        x, er = self.x, self.embed_rows
+        if er is not None and 0 <= token < er[0].shape[0]:
+            rows, tid, scale = er
+            self._dequantize(tid, rows.data_ptr() + token * rows.shape[1], self.hidden, self.x_ptr)
+            if scale is not None:
+                x.mul_(scale)
+        else:  # no row read in place (or an out-of-range id: the module raises its own error)
+            self._tok_t[0, 0] = token
+            x.copy_(self.embed(self._tok_t).reshape(-1))
+        return x
+
     def step(self, token: int, pos: int, cache) -> torch.Tensor | None:
         """Logits [1, vocab] of ``token`` at ``pos`` (the cache holds positions < pos), or None when
         this cache state is not one the step reproduces (the caller takes the generic forward).
@@ -245,10 +398,8 @@ class DecodeStep:
             cl, cap = plan[full][0], plan[full][4]
             if pos >= cap or int(cl.cumulative_length) != pos:
                 return None
-        self._tok_t[0, 0] = token
         self._pos_t[0, 0] = pos
-        x = self.x
-        x.copy_(self.embed(self._tok_t).reshape(-1))
+        x = self.embed_into_x(token)
         rope = {}
         for lt in self.layer_types:
             cos, sin = self.rotary(x, self._pos_t, lt) if self.gemma_rope else self.rotary(x, self._pos_t)
@@ -283,7 +434,9 @@ class DecodeStep:
                                   lay.pre_mlp_norm[2], lay.pre_mlp_norm[1], hp, H)
             else:
                 ops.residual_norm(xp, a.data_ptr(), 0, 0.0, lay.pre_mlp_norm[2], lay.pre_mlp_norm[1], hp, H)
-            if lay.mlp_module is None:
+            if lay.moe is not None:
+                m = lay.moe(h)
+            elif lay.mlp_module is None:
                 m = lay.down(lay.gate_up(h))
             else:
                 m = lay.mlp_module(h.view(1, 1, H))

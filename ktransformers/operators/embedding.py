@@ -72,6 +72,7 @@ class KEmbeddingQuant(EmbeddingOp):
             self.weight = weights.tensor(name, dtype=dtype, device=self.device)
             return
         info = raw.type
+        self.ggml_type = info  # the lean decode step dequantizes single rows of kernel types in C++
         self._block = (info.block_bytes, info.block_elems)
         self._dequant = block_dequantizer(info)
         with warnings.catch_warnings():  # the mapped file is read-only; the view is never written

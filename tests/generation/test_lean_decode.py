@@ -27,6 +27,7 @@ from ktransformers.generation import Generator, SamplingParams
 from ktransformers.operators.decode import DecodeStep, decode_step_for
 
 LEAN_ARCHS = ["llama", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe"]
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe")
 GEMMA = Path(__file__).resolve().parents[2] / ".cache" / "models" / "gemma-3-270m-q4_k_m.gguf"
 
 
@@ -53,6 +54,9 @@ def test_lean_step_equals_generic_forward(arch, tiny_model_dir, one_torch_thread
     model = load_model(d, model_path=d)
     step = DecodeStep.build(model)
     assert step is not None, f"{arch}: the lean decode step should serve this family"
+    if arch in MOE_ARCHS:  # the MoE blocks run in the step (router, experts, shared expert), not as modules
+        assert all(lay.moe is not None and lay.mlp_module is None for lay in step.layers)
+        assert (arch == "qwen2_moe") == (step.layers[0].moe.shared is not None)
     gen = Generator(model, _NoText())
     ids = _prompt()
     worst = 0.0
@@ -163,3 +167,54 @@ def test_gemma3_q4km_within_the_generic_paths_own_spread():
         top2 = r["sdpa"].topk(2).values
         if top2[0] - top2[1] > tol:
             assert int(r["lean"].argmax()) == int(r["sdpa"].argmax()), f"step {i}: a clear top-1 differs"
+
+
+@pytest.mark.parametrize("E,k,norm", [(128, 8, True), (128, 8, False), (60, 4, True), (8, 8, True), (16, 1, False)])
+def test_moe_route_matches_the_transformers_router(E, k, norm):
+    """decode_ops.moe_route against Qwen3MoeTopKRouter's softmax -> topk -> renormalise (torch):
+    same expert ids in the same order (random logits, no ties), weights within 2e-6 relative."""
+    from ktransformers import cpuinfer_ext
+
+    g = torch.Generator().manual_seed(E * 10 + k)
+    for _ in range(20):
+        logits = (3 * torch.randn(E, generator=g)).contiguous()
+        probs = torch.softmax(logits[None], dim=-1, dtype=torch.float)
+        want_w, want_ids = torch.topk(probs, k, dim=-1)
+        if norm:
+            want_w = want_w / want_w.sum(dim=-1, keepdim=True)
+        ids = torch.full((1, k), -1, dtype=torch.int64)
+        w = torch.zeros(1, k)
+        cpuinfer_ext.decode_ops.moe_route(logits.data_ptr(), E, k, norm, ids.data_ptr(), w.data_ptr())
+        assert ids.tolist() == want_ids.tolist()
+        assert torch.allclose(w, want_w, rtol=2e-6, atol=0)
+
+
+def test_moe_route_rejects_bad_arguments():
+    from ktransformers import cpuinfer_ext
+
+    logits, ids, w = torch.zeros(8), torch.zeros(1, 9, dtype=torch.int64), torch.zeros(1, 9)
+    with pytest.raises(ValueError, match="0 < k <= E"):
+        cpuinfer_ext.decode_ops.moe_route(logits.data_ptr(), 8, 9, True, ids.data_ptr(), w.data_ptr())
+    logits[:] = float("nan")
+    with pytest.raises(ValueError, match="not finite"):
+        cpuinfer_ext.decode_ops.moe_route(logits.data_ptr(), 8, 2, True, ids.data_ptr(), w.data_ptr())
+
+
+QWEN3MOE_Q4KM = GEMMA.parent / "bench-qwen3moe-4l-h2048-e128-v32768-llama-Q4_K_M.gguf"
+
+
+@pytest.mark.parametrize("path", [GEMMA, QWEN3MOE_Q4KM], ids=["gemma3-Q8_0-scaled", "qwen3moe-Q4_K"])
+def test_lean_embedding_row_equals_the_module(path):
+    """The step's C++ dequantize of one embedding row (times Gemma's embed_scale) against the
+    embedding module's torch block dequantizer: equal within 1e-6 x max|row| (measured: 0)."""
+    if not path.is_file():
+        pytest.skip(f"{path} not present (bench/e2e.py builds it)")
+    model = load_model(path)
+    step = DecodeStep.build(model)
+    assert step is not None and step.embed_rows is not None
+    vocab = step.embed_rows[0].shape[0]
+    with torch.inference_mode():
+        for tok in (0, 1, 777, vocab - 1):
+            want = model.model.embed_tokens(torch.tensor([[tok]])).reshape(-1).float()
+            got = step.embed_into_x(tok)
+            assert torch.allclose(got, want, rtol=0, atol=1e-6 * want.abs().max().item()), f"token {tok}"
