@@ -99,12 +99,12 @@ def main() -> None:
     for th in threads_l:
         bw[th] = max(K.cpu_infer(th).probe_read_bw(1 << 29, 3) for _ in range(2))
         print(f"probe {th} thread(s): DRAM read {bw[th]:.1f} GB/s")
-    print(f"{'shape':10s} {'type':7s} {'thr':>3s} {'T':>4s} {'kernel ms':>10s} {'torch ms':>9s} {'ratio':>6s} "
-          f"{'GB/s':>6s} {'%DRAM':>6s}  kernel")
     table = ext.kernel_rows()
     print(f"kernel table of tier {K.isa_tier()} (type: decode kernel / prefill kernel / activation format):")
     for t in args.types.split(","):
         print(f"  {t:8s} {' / '.join(table[t])}")
+    print(f"{'shape':10s} {'type':7s} {'thr':>3s} {'T':>4s} {'kernel ms':>10s} {'torch ms':>9s} {'ratio':>6s} "
+          f"{'GB/s':>6s} {'%DRAM':>6s}  kernel")
     for sk in args.shapes.split(","):
         N, Kin = SHAPES[sk]
         for t in args.types.split(","):

@@ -13,5 +13,6 @@ extern const uint32_t kIq3xxsGrid[256];  // 4 values each
 extern const uint32_t kIq3sGrid[512];
 extern const uint64_t kIq1sGrid[2048];   // 8 int8 values each in {-1, 0, 1} (IQ1_S and IQ1_M)
 extern const uint8_t kKsignsIq2xs[128];  // 7 stored sign bits -> 8 (bit 7 = parity)
+extern const uint64_t kKsignsIq2xsMask[128];  // the same as 8 bytes of -1 (bit set) / +1, for vpsignb
 
 }  // namespace kt

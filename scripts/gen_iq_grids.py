@@ -69,6 +69,13 @@ def render() -> str:
     for i in range(0, len(ks), 16):
         out.append("    " + ", ".join(f"{v}" for v in ks[i : i + 16]) + ",")
     out.append("};")
+    out.append("")
+    # the same table as sign-carrier bytes for vpsignb: byte j = -1 where bit j is set, else +1
+    masks = [sum((0xFF if (v >> j) & 1 else 0x01) << (8 * j) for j in range(8)) for v in ks]
+    out.append(f"alignas(64) const uint64_t kKsignsIq2xsMask[{len(masks)}] = {{")
+    for i in range(0, len(masks), 6):
+        out.append("    " + ", ".join(f"0x{w:016x}" for w in masks[i : i + 6]) + ",")
+    out.append("};")
     out += ["", "}  // namespace kt", ""]
     return "\n".join(out)
 
