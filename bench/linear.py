@@ -12,8 +12,9 @@ bandwidth that ``CPUInfer.probe_read_bw`` measures at start-up with the same thr
 
 Shapes (out x in, as the weight is stored): 640x2048 (Gemma-3-270M down), 2048x640 (gate/up),
 262144x640 (Gemma-3 lm_head / token_embd, Q8_0 in the Q4_K_M file) and 2048x768 (Qwen3 expert
-down).  Types: every llamafile type (random valid blocks; the K-quants and IQ4_XS need in % 256 == 0,
-so they skip 640-column shapes).  The last column names the kernel that served the row, from
+down), 2048x2048 (a square matrix for the per-type GB/s).  Types: every llamafile type (random
+valid blocks; the K-quants, IQ4_XS and the IQ1/IQ2/IQ3 grid types need in % 256 == 0, so they skip
+640-column shapes).  The last column names the kernel that served the row, from
 the tier's kernel table (``cpuinfer_ext.kernel_rows()``: decode kernel at T=1, else prefill).
 """
 
@@ -33,13 +34,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ktransformers.cpuinfer_ext as ext  # noqa: E402
 import ktransformers.kernels as K  # noqa: E402
 
-SHAPES = {"640x2048": (640, 2048), "2048x640": (2048, 640), "lm_head": (262144, 640), "2048x768": (2048, 768)}
+SHAPES = {"640x2048": (640, 2048), "2048x640": (2048, 640), "lm_head": (262144, 640), "2048x768": (2048, 768),
+          "2048x2048": (2048, 2048)}
 # (block elems, block bytes, byte offsets of fp16 scales)
 BLOCK = {"Q4_K": (256, 144, (0, 2)), "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,)),
          "Q8_0": (32, 34, (0,)), "Q4_0": (32, 18, (0,)), "Q4_1": (32, 20, (0, 2)), "Q5_0": (32, 22, (0,)),
          "Q5_1": (32, 24, (0, 2)), "IQ4_NL": (32, 18, (0,)), "IQ4_XS": (256, 136, (0,)),
          "Q2_K": (256, 84, (80, 82)), "Q3_K": (256, 110, (108,)), "F32": (1, 4, ()), "F16": (1, 2, ()),
-         "BF16": (1, 2, ())}
+         "BF16": (1, 2, ()),
+         # low-bit grid types of the 1.58/2.51-bit dynamic files (IQ1_M: see rand_weights)
+         "IQ1_S": (256, 50, (0,)), "IQ1_M": (256, 56, ()), "IQ2_XXS": (256, 66, (0,)), "IQ2_XS": (256, 74, (0,)),
+         "IQ2_S": (256, 82, (0,)), "IQ3_XXS": (256, 98, (0,)), "IQ3_S": (256, 110, (0,))}
 FLOAT = {"F32": np.float32, "F16": np.float16}
 
 
@@ -55,6 +60,12 @@ def rand_weights(t: str, rows: int, cols: int, rng: np.random.Generator) -> np.n
     d = np.full(nb, 2e-4, np.float16).view(np.uint8).reshape(nb, 2)
     for off in offs:
         raw[:, off:off + 2] = d
+    if t == "IQ1_M":  # its fp16 scale is the top nibbles of the four uint16 scale words
+        sc = raw[:, 48:56].copy().view(np.uint16) & 0x0FFF
+        bits = d.copy().view(np.uint16)[:, 0]
+        for j in range(4):
+            sc[:, j] |= ((bits >> (4 * j)) & 0xF) << 12
+        raw[:, 48:56] = sc.view(np.uint8)
     return raw.reshape(-1)
 
 
@@ -72,7 +83,8 @@ def median_ms(fn, n: int, warmup: int = 3) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"names ({', '.join(SHAPES)}) or OUTxIN")
-    ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q2_K,Q3_K,Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,IQ4_NL,IQ4_XS,F32,F16,BF16")
+    ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q2_K,Q3_K,Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,IQ4_NL,IQ4_XS,F32,F16,BF16,"
+                                       "IQ1_S,IQ1_M,IQ2_XXS,IQ2_XS,IQ2_S,IQ3_XXS,IQ3_S")
     ap.add_argument("--tokens", default="1,128")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--reps", type=int, default=20)
@@ -87,9 +99,12 @@ def main() -> None:
     for th in threads_l:
         bw[th] = max(K.cpu_infer(th).probe_read_bw(1 << 29, 3) for _ in range(2))
         print(f"probe {th} thread(s): DRAM read {bw[th]:.1f} GB/s")
+    table = ext.kernel_rows()
+    print(f"kernel table of tier {K.isa_tier()} (type: decode kernel / prefill kernel / activation format):")
+    for t in args.types.split(","):
+        print(f"  {t:8s} {' / '.join(table[t])}")
     print(f"{'shape':10s} {'type':7s} {'thr':>3s} {'T':>4s} {'kernel ms':>10s} {'torch ms':>9s} {'ratio':>6s} "
           f"{'GB/s':>6s} {'%DRAM':>6s}  kernel")
-    table = ext.kernel_rows()
     for sk in args.shapes.split(","):
         N, Kin = SHAPES[sk] if sk in SHAPES else map(int, sk.split("x"))  # or any "OUTxIN"
         for t in args.types.split(","):

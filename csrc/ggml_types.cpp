@@ -3,6 +3,7 @@
 #include <stdexcept>
 
 #include "ggml_blocks.h"
+#include "iq_grids.h"
 
 namespace kt {
 namespace {
@@ -31,6 +32,13 @@ struct TypeTable {
     t[GGML_IQ4_NL] = {"IQ4_NL", 32, 18, true};
     t[GGML_IQ4_XS] = {"IQ4_XS", 256, 136, true};
     t[GGML_MXFP4] = {"MXFP4", 32, 17, true};
+    t[GGML_IQ2_XXS] = {"IQ2_XXS", 256, 66, true};
+    t[GGML_IQ2_XS] = {"IQ2_XS", 256, 74, true};
+    t[GGML_IQ2_S] = {"IQ2_S", 256, 82, true};
+    t[GGML_IQ3_XXS] = {"IQ3_XXS", 256, 98, true};
+    t[GGML_IQ3_S] = {"IQ3_S", 256, 110, true};
+    t[GGML_IQ1_S] = {"IQ1_S", 256, 50, true};
+    t[GGML_IQ1_M] = {"IQ1_M", 256, 56, true};
   }
 };
 const TypeTable& table() {

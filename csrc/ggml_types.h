@@ -14,6 +14,9 @@ enum GgmlType : int {
   GGML_Q8_0 = 8, GGML_Q8_1 = 9, GGML_Q2_K = 10, GGML_Q3_K = 11, GGML_Q4_K = 12, GGML_Q5_K = 13,
   GGML_Q6_K = 14, GGML_Q8_K = 15, GGML_IQ4_NL = 20, GGML_IQ4_XS = 23, GGML_BF16 = 30,
   GGML_MXFP4 = 39,
+  // low-bit grid types (code books in iq_grids.h)
+  GGML_IQ2_XXS = 16, GGML_IQ2_XS = 17, GGML_IQ3_XXS = 18, GGML_IQ1_S = 19, GGML_IQ3_S = 21,
+  GGML_IQ2_S = 22, GGML_IQ1_M = 29,
 };
 constexpr int kMaxGgmlType = 40;
 

@@ -37,8 +37,9 @@ up_type, down_type, activation="silu", alpha=1.702, limit=7.0, gate_bias=None, u
     stacked GGUF layout: either raw bytes (numpy/torch ``uint8``, any shape, exactly
     ``E*rows*row_bytes(type, cols)`` bytes, C-contiguous) or, for F32/F16/BF16, float tensors of
     that shape.  Types: F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL
-    IQ4_XS MXFP4 (name, ``gguf.GGMLQuantizationType`` or id).  Row lengths must be multiples of the
-    type's block (32, or 256 for K-quants/IQ4_XS), else ``ValueError`` naming the projection and
+    IQ4_XS MXFP4 IQ1_S IQ1_M IQ2_XXS IQ2_XS IQ2_S IQ3_XXS IQ3_S (name, ``gguf.GGMLQuantizationType``
+    or id).  Row lengths must be multiples of the type's block (32, or 256 for K-quants, IQ4_XS and
+    the IQ1/IQ2/IQ3 types), else ``ValueError`` naming the projection and
     shape.  ``activation``: ``"silu"`` | ``"gelu_tanh"`` | ``"clamp_swiglu"`` (gpt-oss:
     ``(clamp(up,±limit)+1) * g*sigmoid(alpha*g)``, ``g = min(gate, limit)``).  Optional per-expert
     fp32 biases (gpt-oss) ``gate_bias``/``up_bias [E, I]`` (added before the activation) and

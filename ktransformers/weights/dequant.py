@@ -232,6 +232,172 @@ def _deq_iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
     return (dl * kv[idx]).reshape(n, QK_K)
 
 
+# ------------------------------------------------------------------------ low-bit IQ (grid) types
+# Weights are indices into llama.cpp's E8-lattice code books (8 or 4 values per index) with
+# separate sign bits.  The code books are gguf-py's (decoded from its tables at first use), so
+# the values cannot drift from the reference.
+
+_IQ_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+def iq_grid(name: str) -> np.ndarray:
+    """gguf-py's code book of IQ type ``name`` as float32 ``[entries, values per entry]``."""
+    import gguf.quants
+
+    cls = getattr(gguf.quants, name)
+    cls.init_grid()
+    return np.asarray(cls.grid, dtype=np.float32).reshape(cls.grid_shape)
+
+
+def iq_ksigns() -> np.ndarray:
+    """gguf-py's ``ksigns`` table: 7 stored sign bits -> 8 sign bits (even parity)."""
+    import gguf.quants
+
+    return np.frombuffer(gguf.quants.IQ2_XXS.ksigns, dtype=np.uint8).copy()
+
+
+def _iq_table(name: str, device: torch.device) -> torch.Tensor:
+    key = (name, str(device))
+    t = _IQ_TABLES.get(key)
+    if t is None:
+        arr = iq_ksigns().astype(np.int64) if name == "ksigns" else iq_grid(name)
+        t = torch.from_numpy(arr).to(device)
+        _IQ_TABLES[key] = t
+    return t
+
+
+def _uint_le(x: torch.Tensor, width: int) -> torch.Tensor:
+    """Little-endian ``width``-byte unsigned fields of ``x`` (uint8 ``[n, width*k]``) as int64 ``[n, k]``
+    (assembled from the bytes: a slice of a chunk need not be aligned for a dtype view)."""
+    b = x.to(torch.int64).reshape(x.shape[0], -1, width)
+    v = b[..., 0]
+    for j in range(1, width):
+        v = v | (b[..., j] << (8 * j))
+    return v
+
+
+def _u16(x: torch.Tensor) -> torch.Tensor:
+    return _uint_le(x, 2)
+
+
+def _u32(x: torch.Tensor) -> torch.Tensor:
+    return _uint_le(x, 4)
+
+
+def _sign_bits(s: torch.Tensor) -> torch.Tensor:
+    """Sign bytes -> float32 +-1 per bit (bit j set: element j negative), a new last dim of 8."""
+    bits = _shr(s.to(torch.int64).unsqueeze(-1), tuple(range(8)), (1,) * s.dim() + (8,)) & 1
+    return torch.where(bits == 0, 1.0, -1.0).to(torch.float32)
+
+
+def _ksigns(idx: torch.Tensor) -> torch.Tensor:
+    """7-bit sign indices -> float32 +-1 ``[..., 8]`` through ``ksigns``."""
+    return _sign_bits(_iq_table("ksigns", idx.device)[idx])
+
+
+def _nibble_pairs(x: torch.Tensor) -> torch.Tensor:
+    """Bytes ``[n, k]`` -> their low and high nibbles ``[n, 2k]`` (low first)."""
+    n = x.shape[0]
+    return (_shr(x.to(torch.int64).reshape(n, -1, 1), (0, 4), (1, 1, 2)) & 0x0F).reshape(n, -1)
+
+
+def _deq_iq2_xxs(blocks: torch.Tensor) -> torch.Tensor:
+    """d | 8 x (4 grid bytes, uint32 of 4 x 7 sign bits + 4-bit scale)."""
+    n = blocks.shape[0]
+    d = _f16(blocks, 0)
+    qs = _u32(blocks[:, 2:66]).reshape(n, 8, 2)
+    db = (d * (0.5 + (qs[..., 1] >> 28).to(torch.float32)) * 0.25).reshape(n, 8, 1, 1)
+    signs = _ksigns(_shr(qs[..., 1:2], (0, 7, 14, 21), (1, 1, 4)) & 0x7F)
+    grid = _iq_table("IQ2_XXS", blocks.device)[blocks[:, 2:66].reshape(n, 8, 8)[..., :4].to(torch.int64)]
+    return (db * grid * signs).reshape(n, QK_K)
+
+
+def _iq2_scales(sc: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """IQ2_XS / IQ2_S: 8 bytes of two 4-bit scales -> d * (0.5 + s) * 0.25 per 16 elements ``[n, 16, 1, 1]``."""
+    n = sc.shape[0]
+    return (d * (0.5 + _nibble_pairs(sc).to(torch.float32)) * 0.25).reshape(n, 16, 1, 1)
+
+
+def _deq_iq2_xs(blocks: torch.Tensor) -> torch.Tensor:
+    """d | 32 x uint16 (9-bit grid index, 7 sign bits) | 8 scale bytes."""
+    n = blocks.shape[0]
+    d = _f16(blocks, 0)
+    qs = _u16(blocks[:, 2:66])
+    db = _iq2_scales(blocks[:, 66:74], d)
+    signs = _ksigns(qs >> 9).reshape(n, 16, 2, 8)
+    grid = _iq_table("IQ2_XS", blocks.device)[qs & 511].reshape(n, 16, 2, 8)
+    return (db * grid * signs).reshape(n, QK_K)
+
+
+def _deq_iq2_s(blocks: torch.Tensor) -> torch.Tensor:
+    """d | 32 grid low bytes | 32 sign bytes | 8 qh (2 high index bits each) | 8 scale bytes."""
+    n = blocks.shape[0]
+    d = _f16(blocks, 0)
+    db = _iq2_scales(blocks[:, 74:82], d)
+    signs = _sign_bits(blocks[:, 34:66]).reshape(n, 16, 2, 8)
+    qh = (_shr(blocks[:, 66:74].to(torch.int64).reshape(n, 8, 1), (0, 2, 4, 6), (1, 1, 4)) & 3).reshape(n, 32)
+    idx = blocks[:, 2:34].to(torch.int64) | (qh << 8)
+    grid = _iq_table("IQ2_S", blocks.device)[idx].reshape(n, 16, 2, 8)
+    return (db * grid * signs).reshape(n, QK_K)
+
+
+def _deq_iq3_xxs(blocks: torch.Tensor) -> torch.Tensor:
+    """d | 64 grid bytes (4 values each) | 8 x uint32 (4 x 7 sign bits + 4-bit scale)."""
+    n = blocks.shape[0]
+    d = _f16(blocks, 0)
+    sc = _u32(blocks[:, 66:98])
+    db = (d * (0.5 + (sc >> 28).to(torch.float32)) * 0.5).reshape(n, 8, 1, 1)
+    signs = _ksigns(_shr(sc.unsqueeze(-1), (0, 7, 14, 21), (1, 1, 4)) & 0x7F)
+    grid = _iq_table("IQ3_XXS", blocks.device)[blocks[:, 2:66].to(torch.int64)].reshape(n, 8, 4, 8)
+    return (db * grid * signs).reshape(n, QK_K)
+
+
+def _deq_iq3_s(blocks: torch.Tensor) -> torch.Tensor:
+    """d | 64 grid low bytes | 8 qh (1 high index bit each) | 32 sign bytes | 4 scale bytes."""
+    n = blocks.shape[0]
+    d = _f16(blocks, 0)
+    db = (d * (1 + 2 * _nibble_pairs(blocks[:, 106:110])).to(torch.float32)).reshape(n, 8, 1, 1)
+    signs = _sign_bits(blocks[:, 74:106]).reshape(n, 8, 4, 8)
+    qh = (_shr(blocks[:, 66:74].to(torch.int64).reshape(n, 8, 1), tuple(range(8)), (1, 1, 8)) & 1).reshape(n, 64)
+    idx = blocks[:, 2:66].to(torch.int64) | (qh << 8)
+    grid = _iq_table("IQ3_S", blocks.device)[idx].reshape(n, 8, 4, 8)
+    return (db * grid * signs).reshape(n, QK_K)
+
+
+#: IQ1_S / IQ1_M: the shift of every code book value (llama.cpp ``IQ1S_DELTA``), sign from a bit
+IQ1_DELTA = 0.125
+
+
+def _deq_iq1_s(blocks: torch.Tensor) -> torch.Tensor:
+    """d | 32 grid low bytes | 8 x uint16 (4 x 3 high index bits, 3-bit scale, delta sign)."""
+    n = blocks.shape[0]
+    d = _f16(blocks, 0)
+    qh = _u16(blocks[:, 34:50])
+    dl = (d * (2 * ((qh >> 12) & 7) + 1).to(torch.float32)).reshape(n, 8, 1, 1)
+    delta = torch.where((qh & 0x8000) == 0, IQ1_DELTA, -IQ1_DELTA).to(torch.float32).reshape(n, 8, 1, 1)
+    hi = _shr(qh.unsqueeze(-1), (0, 3, 6, 9), (1, 1, 4)) & 7
+    idx = blocks[:, 2:34].to(torch.int64).reshape(n, 8, 4) | (hi << 8)
+    grid = _iq_table("IQ1_S", blocks.device)[idx]
+    return (dl * (grid + delta)).reshape(n, QK_K)
+
+
+def _deq_iq1_m(blocks: torch.Tensor) -> torch.Tensor:
+    """32 grid low bytes | 16 qh (per 8: 3 high index bits + delta sign) | 4 x uint16 (3-bit
+    scales per 16 elements; the fp16 block scale in their top nibbles)."""
+    n = blocks.shape[0]
+    sc = _u16(blocks[:, 48:56])
+    dbits = _shr(sc & 0xF000, (12, 8, 4, 0), (1, 4))
+    dbits = dbits[:, 0] | dbits[:, 1] | dbits[:, 2] | dbits[:, 3]
+    d = torch.where(dbits >= 0x8000, dbits - 0x10000, dbits).to(torch.int16).view(torch.float16).to(torch.float32)
+    s = (_shr(sc.reshape(n, 4, 1), (0, 3, 6, 9), (1, 1, 4)) & 7).reshape(n, 16)
+    dl = (d.reshape(n, 1) * (2 * s + 1).to(torch.float32)).reshape(n, 8, 2, 1, 1)
+    qh = _nibble_pairs(blocks[:, 32:48])
+    idx = blocks[:, 0:32].to(torch.int64) | ((qh & 7) << 8)
+    delta = torch.where((qh & 8) == 0, IQ1_DELTA, -IQ1_DELTA).to(torch.float32).reshape(n, 8, 2, 2, 1)
+    grid = _iq_table("IQ1_S", blocks.device)[idx].reshape(n, 8, 2, 2, 8)
+    return (dl * (grid + delta)).reshape(n, QK_K)
+
+
 # ------------------------------------------------------------------------------------ dispatch
 
 #: values dequantized per step by :func:`dequantize`: small enough that the temporaries of one
@@ -249,6 +415,8 @@ TORCH_DEQUANTIZERS = {
     "Q5_0": _deq_q5_0, "Q5_1": _deq_q5_1, "Q8_0": _deq_q8_0, "Q2_K": _deq_q2_k, "Q3_K": _deq_q3_k,
     "Q4_K": _deq_q4_k, "Q5_K": _deq_q5_k, "Q6_K": _deq_q6_k, "IQ4_NL": _deq_iq4_nl, "IQ4_XS": _deq_iq4_xs,
     "MXFP4": _deq_mxfp4,
+    "IQ1_S": _deq_iq1_s, "IQ1_M": _deq_iq1_m, "IQ2_XXS": _deq_iq2_xxs, "IQ2_XS": _deq_iq2_xs,
+    "IQ2_S": _deq_iq2_s, "IQ3_XXS": _deq_iq3_xxs, "IQ3_S": _deq_iq3_s,
     "I8": _plain(torch.int8), "I16": _plain(torch.int16), "I32": _plain(torch.int32),
     "I64": _plain(torch.int64), "F64": _plain(torch.float64),
 }

@@ -85,17 +85,17 @@ def test_shape_and_zero_copy_f32():
 
 
 def test_fallback_type_warns_once_and_matches():
-    # IQ2_XXS has no torch dequantizer here: gguf-py's numpy one is used with a one-time warning
+    # TQ2_0 has no torch dequantizer here: gguf-py's numpy one is used with a one-time warning
     rng = np.random.default_rng(3)
     blocks = rng.integers(0, 256, size=(8, 66), dtype=np.uint8)
-    blocks[:, 0:2] = np.full(8, 0.01, np.float16).view(np.uint8).reshape(8, 2)
-    dq._warned_fallback.discard("IQ2_XXS")
+    blocks[:, 64:66] = np.full(8, 0.01, np.float16).view(np.uint8).reshape(8, 2)
+    dq._warned_fallback.discard("TQ2_0")
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        a = dq.dequantize(blocks.reshape(-1), "IQ2_XXS", chunk_blocks=3)
-        dq.dequantize(blocks.reshape(-1), "IQ2_XXS")
-    assert sum("IQ2_XXS" in str(x.message) for x in w) == 1
-    ref = gguf.quants.dequantize(blocks.reshape(-1), gguf.GGMLQuantizationType.IQ2_XXS)
+        a = dq.dequantize(blocks.reshape(-1), "TQ2_0", chunk_blocks=3)
+        dq.dequantize(blocks.reshape(-1), "TQ2_0")
+    assert sum("TQ2_0" in str(x.message) for x in w) == 1
+    ref = gguf.quants.dequantize(blocks.reshape(-1), gguf.GGMLQuantizationType.TQ2_0)
     np.testing.assert_array_equal(a.numpy(), ref.reshape(-1))
 
 
