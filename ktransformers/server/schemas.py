@@ -10,8 +10,32 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
-#: the seeds a torch.Generator takes (OpenAI's and Ollama's are 64-bit too)
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+#: a sampling seed: any integer; the engine reduces it modulo 2**64, the seeds a torch.Generator
+#: takes (OpenAI's and Ollama's are 64-bit), so every 64-bit seed keeps its meaning
+Seed = int
+
+#: placeholder in the JSON Schema of a token id; :func:`document_model_limits` puts the model's
+#: vocabulary in its place when the app builds its OpenAPI document (the check is the engine's)
+_VOCABULARY = "x-kt-vocabulary"
+TokenId = Annotated[int, Field(json_schema_extra={"minimum": 0, _VOCABULARY: True})]
+#: placeholder of a prompt text: ``minLength: 1`` where the tokenizer makes no token of ''
+_PROMPT_TEXT = "x-kt-prompt-text"
+PromptText = Annotated[str, Field(json_schema_extra={_PROMPT_TEXT: True})]
+
+
+def document_model_limits(schema: Any, *, vocab_size: int, empty_prompt_has_tokens: bool) -> Any:
+    """The OpenAPI document with this model's limits in place of the placeholders (in place)."""
+    if isinstance(schema, dict):
+        if schema.pop(_VOCABULARY, False):
+            schema["maximum"] = vocab_size - 1
+        if schema.pop(_PROMPT_TEXT, False) and not empty_prompt_has_tokens:
+            schema["minLength"] = 1
+        for v in schema.values():
+            document_model_limits(v, vocab_size=vocab_size, empty_prompt_has_tokens=empty_prompt_has_tokens)
+    elif isinstance(schema, list):
+        for v in schema:
+            document_model_limits(v, vocab_size=vocab_size, empty_prompt_has_tokens=empty_prompt_has_tokens)
+    return schema
 
 
 def lone_surrogate(value: Any, path: str = "") -> str | None:
@@ -38,6 +62,60 @@ def lone_surrogate(value: Any, path: str = "") -> str | None:
     return None
 
 
+# ---- JSON Schemas of shapes the routes check by hand (so their errors name the item) ------
+# The OpenAPI document states exactly what the checks accept; the schemathesis run in the tests
+# holds the two together (a valid body is answered, an invalid one gets a 400).
+
+_TEXT_KINDS = ["text", "input_text", "output_text"]
+#: a text part as ``content_text`` reads it (``text`` may be the Assistants shape ``{"value": ...}``);
+#: other parts (images) are refused: the models here take text only
+TEXT_PART_SCHEMA = {"type": "object", "properties": {
+    "type": {"enum": _TEXT_KINDS},
+    "text": {"anyOf": [{"type": "string"}, {"type": "null"},
+                       {"type": "object", "properties": {"value": {"type": "string"}}}]}}}
+#: message content of the chat routes: a string, or parts (strings or text parts)
+CHAT_CONTENT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "null"},
+                                 {"type": "array", "items": {"anyOf": [{"type": "string"}, TEXT_PART_SCHEMA]}}]}
+#: content of an Assistants thread message: a string or text parts
+THREAD_CONTENT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART_SCHEMA}]}
+#: content of Responses input items: a string or text-part objects
+ITEM_CONTENT_SCHEMA = {"anyOf": [
+    {"type": "string"}, {"type": "null"},
+    {"type": "array", "items": {"type": "object", "properties": {
+        "type": {"enum": _TEXT_KINDS}, "text": {"type": "string"}}}}]}
+#: a Responses tool: only function tools run here
+FUNCTION_TOOL_SCHEMA = {"type": "object", "required": ["type", "name"], "properties": {
+    "type": {"const": "function"}, "name": {"type": "string", "minLength": 1}}}
+#: one Responses / Conversations input item (``normalize_items`` checks it)
+INPUT_ITEM_SCHEMA = {"anyOf": [
+    {"type": "object", "required": ["role"], "properties": {
+        "type": {"enum": ["message", "", None]},
+        "role": {"enum": ["user", "assistant", "system", "developer"]}, "content": ITEM_CONTENT_SCHEMA}},
+    {"type": "object", "required": ["type", "call_id", "name", "arguments"], "properties": {
+        "type": {"const": "function_call"}, "call_id": {"type": "string"}, "name": {"type": "string"},
+        "arguments": {"type": "string"}}},
+    {"type": "object", "required": ["type", "call_id"], "properties": {
+        "type": {"const": "function_call_output"}, "call_id": {"type": "string"}, "output": ITEM_CONTENT_SCHEMA}},
+    {"type": "object", "required": ["type"], "properties": {
+        "type": {"const": "reasoning"}, "summary": {"type": ["array", "null"]},
+        "content": {"type": ["array", "null"]}}}]}
+
+
+_I64 = 2**63
+
+
+def exact_integers(value: Any) -> Any:
+    """``value`` with integral floats beyond 64 bits as the integers they are (``1.8e19`` is the
+    integer JSON Schema sees; pydantic reads a float into an integer field only within 64 bits)."""
+    if isinstance(value, float) and abs(value) >= _I64 and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: exact_integers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [exact_integers(v) for v in value]
+    return value
+
+
 class _Checked(BaseModel):
     """Request bodies: no NaN/Infinity numbers, and text that is valid Unicode."""
 
@@ -47,7 +125,7 @@ class _Checked(BaseModel):
         bad = lone_surrogate(data)
         if bad:
             raise ValueError(f"{bad} is not valid Unicode")
-        return data
+        return exact_integers(data)
 
 
 class _Req(_Checked):
@@ -73,7 +151,7 @@ class ToolCall(_Open):
 
 class ChatMessage(_Open):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[dict[str, Any] | str] | None = None
+    content: str | list[dict[str, Any] | str] | None = Field(None, json_schema_extra=CHAT_CONTENT_SCHEMA)
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -94,12 +172,13 @@ class StreamOptions(_Req):
     include_usage: bool = False
 
 
-StopType = str | list[str] | None
+MAX_STOP = 16
+StopType = str | Annotated[list[str], Field(json_schema_extra={"maxItems": MAX_STOP})] | None
 
 
 def _check_stop(v):
-    if isinstance(v, list) and len(v) > 16:
-        raise ValueError("at most 16 stop sequences")
+    if isinstance(v, list) and len(v) > MAX_STOP:
+        raise ValueError(f"at most {MAX_STOP} stop sequences")
     return v
 
 
@@ -108,7 +187,7 @@ class SamplingFields(_Req):
     top_p: float | None = Field(None, ge=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)  # extension
     max_tokens: int | None = Field(None, ge=1)
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    seed: Seed | None = None
     stop: StopType = None
     repetition_penalty: float | None = Field(None, gt=0.0)  # extension
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)  # accepted, not applied
@@ -131,7 +210,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    logprobs: bool | None = None
+    logprobs: bool | None = Field(None, json_schema_extra={"enum": [False, None]})  # true gets its own 400
     response_format: dict[str, Any] | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # variables for the chat template (vLLM's name)
@@ -146,13 +225,16 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     model: str | None = None
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: (PromptText | Annotated[list[PromptText], Field(json_schema_extra={"minItems": 1})]
+             | Annotated[list[TokenId], Field(json_schema_extra={"minItems": 1})]
+             | Annotated[list[Annotated[list[TokenId], Field(json_schema_extra={"minItems": 1})]],
+                         Field(json_schema_extra={"minItems": 1})])
     suffix: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = Field(None, ge=1)
+    logprobs: int | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 0})  # > 0 gets its own 400
+    best_of: int | None = Field(None, ge=1, json_schema_extra={"maximum": 1})  # > 1 gets its own 400
 
     @field_validator("prompt")
     @classmethod
@@ -235,7 +317,7 @@ class OllamaOptions(_Req):
     top_k: int | None = Field(None, ge=0)
     num_predict: int | None = None  # -1: until the context is full, -2: fill the context
     stop: StopType = None
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    seed: Seed | None = None
     repeat_penalty: float | None = Field(None, gt=0.0)
     num_ctx: int | None = None  # accepted; the context is fixed at server start (--cache_lens)
 
@@ -258,7 +340,7 @@ class OllamaGenerateRequest(_Req):
     suffix: str | None = None
     system: str | None = None
     template: str | None = None
-    context: list[int] | None = None
+    context: list[TokenId] | None = None
     stream: bool = True
     raw: bool = False
     format: str | dict[str, Any] | None = None
@@ -280,6 +362,9 @@ class OllamaChatRequest(_Req):
 
 
 class OllamaShowRequest(_Req):
+    model_config = ConfigDict(json_schema_extra={"anyOf": [  # the model's name, as 'model' or 'name'
+        {"required": ["model"], "properties": {"model": {"type": "string", "minLength": 1}}},
+        {"required": ["name"], "properties": {"name": {"type": "string", "minLength": 1}}}]})
     model: str | None = None
     name: str | None = None  # older clients
     verbose: bool = False
@@ -322,7 +407,7 @@ class AssistantModify(_Req):
 
 class MessageCreate(_Req):
     role: Literal["user", "assistant"]
-    content: str | list[dict[str, Any]]
+    content: str | list[dict[str, Any]] = Field(json_schema_extra=THREAD_CONTENT_SCHEMA)
     attachments: list[dict[str, Any]] | None = None
     metadata: Metadata = None
 

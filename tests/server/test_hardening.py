@@ -142,14 +142,25 @@ def test_assistants_run_with_tiny_temperature_completes(http):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_seed_beyond_64_bits(http, stream):
-    r = http.post(CHAT, json={"messages": HI, "seed": 18446744073709551616, "stream": stream, "temperature": 1})
-    err = _openai_400(r, "seed")
-    assert err["param"] == "seed"
-    r = http.post("/api/generate", json={"model": MODEL_NAME, "prompt": "x", "options": {"seed": 2**64}})
-    assert r.status_code == 400 and "seed" in r.json()["error"]
-    r = http.post(CHAT, json={"messages": HI, "seed": 2**64 - 1, "temperature": 1, "max_tokens": 2})
-    assert r.status_code == 200
+def test_seed_beyond_64_bits_is_taken_modulo_2_64(http, stream):
+    def text(seed, path=CHAT):
+        if path == CHAT:
+            r = http.post(CHAT, json={"messages": HI, "seed": seed, "stream": stream, "temperature": 1.5,
+                                      "max_tokens": 6})
+        else:
+            r = http.post(path, json={"model": MODEL_NAME, "prompt": "x", "stream": stream,
+                                      "options": {"seed": seed, "temperature": 1.5, "num_predict": 6}})
+        assert r.status_code == 200, r.text
+        assert "error" not in r.text, r.text  # a stream has no error event either
+        return r.text.replace(r.text.split('"created"')[0], "") if stream else (
+            r.json()["choices"][0]["message"]["content"] if path == CHAT else r.json()["response"])
+
+    if not stream:  # the same draws as the seed it is congruent to, whatever its size or sign
+        assert text(18446744073709551616 + 7) == text(7) and text(-1) == text(2**64 - 1)
+        assert text(2**64 + 3, "/api/generate") == text(3, "/api/generate")
+    else:
+        text(18446744073709551616)
+        text(2**70, "/api/generate")
 
 
 @pytest.mark.parametrize("path, raw", [
