@@ -32,7 +32,7 @@ from .errors import STREAMS_SSE, APIError, UnknownCursor
 from .prompting import ChatPrompt, content_text
 from .responses_store import (ConversationRow, ResponseRow, add_conversation_items, conversation_items,
                               create_tables, expire_unfinished_responses, response_chain_items)
-from .schemas import FUNCTION_TOOL_SCHEMA, INPUT_ITEM_SCHEMA, Metadata, Seed, StopType, _check_stop, _Req
+from .schemas import FUNCTION_TOOL_SCHEMA, INPUT_ITEM_SCHEMA, Metadata, ModelName, Seed, StopType, _check_stop, _Req
 
 router = APIRouter()
 log = logging.getLogger("ktransformers.server")
@@ -51,7 +51,7 @@ class ResponseCreate(_Req):
          "then": {"properties": {"store": {"const": True}, "stream": {"const": False}}}},
         {"if": {"required": ["tool_choice"], "properties": {"tool_choice": {"const": "required"}}},
          "then": {"required": ["tools"], "properties": {"tools": {"minItems": 1}}}}]})
-    model: str | None = None
+    model: ModelName | None = None
     #: a string or a list of items; checked by normalize_items so the error names the item
     input: Any = Field(None, json_schema_extra={"anyOf": [{"type": "string"}, {"type": "null"},
                                                           {"type": "array", "items": INPUT_ITEM_SCHEMA}]})

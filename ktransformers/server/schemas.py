@@ -18,23 +18,38 @@ Seed = int
 #: vocabulary in its place when the app builds its OpenAPI document (the check is the engine's)
 _VOCABULARY = "x-kt-vocabulary"
 TokenId = Annotated[int, Field(json_schema_extra={"minimum": 0, _VOCABULARY: True})]
+#: placeholder of a model name: the names the server answers to (``check_model``); an OpenAI
+#: request may also leave it empty (the served model)
+_MODEL = "x-kt-model"
+ModelName = Annotated[str, Field(json_schema_extra={_MODEL: "openai"})]
+OllamaModelName = Annotated[str, Field(json_schema_extra={_MODEL: "ollama"})]
 #: placeholder of a prompt text: ``minLength: 1`` where the tokenizer makes no token of ''
 _PROMPT_TEXT = "x-kt-prompt-text"
 PromptText = Annotated[str, Field(json_schema_extra={_PROMPT_TEXT: True})]
 
 
-def document_model_limits(schema: Any, *, vocab_size: int, empty_prompt_has_tokens: bool) -> Any:
+def document_model_limits(schema: Any, *, model_name: str, vocab_size: int, empty_prompt_has_tokens: bool) -> Any:
     """The OpenAPI document with this model's limits in place of the placeholders (in place)."""
-    if isinstance(schema, dict):
-        if schema.pop(_VOCABULARY, False):
-            schema["maximum"] = vocab_size - 1
-        if schema.pop(_PROMPT_TEXT, False) and not empty_prompt_has_tokens:
-            schema["minLength"] = 1
-        for v in schema.values():
-            document_model_limits(v, vocab_size=vocab_size, empty_prompt_has_tokens=empty_prompt_has_tokens)
-    elif isinstance(schema, list):
-        for v in schema:
-            document_model_limits(v, vocab_size=vocab_size, empty_prompt_has_tokens=empty_prompt_has_tokens)
+    base = model_name.removesuffix(":latest")
+    names = {"ollama": sorted({model_name, base, f"{base}:latest"})}
+    names["openai"] = names["ollama"] + [""]
+
+    def fill(node):
+        if isinstance(node, dict):
+            if node.pop(_VOCABULARY, False):
+                node["maximum"] = vocab_size - 1
+            if node.pop(_PROMPT_TEXT, False) and not empty_prompt_has_tokens:
+                node["minLength"] = 1
+            family = node.pop(_MODEL, None)
+            if family:
+                node["enum"] = names[family]
+            for v in node.values():
+                fill(v)
+        elif isinstance(node, list):
+            for v in node:
+                fill(v)
+
+    fill(schema)
     return schema
 
 
@@ -202,7 +217,7 @@ class SamplingFields(_Req):
 
 
 class ChatCompletionRequest(SamplingFields):
-    model: str | None = None
+    model: ModelName | None = None
     messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -224,7 +239,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    model: str | None = None
+    model: ModelName | None = None
     prompt: (PromptText | Annotated[list[PromptText], Field(json_schema_extra={"minItems": 1})]
              | Annotated[list[TokenId], Field(json_schema_extra={"minItems": 1})]
              | Annotated[list[Annotated[list[TokenId], Field(json_schema_extra={"minItems": 1})]],
@@ -315,7 +330,8 @@ class OllamaOptions(_Req):
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, ge=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
-    num_predict: int | None = None  # -1: until the context is full, -2: fill the context
+    num_predict: int | None = Field(None, json_schema_extra={"anyOf": [  # -1: until the context is full, -2: fill it
+        {"type": "integer", "minimum": 1}, {"enum": [-1, -2]}, {"type": "null"}]})
     stop: StopType = None
     seed: Seed | None = None
     repeat_penalty: float | None = Field(None, gt=0.0)
@@ -330,12 +346,12 @@ class OllamaOptions(_Req):
 class OllamaMessage(_Open):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | None = ""
-    images: list[str] | None = None
+    images: list[str] | None = Field(None, json_schema_extra={"maxItems": 0})  # text-only models: a 400
     tool_calls: list[dict[str, Any]] | None = None
 
 
 class OllamaGenerateRequest(_Req):
-    model: str = Field(json_schema_extra={"minLength": 1})
+    model: OllamaModelName
     prompt: str | None = ""
     suffix: str | None = None
     system: str | None = None
@@ -344,27 +360,27 @@ class OllamaGenerateRequest(_Req):
     stream: bool = True
     raw: bool = False
     format: str | dict[str, Any] | None = None
-    images: list[str] | None = None
+    images: list[str] | None = Field(None, json_schema_extra={"maxItems": 0})  # text-only models: a 400
     options: OllamaOptions | None = None
     keep_alive: str | int | float | None = None
-    think: bool | str | None = None
+    think: bool | Literal["low", "medium", "high"] | None = None
 
 
 class OllamaChatRequest(_Req):
-    model: str = Field(json_schema_extra={"minLength": 1})
+    model: OllamaModelName
     messages: list[OllamaMessage] = Field(default_factory=list)
     tools: list[Tool] | None = None
     stream: bool = True
     format: str | dict[str, Any] | None = None
     options: OllamaOptions | None = None
     keep_alive: str | int | float | None = None
-    think: bool | str | None = None
+    think: bool | Literal["low", "medium", "high"] | None = None
 
 
 class OllamaShowRequest(_Req):
     model_config = ConfigDict(json_schema_extra={"anyOf": [  # the model's name, as 'model' or 'name'
-        {"required": ["model"], "properties": {"model": {"type": "string", "minLength": 1}}},
-        {"required": ["name"], "properties": {"name": {"type": "string", "minLength": 1}}}]})
+        {"required": ["model"], "properties": {"model": {"type": "string", _MODEL: "ollama"}}},
+        {"required": ["name"], "properties": {"name": {"type": "string", _MODEL: "ollama"}}}]})
     model: str | None = None
     name: str | None = None  # older clients
     verbose: bool = False
@@ -380,7 +396,7 @@ Metadata = Annotated[dict[Annotated[str, StringConstraints(max_length=META_KEY_C
 
 
 class AssistantCreate(_Req):
-    model: str | None = None
+    model: ModelName | None = None
     name: str | None = Field(None, max_length=256)
     description: str | None = Field(None, max_length=512)
     instructions: str | None = Field(None, max_length=256_000)
@@ -393,7 +409,7 @@ class AssistantCreate(_Req):
 
 
 class AssistantModify(_Req):
-    model: str | None = None
+    model: ModelName | None = None
     name: str | None = Field(None, max_length=256)
     description: str | None = Field(None, max_length=512)
     instructions: str | None = Field(None, max_length=256_000)
@@ -425,7 +441,7 @@ class MetadataModify(_Req):
 
 class RunCreate(_Req):
     assistant_id: str
-    model: str | None = None
+    model: ModelName | None = None
     instructions: str | None = None
     additional_instructions: str | None = None
     additional_messages: list[MessageCreate] | None = None
