@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationError, WrapValidator,
+                      field_validator, model_validator)
 
 #: a sampling seed: any integer; the engine reduces it modulo 2**64, the seeds a torch.Generator
 #: takes (OpenAI's and Ollama's are 64-bit), so every 64-bit seed keeps its meaning
@@ -390,9 +391,22 @@ class OllamaShowRequest(_Req):
 
 #: OpenAI's metadata limits: 16 keys of up to 64 characters, string values of up to 512
 META_KEYS, META_KEY_CHARS, META_VALUE_CHARS = 16, 64, 512
+
+
+def _one_metadata_error(value, handler):
+    """A metadata error names the field (OpenAI's ``param: metadata``) and, in the message, the key."""
+    try:
+        return handler(value)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = [str(x) for x in err["loc"]]
+        where = f"key '{loc[0][:20]}': " if "[key]" in loc else (f"'{loc[0][:20]}': " if loc else "")
+        raise ValueError(where + err["msg"]) from None
+
+
 Metadata = Annotated[dict[Annotated[str, StringConstraints(max_length=META_KEY_CHARS)],
                           Annotated[str, StringConstraints(max_length=META_VALUE_CHARS)]],
-                     Field(max_length=META_KEYS)] | None
+                     Field(max_length=META_KEYS), WrapValidator(_one_metadata_error)] | None
 
 
 class AssistantCreate(_Req):
