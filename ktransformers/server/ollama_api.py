@@ -111,6 +111,8 @@ async def generate(body: OllamaGenerateRequest, request: Request):
         return _load_reply(model, chat=False)
     prompt, templated = await run_in_threadpool(_generate_prompt, request, body)
     ids = prompt.ids
+    if not ids:  # a template or raw text that renders to nothing: as an empty prompt
+        return _load_reply(model, chat=False)
     stream = await engine.submit(_request(engine, ids, body.options, "ollama.generate"))
     with_context = not body.raw
 

@@ -67,7 +67,7 @@ class ResponseCreate(_Req):
     background: bool = False
     previous_response_id: str | None = None
     conversation: Any = Field(None, json_schema_extra={"anyOf": [  # an id or {"id": …}
-        {"type": "string", "minLength": 1}, {"type": "object", "required": ["id"], "properties": {"id": {"type": "string"}}},
+        {"type": "string", "minLength": 1}, {"type": "object", "required": ["id"], "properties": {"id": {"type": "string", "minLength": 1}}},
         {"type": "null"}]})
     tools: list[dict[str, Any]] = Field(default_factory=list, json_schema_extra={"items": FUNCTION_TOOL_SCHEMA})
     #: none / auto / required / {"type": "function", "name": …} naming one of 'tools' (chat_tools checks it)

@@ -132,8 +132,31 @@ def exact_integers(value: Any) -> Any:
     return value
 
 
+def _json_kinds(annotation) -> set[str]:
+    """The JSON scalar kinds a field's type takes ('other' for objects, lists, Any)."""
+    import types
+    import typing
+
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _json_kinds(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        return set().union(*(_json_kinds(a) for a in typing.get_args(annotation)))
+    if origin is Literal:
+        return {"bool" if isinstance(v, bool) else "number" if isinstance(v, (int, float)) else "string"
+                for v in typing.get_args(annotation)}
+    return {bool: {"bool"}, int: {"number"}, float: {"number"}, str: {"string"},
+            type(None): {"null"}}.get(annotation, {"other"})
+
+
+def _kind(value) -> str:
+    return "bool" if isinstance(value, bool) else "number" if isinstance(value, (int, float)) else \
+        "string" if isinstance(value, str) else "other"
+
+
 class _Checked(BaseModel):
-    """Request bodies: no NaN/Infinity numbers, and text that is valid Unicode."""
+    """Request bodies: no NaN/Infinity numbers, text that is valid Unicode, and scalars of the
+    JSON type the field has: pydantic would read ``true`` as 1, ``1`` or ``"yes"`` as true."""
 
     @model_validator(mode="before")
     @classmethod
@@ -141,7 +164,20 @@ class _Checked(BaseModel):
         bad = lone_surrogate(data)
         if bad:
             raise ValueError(f"{bad} is not valid Unicode")
+        if isinstance(data, dict):
+            for name, f in cls.model_fields.items():
+                v = data.get(f.alias or name)
+                if v is None:
+                    continue
+                kinds = _json_kinds(f.annotation)
+                if "other" not in kinds and _kind(v) != "other" and _kind(v) not in kinds:
+                    want = " or ".join(sorted(k for k in kinds if k != "null"))
+                    raise ValueError(f"'{name}' must be a {want}, not {json_type_name(v)}")
         return exact_integers(data)
+
+
+def json_type_name(v) -> str:
+    return {"bool": "boolean", "number": "number", "string": "string"}.get(_kind(v), type(v).__name__)
 
 
 class _Req(_Checked):

@@ -13,25 +13,29 @@ Two things the generated requests are held to, because JSON Schema cannot say th
 * answer lengths (``max_tokens``, ``max_completion_tokens``, ``max_output_tokens``, Ollama's
   ``num_predict``) are cut to a few tokens, so the run stays short on a CPU; a prompt + answer
   that cannot fit the context is refused with 400 ``context_length_exceeded`` (tested in
-  ``test_batching_http.py`` and ``test_engine.py``), and the pool here is large enough for the
-  generated prompts;
+  ``test_batching_http.py`` and ``test_engine.py``);
+* a body is at most half the context in JSON characters, so that its prompt fits (a longer one
+  is the same 400);
 * a Responses ``tool_choice`` naming a function that is not in ``tools`` (its 400 is tested in
   ``test_responses.py``) is not sent as a valid request.
 
-``KT_SCHEMATHESIS_EXAMPLES`` sets the examples per operation (10 by default).
+``KT_SCHEMATHESIS_EXAMPLES`` sets the examples per operation and mode (8 by default).
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
+import json
 import os
 
 import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
+from hypothesis.errors import Unsatisfiable  # noqa: E402
 
-EXAMPLES_PER_OPERATION = int(os.environ.get("KT_SCHEMATHESIS_EXAMPLES", "10"))
+EXAMPLES_PER_OPERATION = int(os.environ.get("KT_SCHEMATHESIS_EXAMPLES", "8"))
 CONTEXT = 8192
 ANSWER_LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 MAX_ANSWER = 4
@@ -98,33 +102,48 @@ def _names_an_absent_tool(case) -> bool:
     return name not in [t.get("name") for t in tools if isinstance(t, dict)]
 
 
+def _too_long_for_the_context(body) -> bool:
+    """A body whose text may tokenize past the context (a byte-level token per byte of its JSON)."""
+    return len(json.dumps(body, default=str)) > CONTEXT // 2
+
+
 def test_schemathesis_every_check_finds_no_server_error_and_no_undocumented_status(api):
     checks = all_checks()
     assert {c.__name__ for c in checks} >= {"not_a_server_error", "status_code_conformance",
                                             "positive_data_acceptance", "negative_data_rejection",
                                             "response_schema_conformance", "content_type_conformance"}
     statuses: collections.Counter = collections.Counter()
+    modes: collections.Counter = collections.Counter()
+    nothing_to_negate: list[str] = []
     failures: list[str] = []
     operations = [op.ok() for op in api.get_all_operations()]
     labels = {op.label for op in operations}
     assert len(operations) >= 45 and {"POST /v1/responses", "POST /v1/conversations", "GET /metrics",
                                       "POST /v1/chat/completions", "POST /api/chat"} <= labels, labels
-    for op in operations:
+    from schemathesis import GenerationMode
+
+    for op, mode in itertools.product(operations, GenerationMode):
         @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, database=None, derandomize=True,
                   suppress_health_check=list(HealthCheck))
-        @given(op.as_strategy())
+        @given(op.as_strategy(generation_mode=mode))
         def run(case):
             positive = case.meta is not None and case.meta.generation.mode.is_positive
-            assume(not (positive and _names_an_absent_tool(case)))
+            assume(not (positive and (_names_an_absent_tool(case) or _too_long_for_the_context(case.body))))
             _short_answers(case.body)
             response = case.call_and_validate(checks=checks)
             statuses[response.status_code] += 1
+            modes[case.meta.generation.mode if case.meta else None] += 1
 
         try:
             run()
+        except Unsatisfiable:  # nothing of this operation can be made invalid (no body, no typed parameter)
+            assert mode is GenerationMode.NEGATIVE, op.label
+            nothing_to_negate.append(op.label)
         except (Exception, BaseExceptionGroup) as e:  # a check failed: go on, report every operation at the end
-            failures.append(f"{op.label}: {str(e)[:1500]}")
-    print(f"\nschemathesis: {len(operations)} operations, {sum(statuses.values())} cases, {len(checks)} checks, "
-          f"statuses {dict(sorted(statuses.items()))}")
+            failures.append(f"{op.label} ({mode.value}): {str(e)[:1500]}")
+    print(f"\nschemathesis: {len(operations)} operations, {sum(statuses.values())} cases "
+          f"({', '.join(f'{m}: {n}' for m, n in modes.items())}), {len(checks)} checks, "
+          f"statuses {dict(sorted(statuses.items()))}; {len(nothing_to_negate)} operations have nothing to make invalid")
     assert not failures, "\n\n".join(failures)
     assert sum(statuses.values()) >= 3 * len(operations) and not any(s >= 500 for s in statuses), statuses
+    assert statuses[400] > 0 and statuses[200] > 0 and len(modes) == 2, (statuses, modes)
