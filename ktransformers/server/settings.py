@@ -19,6 +19,8 @@ BACKENDS = ("balance_serve", "ktransformers")
 #: --chunk_size default per backend: batching shares each step's budget between decodes and prefill,
 #: so a smaller budget keeps running streams moving while a long prompt is prefilled
 DEFAULT_CHUNK_SIZE = {"balance_serve": 512, "ktransformers": 8192}
+#: --max_body_mb bounds: 1 KiB .. 1 TiB
+MAX_BODY_MB_RANGE = (1 / 1024, 1024.0 * 1024)
 #: --cache_lens default for batching when not given: the model's max positions, at most this many
 #: tokens (the pool is allocated once for all requests)
 DEFAULT_POOL_TOKENS = 32768
@@ -120,6 +122,9 @@ class Settings:
         for name in ("max_new_tokens", "chunk_size", "max_body_mb", "max_batch_size", "page_size"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ConfigError(f"--{name} {getattr(self, name)}: must be positive")
+        if not (MAX_BODY_MB_RANGE[0] <= self.max_body_mb <= MAX_BODY_MB_RANGE[1]):
+            raise ConfigError(f"--max_body_mb {self.max_body_mb}: must be within {MAX_BODY_MB_RANGE[0]} (1 KiB).."
+                              f"{MAX_BODY_MB_RANGE[1]} (1 TiB)")
         if self.backend_type not in BACKENDS:
             raise ConfigError(f"--backend_type {self.backend_type}: must be one of {', '.join(BACKENDS)}")
         for name in ("prefix_cache_ram_gb", "prefix_cache_disk_gb"):
