@@ -82,9 +82,16 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, ids: torch.Tensor | None) -> int:
         """``logits``: [1, V] float32; ``ids``: [1, n] every token so far (only used by the penalty)."""
-        if self.processors:
-            logits = self.processors(ids, logits)
+        for processor in self.processors:
+            logits = _finite(processor(ids, logits))
         if self.greedy:
             return int(torch.argmax(logits, dim=-1))
         probs = torch.softmax(logits, dim=-1)
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+def _finite(logits: torch.Tensor) -> torch.Tensor:
+    """Logits overflowed by a processor (a repetition penalty of 1e-50 divides by it, a tiny
+    temperature too) at the largest finite value, so that they stay the most likely instead of
+    turning the probabilities into NaN; ``-inf`` (a token filtered out) stays."""
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)

@@ -7,14 +7,16 @@ The reference system's names are not registered here: they resolve through :mod:
 
 ``replace.class`` accepts a registered name (``KTransformersLinear``), a dotted path under
 ``ktransformers.operators.`` (its leaf is looked up, whatever the module: the reference
-system's ``ktransformers.operators.balance_serve_attention.KQwen3MoeAttention`` too), any
-other importable dotted path to an ``nn.Module`` (a third-party operator), or ``default``.
+system's ``ktransformers.operators.balance_serve_attention.KQwen3MoeAttention`` too), a dotted
+path to an ``nn.Module`` in a package rule files may import (:func:`import_rule_attribute`),
+or ``default``.
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib
+import os
 from dataclasses import dataclass
 
 from torch import nn
@@ -24,6 +26,38 @@ from . import compat  # noqa: I001 - the compatibility table of reference names
 from .kinds import ATTENTION, MLA_ATTENTION, kind_from_name
 
 OPERATORS: dict[str, type] = {}
+
+#: packages whose modules a rule file's ``class:`` paths may import; importing runs a module's
+#: code, so ``check`` on a rule file from elsewhere must not reach any other module
+RULE_IMPORT_PACKAGES = ("ktransformers", "transformers", "torch")
+#: comma-separated extra packages (your own operators), e.g. ``KT_RULE_IMPORTS=my_ops,lab.kernels``
+RULE_IMPORTS_ENV = "KT_RULE_IMPORTS"
+
+
+def rule_import_packages() -> tuple[str, ...]:
+    extra = [p.strip() for p in os.environ.get(RULE_IMPORTS_ENV, "").split(",") if p.strip()]
+    return RULE_IMPORT_PACKAGES + tuple(extra)
+
+
+def import_rule_module(module: str):
+    """The module a rule file's dotted path names, imported only inside :func:`rule_import_packages`.
+
+    RuleError for a module outside them; ImportError / ValueError / TypeError as ``import_module``."""
+    allowed = rule_import_packages()
+    if not any(module == p or module.startswith(p + ".") for p in allowed):
+        raise RuleError(f"module '{module}' is outside the packages rule files may import "
+                        f"({', '.join(allowed)}); to load operators of your own, set "
+                        f"{RULE_IMPORTS_ENV}={module.partition('.')[0]}")
+    return importlib.import_module(module)
+
+
+def import_rule_attribute(path: str):
+    """``getattr(import_rule_module(module), leaf)`` of a dotted path, None when it cannot be imported."""
+    mod_name, _, attr = path.rpartition(".")
+    try:
+        return getattr(import_rule_module(mod_name), attr, None)
+    except (ImportError, TypeError, ValueError):  # also ".." or "a..b": not a module path
+        return None
 
 # modules whose import registers operators and ops; optional ones may be absent in a build
 _OPERATOR_MODULES = ("linear", "embedding", "experts", "moe", "gate", "RoPE", "layernorm", "mlp", "models",
@@ -96,11 +130,7 @@ def resolve_operator(text: str) -> Resolved:
             cls = None if alias.ours == "default" else shorts[alias.ours]
             return Resolved(cls, (leaf, alias.ours, alias.what))
     else:
-        mod_name, _, attr = text.rpartition(".")
-        try:
-            cls = getattr(importlib.import_module(mod_name), attr, None)
-        except (ImportError, TypeError, ValueError):  # also ".." or "a..b": not a module path
-            cls = None
+        cls = import_rule_attribute(text)
         if cls is not None:
             if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
                 raise RuleError(f"'{text}' is not a torch.nn.Module class")

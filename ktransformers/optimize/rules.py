@@ -18,7 +18,6 @@ rule index and key.
 from __future__ import annotations
 
 import difflib
-import importlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +31,7 @@ from torch import nn
 from ..errors import RuleError
 from ..operators import compat
 from ..operators.phases import PhaseError, decide_phases
-from ..operators.registry import resolve_op, resolve_operator
+from ..operators.registry import import_rule_attribute, import_rule_module, resolve_op, resolve_operator
 from . import safe_yaml
 
 RULE_KEYS = ("match", "replace", "recursive")
@@ -240,11 +239,7 @@ def resolve_match_class(text: str) -> tuple[type, ...] | str:
         return text
     classes = compat.resolve_class_path(text)
     if classes is None:
-        mod_name, _, attr = text.rpartition(".")
-        try:
-            cls = getattr(importlib.import_module(mod_name), attr, None)
-        except (ImportError, TypeError, ValueError):
-            cls = None
+        cls = import_rule_attribute(text)
         classes = (cls,) if cls is not None else ()
     if not classes:
         raise RuleError(f"class '{text}' cannot be imported{_did_you_mean_module(text)}")
@@ -258,7 +253,7 @@ def _did_you_mean_module(text: str) -> str:
     mod_name, _, leaf = text.rpartition(".")
     mod_name = compat.MODULE_PATHS.get(mod_name, mod_name)
     try:
-        mod = importlib.import_module(mod_name)
+        mod = import_rule_module(mod_name)
     except (ImportError, TypeError, ValueError):  # also ".." or "a..b": not a module path
         return f" ('{mod_name}' is not an importable module)"
     names = [n for n in dir(mod) if isinstance(getattr(mod, n, None), type)]

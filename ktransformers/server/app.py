@@ -262,8 +262,12 @@ def create_app(engine: Engine, settings: Settings | None = None, *, db: Database
         if app.openapi_schema is None:
             from fastapi.openapi.utils import get_openapi
 
-            app.openapi_schema = document_errors(get_openapi(title=app.title, version=app.version,
-                                                             routes=app.routes))
+            from .schemas import document_model_limits
+
+            schema = document_errors(get_openapi(title=app.title, version=app.version, routes=app.routes))
+            app.openapi_schema = document_model_limits(schema, model_name=engine.model_name,
+                                                       vocab_size=engine.vocab_size,
+                                                       empty_prompt_has_tokens=bool(engine.encode("")))
         return app.openapi_schema
 
     app.openapi = openapi

@@ -25,7 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from .common import SSE_HEADERS, Collected, check_model, new_id, pieces, sse
 from .db import ACTIVE_RUN, Assistant, Database, Message, Run, Thread
 from .engine import Engine, GenerationRequest, QueueFull
-from .errors import APIError
+from .errors import STREAMS_SSE, APIError
 from .prompting import content_text
 from .schemas import (AssistantCreate, AssistantModify, MessageCreate, MetadataModify, RunCreate, RunModify,
                       ThreadAndRunCreate, ThreadCreate)
@@ -128,7 +128,7 @@ def create_thread(request: Request, body: ThreadCreate | None = None):
 
 
 # registered before the /threads/{thread_id} routes, which would otherwise match "runs" as an id
-@router.post("/threads/runs")
+@router.post("/threads/runs", responses=STREAMS_SSE)
 async def create_thread_and_run(body: ThreadAndRunCreate, request: Request):
     _check_run_body(request, body)
     db = _db(request)
@@ -485,7 +485,7 @@ async def _launch(request: Request, run_d: dict, stream: bool, thread_d: dict | 
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-@router.post("/threads/{thread_id}/runs")
+@router.post("/threads/{thread_id}/runs", responses=STREAMS_SSE)
 async def create_run(thread_id: str, body: RunCreate, request: Request):
     _check_run_body(request, body)
     db = _db(request)

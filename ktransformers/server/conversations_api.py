@@ -14,25 +14,27 @@ from sqlalchemy import delete, select
 from .common import new_id
 from .db import Database
 from .errors import APIError
-from .responses_api import check_metadata, normalize_items, page_list
+from .responses_api import normalize_items, page_list
 from .responses_store import ConversationItemRow, ConversationRow, add_conversation_items, conversation_items
-from .schemas import _Req
+from .schemas import INPUT_ITEM_SCHEMA, Metadata, _Req
 
 router = APIRouter()
 MAX_ITEMS_PER_CALL = 20
 
 
 class ConversationCreate(_Req):
-    items: list[dict[str, Any]] | None = Field(None, max_length=MAX_ITEMS_PER_CALL)
-    metadata: dict[str, Any] | None = None
+    items: list[dict[str, Any]] | None = Field(None, max_length=MAX_ITEMS_PER_CALL,
+                                                json_schema_extra={"items": INPUT_ITEM_SCHEMA})
+    metadata: Metadata = None
 
 
 class ConversationUpdate(_Req):
-    metadata: dict[str, Any] | None
+    metadata: Metadata
 
 
 class ItemsCreate(_Req):
-    items: list[dict[str, Any]] = Field(min_length=1, max_length=MAX_ITEMS_PER_CALL)
+    items: list[dict[str, Any]] = Field(min_length=1, max_length=MAX_ITEMS_PER_CALL,
+                                        json_schema_extra={"items": INPUT_ITEM_SCHEMA})
 
 
 def _db(request: Request) -> Database:
@@ -58,7 +60,7 @@ def _item(s, conversation_id: str, item_id: str) -> ConversationItemRow:
 @router.post("/conversations")
 def create_conversation(request: Request, body: ConversationCreate | None = None):
     body = body or ConversationCreate()
-    meta = check_metadata(body.metadata)
+    meta = dict(body.metadata or {})
     items = normalize_items(body.items or [], "items")
     c = ConversationRow(id=new_id("conv_"), created_at=int(time.time()), meta=meta)
     with _db(request).write() as s:
@@ -75,7 +77,7 @@ def get_conversation(conversation_id: str, request: Request):
 
 @router.post("/conversations/{conversation_id}")
 def update_conversation(conversation_id: str, body: ConversationUpdate, request: Request):
-    meta = check_metadata(body.metadata)
+    meta = dict(body.metadata or {})
     with _db(request).write() as s:
         c = _conversation(s, conversation_id)
         c.meta = meta

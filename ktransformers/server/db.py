@@ -17,7 +17,7 @@ from typing import Any, Iterator
 from sqlalchemy import JSON, Boolean, Float, Integer, String, Text, create_engine, event, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
-from .errors import APIError
+from .errors import APIError, UnknownCursor
 
 DB_FILE = "ktransformers.sqlite3"
 
@@ -222,8 +222,7 @@ class Database:
             if cursor:
                 seq = s.scalar(select(cls.seq).where(cls.id == cursor))
                 if seq is None:
-                    raise APIError(400, f"cursor '{cursor}' is not an id in this list",
-                                   param="after" if forward else "before")
+                    raise UnknownCursor(cursor, "after" if forward else "before")
                 q = q.where(cls.seq > seq if (order == "asc") == forward else cls.seq < seq)
         q = q.order_by(cls.seq.asc() if order == "asc" else cls.seq.desc()).limit(limit + 1)
         rows = list(s.scalars(q))

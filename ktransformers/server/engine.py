@@ -48,6 +48,9 @@ class PromptTooLong(APIError):
                          param="messages" if max_new is None else "max_tokens")
 
 
+#: request seeds are taken modulo this: the seeds a torch.Generator takes (negative ones as it wraps them)
+SEED_MODULUS = 2**64
+
 #: temperatures below this sample as greedy: it is their limit, and dividing logits by less overflows
 MIN_TEMPERATURE = 1e-4
 
@@ -288,7 +291,7 @@ class Engine:
             top_k=int(d.top_k if req.top_k is None else req.top_k),
             max_new_tokens=min(max_new, room),
             stop=[s for s in (req.stop or []) if s],
-            seed=req.seed,
+            seed=None if req.seed is None else int(req.seed) % SEED_MODULUS,
             repetition_penalty=float(d.repetition_penalty if req.repetition_penalty is None
                                      else req.repetition_penalty),
         )

@@ -33,6 +33,13 @@ class APIError(Exception):
         self.headers = headers or {}
 
 
+class UnknownCursor(APIError):
+    """A list's ``after`` / ``before`` names no object of that list: a 404, as any unknown id."""
+
+    def __init__(self, cursor: str, param: str):
+        super().__init__(404, f"cursor '{cursor}' is not an id in this list", param=param)
+
+
 class InternalError(APIError):
     """The last resort: an exception nobody expected; the client gets only the request id."""
 
@@ -131,6 +138,13 @@ ERROR_STATUSES = {
     "500": "internal error; the body names a request id to look up in the server log",
     "503": "queue full (Retry-After header) or shutting down",
 }
+#: ``responses=`` of a route that streams when the body asks for it (``stream: true``)
+STREAMS_SSE = {200: {"description": "the answer; with `stream: true`, server-sent events: `data: {...}` "
+                                    "(an error ends the stream as an `error` object), then `data: [DONE]`",
+                     "content": {"text/event-stream": {"schema": {"anyOf": [{"type": "object"},
+                                                                            {"const": "[DONE]"}]}}}}}
+STREAMS_NDJSON = {200: {"description": "the answer; streamed (the default) as one JSON object per line",
+                        "content": {"application/x-ndjson": {"schema": {"type": "object"}}}}}
 _OPENAI_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "param", "code"],
     "properties": {"message": {"type": "string"}, "type": {"type": "string"},

@@ -18,7 +18,7 @@ from starlette.concurrency import run_in_threadpool
 
 from .common import Collected, check_model, collect, guarded, ndjson, pieces, stats_numbers, stop_list
 from .engine import Engine, EngineStream, GenerationRequest
-from .errors import APIError
+from .errors import STREAMS_NDJSON, APIError
 from .prompting import fim_prompt, fim_tokens, render_go_template
 from .schemas import OllamaChatRequest, OllamaGenerateRequest, OllamaOptions, OllamaShowRequest
 
@@ -101,7 +101,7 @@ def _generate_prompt(request: Request, body: OllamaGenerateRequest):
     return p, True
 
 
-@router.post("/generate")
+@router.post("/generate", responses=STREAMS_NDJSON)
 async def generate(body: OllamaGenerateRequest, request: Request):
     engine = _engine(request)
     model = check_model(engine, body.model, ollama=True)
@@ -111,6 +111,8 @@ async def generate(body: OllamaGenerateRequest, request: Request):
         return _load_reply(model, chat=False)
     prompt, templated = await run_in_threadpool(_generate_prompt, request, body)
     ids = prompt.ids
+    if not ids:  # a template or raw text that renders to nothing: as an empty prompt
+        return _load_reply(model, chat=False)
     stream = await engine.submit(_request(engine, ids, body.options, "ollama.generate"))
     with_context = not body.raw
 
@@ -168,7 +170,7 @@ def _chat_prompt(request: Request, body: OllamaChatRequest, tools: list[dict] | 
     return request_prompt(request.app, messages, tools, think=body.think)
 
 
-@router.post("/chat")
+@router.post("/chat", responses=STREAMS_NDJSON)
 async def chat(body: OllamaChatRequest, request: Request):
     engine = _engine(request)
     model = check_model(engine, body.model, ollama=True)

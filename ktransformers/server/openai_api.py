@@ -8,7 +8,7 @@ from starlette.concurrency import run_in_threadpool
 
 from .common import SSE_HEADERS, Collected, check_model, collect, guarded, new_id, now, pieces, sse, stop_list
 from .engine import Engine, GenerationRequest
-from .errors import APIError, error_body
+from .errors import STREAMS_SSE, APIError, error_body
 from .prompting import chat_prompt, fim_prompt, think_setting
 from .schemas import (ChatChoice, ChatCompletion, ChatCompletionRequest, Completion, CompletionChoice,
                       CompletionRequest, ModelCard, ModelList, ResponseMessage, Usage)
@@ -67,7 +67,7 @@ def request_prompt(app, messages: list[dict], tools: list[dict] | None, tool_cho
                        template_kwargs=template_kwargs, force_think=bool(getattr(settings, "force_think", False)))
 
 
-@router.post("/chat/completions")
+@router.post("/chat/completions", responses=STREAMS_SSE)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     engine = _engine(request)
     model = check_model(engine, body.model)
@@ -162,7 +162,7 @@ def _prompts(engine: Engine, body: CompletionRequest) -> list[tuple[str, list[in
     return out
 
 
-@router.post("/completions")
+@router.post("/completions", responses=STREAMS_SSE)
 async def completions(body: CompletionRequest, request: Request):
     engine = _engine(request)
     model = check_model(engine, body.model)

@@ -21,67 +21,64 @@ from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from pydantic import Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
 
 from .common import SSE_HEADERS, cancel_on_disconnect, check_model, new_id, sse, stop_list
 from .db import Database
 from .engine import Engine, GenerationRequest, QueueFull
-from .errors import APIError
+from .errors import STREAMS_SSE, APIError, UnknownCursor
 from .prompting import ChatPrompt, content_text
 from .responses_store import (ConversationRow, ResponseRow, add_conversation_items, conversation_items,
                               create_tables, expire_unfinished_responses, response_chain_items)
-from .schemas import StopType, _check_stop, _Req
+from .schemas import FUNCTION_TOOL_SCHEMA, INPUT_ITEM_SCHEMA, Metadata, ModelName, Seed, StopType, _check_stop, _Req
 
 router = APIRouter()
 log = logging.getLogger("ktransformers.server")
 
 _SAVE_EVERY_S = 1.0
-METADATA_MAX_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
-
-
-def check_metadata(m: Any, param: str = "metadata") -> dict:
-    """OpenAI's metadata limits: at most 16 string keys of ≤64 characters, string values of ≤512."""
-    if m is None:
-        return {}
-    if not isinstance(m, dict):
-        raise APIError(400, f"'{param}' must be an object of string keys and values", param=param)
-    if len(m) > METADATA_MAX_KEYS:
-        raise APIError(400, f"'{param}' holds {len(m)} keys; at most {METADATA_MAX_KEYS} are allowed", param=param)
-    for k, v in m.items():
-        if len(k) > METADATA_KEY_CHARS:
-            raise APIError(400, f"'{param}' key '{k[:20]}…' is {len(k)} characters; at most "
-                                f"{METADATA_KEY_CHARS} are allowed", param=param)
-        if not isinstance(v, str):
-            raise APIError(400, f"'{param}.{k}' must be a string, not {type(v).__name__}", param=param)
-        if len(v) > METADATA_VALUE_CHARS:
-            raise APIError(400, f"'{param}.{k}' is {len(v)} characters; at most {METADATA_VALUE_CHARS} "
-                                "are allowed", param=param)
-    return dict(m)
-
-
 # ---- request ------------------------------------------------------------------------------
 
 class ResponseCreate(_Req):
-    model: str | None = None
-    input: Any = None  # a string or a list of items; checked below so the error names 'input'
+    model_config = ConfigDict(json_schema_extra={"allOf": [  # what _prepare checks across fields
+        {"anyOf": [{"required": ["input"], "properties": {"input": {"anyOf": [
+            {"type": "string"}, {"type": "array", "minItems": 1}]}}},
+            {"required": ["conversation"], "properties": {"conversation": {"not": {"type": "null"}}}}]},
+        {"not": {"required": ["previous_response_id", "conversation"], "properties": {
+            "previous_response_id": {"type": "string", "minLength": 1}, "conversation": {"not": {"type": "null"}}}}},
+        {"if": {"required": ["background"], "properties": {"background": {"const": True}}},
+         "then": {"properties": {"store": {"const": True}, "stream": {"const": False}}}},
+        {"if": {"required": ["tool_choice"], "properties": {"tool_choice": {"const": "required"}}},
+         "then": {"required": ["tools"], "properties": {"tools": {"minItems": 1}}}}]})
+    model: ModelName | None = None
+    #: a string or a list of items; checked by normalize_items so the error names the item
+    input: Any = Field(None, json_schema_extra={"anyOf": [{"type": "string"}, {"type": "null"},
+                                                          {"type": "array", "items": INPUT_ITEM_SCHEMA}]})
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, ge=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)  # extension
-    seed: int | None = None  # extension
+    seed: Seed | None = None  # extension
     stop: StopType = None  # extension (the Responses API has none)
     store: bool = True
     stream: bool = False
     background: bool = False
     previous_response_id: str | None = None
-    conversation: Any = None  # an id or {"id": …}
-    tools: list[dict[str, Any]] = Field(default_factory=list)
-    tool_choice: Any = None  # none / auto / required / {"type": "function", "name": …}
+    conversation: Any = Field(None, json_schema_extra={"anyOf": [  # an id or {"id": …}
+        {"type": "string", "minLength": 1}, {"type": "object", "required": ["id"], "properties": {"id": {"type": "string", "minLength": 1}}},
+        {"type": "null"}]})
+    tools: list[dict[str, Any]] = Field(default_factory=list, json_schema_extra={"items": FUNCTION_TOOL_SCHEMA})
+    #: none / auto / required / {"type": "function", "name": …} naming one of 'tools' (chat_tools checks it)
+    tool_choice: Any = Field(None, json_schema_extra={"anyOf": [
+        {"enum": ["none", "auto", "required", None]},
+        {"type": "object", "required": ["type"], "properties": {"type": {"const": "function"}}, "anyOf": [
+            {"required": ["name"], "properties": {"name": {"type": "string", "minLength": 1}}},
+            {"required": ["function"], "properties": {"function": {
+                "type": "object", "required": ["name"], "properties": {"name": {"type": "string", "minLength": 1}}}}}]}]})
     parallel_tool_calls: bool = True
-    metadata: dict[str, Any] | None = None
+    metadata: Metadata = None
     reasoning: dict[str, Any] | None = None
     text: dict[str, Any] | None = None
     truncation: str | None = None
@@ -171,6 +168,9 @@ def normalize_items(raw: Any, param: str = "input") -> list[dict]:
             item = {"type": "function_call_output", "id": new_id("fco_"), "call_id": it["call_id"],
                     "output": output, "status": "completed"}
         elif kind == "reasoning":
+            for k in ("summary", "content"):
+                if it.get(k) is not None and not isinstance(it[k], list):
+                    raise APIError(400, f"'{where}.{k}' must be a list", param=f"{where}.{k}")
             item = {"type": "reasoning", "id": new_id("rs_"), "summary": list(it.get("summary") or []),
                     "content": list(it.get("content") or []), "status": "completed"}
         else:
@@ -212,8 +212,9 @@ def chat_tools(tools: list[dict], tool_choice: Any) -> list[dict]:
         fn = {"name": t["name"], "description": t.get("description"), "parameters": t.get("parameters")}
         out.append({"type": "function", "function": {k: v for k, v in fn.items() if v is not None}})
     if isinstance(tool_choice, dict):
-        name = tool_choice.get("name") or (tool_choice.get("function") or {}).get("name")
-        if tool_choice.get("type") != "function" or not name:
+        fn = tool_choice.get("function")
+        name = tool_choice.get("name") or (fn.get("name") if isinstance(fn, dict) else None)
+        if tool_choice.get("type") != "function" or not name or not isinstance(name, str):
             raise APIError(400, "'tool_choice' must be none, auto, required or {\"type\": \"function\", "
                                 "\"name\": …}", param="tool_choice")
         if name not in [t["function"]["name"] for t in out]:
@@ -511,7 +512,7 @@ def _prepare(app, body: ResponseCreate) -> Job:
     from .openai_api import refuse_structured_output, request_prompt
 
     model = check_model(engine, body.model)
-    metadata = check_metadata(body.metadata)
+    metadata = dict(body.metadata or {})
     refuse_structured_output((body.text or {}).get("format"), "text.format")
     conv_id = conversation_id_of(body.conversation)
     if conv_id and body.previous_response_id:
@@ -562,7 +563,7 @@ def _insert(db: Database, job: Job) -> None:
             add_conversation_items(s, conv_id, items)
 
 
-@router.post("/responses")
+@router.post("/responses", responses=STREAMS_SSE)
 async def create_response(body: ResponseCreate, request: Request):
     app = request.app
     job = await run_in_threadpool(_prepare, app, body)
@@ -676,7 +677,7 @@ def page_list(data: list[dict], *, limit: int, order: str, after: str | None, be
     ids = [d["id"] for d in items]
     for cursor, name in ((after, "after"), (before, "before")):
         if cursor and cursor not in ids:
-            raise APIError(400, f"cursor '{cursor}' is not an id in this list", param=name)
+            raise UnknownCursor(cursor, name)
     if after:
         items = items[ids.index(after) + 1:]
     if before:

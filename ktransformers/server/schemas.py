@@ -8,10 +8,50 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationError, WrapValidator,
+                      field_validator, model_validator)
 
-#: the seeds a torch.Generator takes (OpenAI's and Ollama's are 64-bit too)
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+#: a sampling seed: any integer; the engine reduces it modulo 2**64, the seeds a torch.Generator
+#: takes (OpenAI's and Ollama's are 64-bit), so every 64-bit seed keeps its meaning
+Seed = int
+
+#: placeholder in the JSON Schema of a token id; :func:`document_model_limits` puts the model's
+#: vocabulary in its place when the app builds its OpenAPI document (the check is the engine's)
+_VOCABULARY = "x-kt-vocabulary"
+TokenId = Annotated[int, Field(json_schema_extra={"minimum": 0, _VOCABULARY: True})]
+#: placeholder of a model name: the names the server answers to (``check_model``); an OpenAI
+#: request may also leave it empty (the served model)
+_MODEL = "x-kt-model"
+ModelName = Annotated[str, Field(json_schema_extra={_MODEL: "openai"})]
+OllamaModelName = Annotated[str, Field(json_schema_extra={_MODEL: "ollama"})]
+#: placeholder of a prompt text: ``minLength: 1`` where the tokenizer makes no token of ''
+_PROMPT_TEXT = "x-kt-prompt-text"
+PromptText = Annotated[str, Field(json_schema_extra={_PROMPT_TEXT: True})]
+
+
+def document_model_limits(schema: Any, *, model_name: str, vocab_size: int, empty_prompt_has_tokens: bool) -> Any:
+    """The OpenAPI document with this model's limits in place of the placeholders (in place)."""
+    base = model_name.removesuffix(":latest")
+    names = {"ollama": sorted({model_name, base, f"{base}:latest"})}
+    names["openai"] = names["ollama"] + [""]
+
+    def fill(node):
+        if isinstance(node, dict):
+            if node.pop(_VOCABULARY, False):
+                node["maximum"] = vocab_size - 1
+            if node.pop(_PROMPT_TEXT, False) and not empty_prompt_has_tokens:
+                node["minLength"] = 1
+            family = node.pop(_MODEL, None)
+            if family:
+                node["enum"] = names[family]
+            for v in node.values():
+                fill(v)
+        elif isinstance(node, list):
+            for v in node:
+                fill(v)
+
+    fill(schema)
+    return schema
 
 
 def lone_surrogate(value: Any, path: str = "") -> str | None:
@@ -38,8 +78,85 @@ def lone_surrogate(value: Any, path: str = "") -> str | None:
     return None
 
 
+# ---- JSON Schemas of shapes the routes check by hand (so their errors name the item) ------
+# The OpenAPI document states exactly what the checks accept; the schemathesis run in the tests
+# holds the two together (a valid body is answered, an invalid one gets a 400).
+
+_TEXT_KINDS = ["text", "input_text", "output_text"]
+#: a text part as ``content_text`` reads it (``text`` may be the Assistants shape ``{"value": ...}``);
+#: other parts (images) are refused: the models here take text only
+TEXT_PART_SCHEMA = {"type": "object", "properties": {
+    "type": {"enum": _TEXT_KINDS},
+    "text": {"anyOf": [{"type": "string"}, {"type": "null"},
+                       {"type": "object", "properties": {"value": {"type": "string"}}}]}}}
+#: message content of the chat routes: a string, or parts (strings or text parts)
+CHAT_CONTENT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "null"},
+                                 {"type": "array", "items": {"anyOf": [{"type": "string"}, TEXT_PART_SCHEMA]}}]}
+#: content of an Assistants thread message: a string or text parts
+THREAD_CONTENT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART_SCHEMA}]}
+#: content of Responses input items: a string or text-part objects
+ITEM_CONTENT_SCHEMA = {"anyOf": [
+    {"type": "string"}, {"type": "null"},
+    {"type": "array", "items": {"type": "object", "properties": {
+        "type": {"enum": _TEXT_KINDS}, "text": {"type": "string"}}}}]}
+#: a Responses tool: only function tools run here
+FUNCTION_TOOL_SCHEMA = {"type": "object", "required": ["type", "name"], "properties": {
+    "type": {"const": "function"}, "name": {"type": "string", "minLength": 1}}}
+#: one Responses / Conversations input item (``normalize_items`` checks it)
+INPUT_ITEM_SCHEMA = {"anyOf": [
+    {"type": "object", "required": ["role"], "properties": {
+        "type": {"enum": ["message", "", None]},
+        "role": {"enum": ["user", "assistant", "system", "developer"]}, "content": ITEM_CONTENT_SCHEMA}},
+    {"type": "object", "required": ["type", "call_id", "name", "arguments"], "properties": {
+        "type": {"const": "function_call"}, "call_id": {"type": "string"}, "name": {"type": "string"},
+        "arguments": {"type": "string"}}},
+    {"type": "object", "required": ["type", "call_id"], "properties": {
+        "type": {"const": "function_call_output"}, "call_id": {"type": "string"}, "output": ITEM_CONTENT_SCHEMA}},
+    {"type": "object", "required": ["type"], "properties": {
+        "type": {"const": "reasoning"}, "summary": {"type": ["array", "null"]},
+        "content": {"type": ["array", "null"]}}}]}
+
+
+_I64 = 2**63
+
+
+def exact_integers(value: Any) -> Any:
+    """``value`` with integral floats beyond 64 bits as the integers they are (``1.8e19`` is the
+    integer JSON Schema sees; pydantic reads a float into an integer field only within 64 bits)."""
+    if isinstance(value, float) and abs(value) >= _I64 and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: exact_integers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [exact_integers(v) for v in value]
+    return value
+
+
+def _json_kinds(annotation) -> set[str]:
+    """The JSON scalar kinds a field's type takes ('other' for objects, lists, Any)."""
+    import types
+    import typing
+
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _json_kinds(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        return set().union(*(_json_kinds(a) for a in typing.get_args(annotation)))
+    if origin is Literal:
+        return {"bool" if isinstance(v, bool) else "number" if isinstance(v, (int, float)) else "string"
+                for v in typing.get_args(annotation)}
+    return {bool: {"bool"}, int: {"number"}, float: {"number"}, str: {"string"},
+            type(None): {"null"}}.get(annotation, {"other"})
+
+
+def _kind(value) -> str:
+    return "bool" if isinstance(value, bool) else "number" if isinstance(value, (int, float)) else \
+        "string" if isinstance(value, str) else "other"
+
+
 class _Checked(BaseModel):
-    """Request bodies: no NaN/Infinity numbers, and text that is valid Unicode."""
+    """Request bodies: no NaN/Infinity numbers, text that is valid Unicode, and scalars of the
+    JSON type the field has: pydantic would read ``true`` as 1, ``1`` or ``"yes"`` as true."""
 
     @model_validator(mode="before")
     @classmethod
@@ -47,7 +164,20 @@ class _Checked(BaseModel):
         bad = lone_surrogate(data)
         if bad:
             raise ValueError(f"{bad} is not valid Unicode")
-        return data
+        if isinstance(data, dict):
+            for name, f in cls.model_fields.items():
+                v = data.get(f.alias or name)
+                if v is None:
+                    continue
+                kinds = _json_kinds(f.annotation)
+                if "other" not in kinds and _kind(v) != "other" and _kind(v) not in kinds:
+                    want = " or ".join(sorted(k for k in kinds if k != "null"))
+                    raise ValueError(f"'{name}' must be a {want}, not {json_type_name(v)}")
+        return exact_integers(data)
+
+
+def json_type_name(v) -> str:
+    return {"bool": "boolean", "number": "number", "string": "string"}.get(_kind(v), type(v).__name__)
 
 
 class _Req(_Checked):
@@ -73,7 +203,7 @@ class ToolCall(_Open):
 
 class ChatMessage(_Open):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[dict[str, Any] | str] | None = None
+    content: str | list[dict[str, Any] | str] | None = Field(None, json_schema_extra=CHAT_CONTENT_SCHEMA)
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -94,12 +224,13 @@ class StreamOptions(_Req):
     include_usage: bool = False
 
 
-StopType = str | list[str] | None
+MAX_STOP = 16
+StopType = str | Annotated[list[str], Field(json_schema_extra={"maxItems": MAX_STOP})] | None
 
 
 def _check_stop(v):
-    if isinstance(v, list) and len(v) > 16:
-        raise ValueError("at most 16 stop sequences")
+    if isinstance(v, list) and len(v) > MAX_STOP:
+        raise ValueError(f"at most {MAX_STOP} stop sequences")
     return v
 
 
@@ -108,7 +239,7 @@ class SamplingFields(_Req):
     top_p: float | None = Field(None, ge=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)  # extension
     max_tokens: int | None = Field(None, ge=1)
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    seed: Seed | None = None
     stop: StopType = None
     repetition_penalty: float | None = Field(None, gt=0.0)  # extension
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)  # accepted, not applied
@@ -123,7 +254,7 @@ class SamplingFields(_Req):
 
 
 class ChatCompletionRequest(SamplingFields):
-    model: str | None = None
+    model: ModelName | None = None
     messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -131,7 +262,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    logprobs: bool | None = None
+    logprobs: bool | None = Field(None, json_schema_extra={"enum": [False, None]})  # true gets its own 400
     response_format: dict[str, Any] | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # variables for the chat template (vLLM's name)
@@ -145,14 +276,17 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    model: str | None = None
-    prompt: str | list[str] | list[int] | list[list[int]]
+    model: ModelName | None = None
+    prompt: (PromptText | Annotated[list[PromptText], Field(json_schema_extra={"minItems": 1})]
+             | Annotated[list[TokenId], Field(json_schema_extra={"minItems": 1})]
+             | Annotated[list[Annotated[list[TokenId], Field(json_schema_extra={"minItems": 1})]],
+                         Field(json_schema_extra={"minItems": 1})])
     suffix: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = Field(None, ge=1)
+    logprobs: int | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 0})  # > 0 gets its own 400
+    best_of: int | None = Field(None, ge=1, json_schema_extra={"maximum": 1})  # > 1 gets its own 400
 
     @field_validator("prompt")
     @classmethod
@@ -233,9 +367,10 @@ class OllamaOptions(_Req):
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, ge=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
-    num_predict: int | None = None  # -1: until the context is full, -2: fill the context
+    num_predict: int | None = Field(None, json_schema_extra={"anyOf": [  # -1: until the context is full, -2: fill it
+        {"type": "integer", "minimum": 1}, {"enum": [-1, -2]}, {"type": "null"}]})
     stop: StopType = None
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    seed: Seed | None = None
     repeat_penalty: float | None = Field(None, gt=0.0)
     num_ctx: int | None = None  # accepted; the context is fixed at server start (--cache_lens)
 
@@ -248,38 +383,41 @@ class OllamaOptions(_Req):
 class OllamaMessage(_Open):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | None = ""
-    images: list[str] | None = None
+    images: list[str] | None = Field(None, json_schema_extra={"maxItems": 0})  # text-only models: a 400
     tool_calls: list[dict[str, Any]] | None = None
 
 
 class OllamaGenerateRequest(_Req):
-    model: str = Field(json_schema_extra={"minLength": 1})
+    model: OllamaModelName
     prompt: str | None = ""
     suffix: str | None = None
     system: str | None = None
     template: str | None = None
-    context: list[int] | None = None
+    context: list[TokenId] | None = None
     stream: bool = True
     raw: bool = False
     format: str | dict[str, Any] | None = None
-    images: list[str] | None = None
+    images: list[str] | None = Field(None, json_schema_extra={"maxItems": 0})  # text-only models: a 400
     options: OllamaOptions | None = None
     keep_alive: str | int | float | None = None
-    think: bool | str | None = None
+    think: bool | Literal["low", "medium", "high"] | None = None
 
 
 class OllamaChatRequest(_Req):
-    model: str = Field(json_schema_extra={"minLength": 1})
+    model: OllamaModelName
     messages: list[OllamaMessage] = Field(default_factory=list)
     tools: list[Tool] | None = None
     stream: bool = True
     format: str | dict[str, Any] | None = None
     options: OllamaOptions | None = None
     keep_alive: str | int | float | None = None
-    think: bool | str | None = None
+    think: bool | Literal["low", "medium", "high"] | None = None
 
 
 class OllamaShowRequest(_Req):
+    model_config = ConfigDict(json_schema_extra={"anyOf": [  # the model's name, as 'model' or 'name'
+        {"required": ["model"], "properties": {"model": {"type": "string", _MODEL: "ollama"}}},
+        {"required": ["name"], "properties": {"name": {"type": "string", _MODEL: "ollama"}}}]})
     model: str | None = None
     name: str | None = None  # older clients
     verbose: bool = False
@@ -289,13 +427,26 @@ class OllamaShowRequest(_Req):
 
 #: OpenAI's metadata limits: 16 keys of up to 64 characters, string values of up to 512
 META_KEYS, META_KEY_CHARS, META_VALUE_CHARS = 16, 64, 512
+
+
+def _one_metadata_error(value, handler):
+    """A metadata error names the field (OpenAI's ``param: metadata``) and, in the message, the key."""
+    try:
+        return handler(value)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = [str(x) for x in err["loc"]]
+        where = f"key '{loc[0][:20]}': " if "[key]" in loc else (f"'{loc[0][:20]}': " if loc else "")
+        raise ValueError(where + err["msg"]) from None
+
+
 Metadata = Annotated[dict[Annotated[str, StringConstraints(max_length=META_KEY_CHARS)],
                           Annotated[str, StringConstraints(max_length=META_VALUE_CHARS)]],
-                     Field(max_length=META_KEYS)] | None
+                     Field(max_length=META_KEYS), WrapValidator(_one_metadata_error)] | None
 
 
 class AssistantCreate(_Req):
-    model: str | None = None
+    model: ModelName | None = None
     name: str | None = Field(None, max_length=256)
     description: str | None = Field(None, max_length=512)
     instructions: str | None = Field(None, max_length=256_000)
@@ -308,7 +459,7 @@ class AssistantCreate(_Req):
 
 
 class AssistantModify(_Req):
-    model: str | None = None
+    model: ModelName | None = None
     name: str | None = Field(None, max_length=256)
     description: str | None = Field(None, max_length=512)
     instructions: str | None = Field(None, max_length=256_000)
@@ -322,7 +473,7 @@ class AssistantModify(_Req):
 
 class MessageCreate(_Req):
     role: Literal["user", "assistant"]
-    content: str | list[dict[str, Any]]
+    content: str | list[dict[str, Any]] = Field(json_schema_extra=THREAD_CONTENT_SCHEMA)
     attachments: list[dict[str, Any]] | None = None
     metadata: Metadata = None
 
@@ -340,7 +491,7 @@ class MetadataModify(_Req):
 
 class RunCreate(_Req):
     assistant_id: str
-    model: str | None = None
+    model: ModelName | None = None
     instructions: str | None = None
     additional_instructions: str | None = None
     additional_messages: list[MessageCreate] | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -18,6 +19,8 @@ BACKENDS = ("balance_serve", "ktransformers")
 #: --chunk_size default per backend: batching shares each step's budget between decodes and prefill,
 #: so a smaller budget keeps running streams moving while a long prompt is prefilled
 DEFAULT_CHUNK_SIZE = {"balance_serve": 512, "ktransformers": 8192}
+#: --max_body_mb bounds: 1 KiB .. 1 TiB
+MAX_BODY_MB_RANGE = (1 / 1024, 1024.0 * 1024)
 #: --cache_lens default for batching when not given: the model's max positions, at most this many
 #: tokens (the pool is allocated once for all requests)
 DEFAULT_POOL_TOKENS = 32768
@@ -112,9 +115,16 @@ class Settings:
         """Raise ConfigError (one line) on a value the server cannot start with."""
         if not (0 < self.port < 65536):
             raise ConfigError(f"--port {self.port}: must be 1..65535")
+        for f in fields(self):  # nan / inf pass every comparison below
+            v = getattr(self, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"--{f.name} {v}: must be a finite number")
         for name in ("max_new_tokens", "chunk_size", "max_body_mb", "max_batch_size", "page_size"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ConfigError(f"--{name} {getattr(self, name)}: must be positive")
+        if not (MAX_BODY_MB_RANGE[0] <= self.max_body_mb <= MAX_BODY_MB_RANGE[1]):
+            raise ConfigError(f"--max_body_mb {self.max_body_mb}: must be within {MAX_BODY_MB_RANGE[0]} (1 KiB).."
+                              f"{MAX_BODY_MB_RANGE[1]} (1 TiB)")
         if self.backend_type not in BACKENDS:
             raise ConfigError(f"--backend_type {self.backend_type}: must be one of {', '.join(BACKENDS)}")
         for name in ("prefix_cache_ram_gb", "prefix_cache_disk_gb"):
@@ -122,6 +132,8 @@ class Settings:
                 raise ConfigError(f"--{name} {getattr(self, name)}: must be 0 (off) or more")
         if self.prefix_cache_disk_gb > 0 and not self.prefix_cache_dir:
             raise ConfigError(f"--prefix_cache_disk_gb {self.prefix_cache_disk_gb}: needs --prefix_cache_dir")
+        if self.prefix_cache_dir and Path(self.prefix_cache_dir).exists() and not Path(self.prefix_cache_dir).is_dir():
+            raise ConfigError(f"--prefix_cache_dir {self.prefix_cache_dir}: exists and is not a folder")
         if self.cpu_infer is not None and self.cpu_infer < 1:
             raise ConfigError(f"--cpu_infer {self.cpu_infer}: must be at least 1")
         if self.cache_lens is not None and self.cache_lens < 16:
@@ -136,6 +148,8 @@ class Settings:
             raise ConfigError(f"--temperature {self.temperature}: must be within 0..2")
         if self.top_p is not None and not (0 < self.top_p <= 1):
             raise ConfigError(f"--top_p {self.top_p}: must be within (0, 1]")
+        if self.repetition_penalty is not None and self.repetition_penalty <= 0:
+            raise ConfigError(f"--repetition_penalty {self.repetition_penalty}: must be positive (1 = off)")
         if self.top_k is not None and self.top_k < 0:
             raise ConfigError(f"--top_k {self.top_k}: must be 0 (off) or more")
         if self.api_key is not None and not self.api_key.strip():

@@ -205,7 +205,7 @@ def parse_config(text: str, source: str = "<config>") -> SFTConfig:
             if key not in KEYS:
                 near = difflib.get_close_matches(key, KEYS, n=1, cutoff=0.6)
                 hint = f"; did you mean '{near[0]}'?" if near else " (see docs/sft.md for the keys)"
-                raise ConfigError(f"{source}:{line}: unknown key '{key}'{hint}")
+                raise ConfigError(f"{source}:{line}: unknown key {key!r}{hint}")
             if key in values:
                 raise ConfigError(f"{source}:{line}: {key}: given twice (first on line {lines[key]})")
             try:

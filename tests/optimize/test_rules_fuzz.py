@@ -60,6 +60,57 @@ def test_issue_mutations_exit_2_with_one_line(tmp_path, capsys, data, needle):
     assert len(err.splitlines()) == 1 and err.startswith(f"error: {f}:") and needle in err, err
 
 
+# ---- class paths import only the project's, transformers' and torch's modules ---------------
+
+_SIDE_EFFECT_OPERATOR = """
+import pathlib, torch
+pathlib.Path(__file__).with_name("imported.marker").write_text("the module's code ran")
+class MyExperts(torch.nn.Module):
+    pass
+"""
+
+
+@pytest.mark.parametrize("key, text, line", [
+    ("match", "- match: {class: my_ops.experts.MyExperts}\n  replace: {class: default}\n", 1),
+    ("replace", "- match: {name: x}\n  replace: {class: my_ops.experts.MyExperts}\n", 2),
+])
+def test_class_path_outside_the_allowed_packages_is_not_imported(tmp_path, monkeypatch, capsys, key, text, line):
+    import sys
+
+    for name in ("my_ops", "my_ops.experts"):  # each case imports its own copy
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    pkg = tmp_path / "site" / "my_ops"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "experts.py").write_text(_SIDE_EFFECT_OPERATOR)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delenv("KT_RULE_IMPORTS", raising=False)
+    rule = tmp_path / "r.yaml"
+    rule.write_text(text)
+    assert optimize_main(["check", str(rule)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: {rule}:{line}: rule #0 ({key}.class): module 'my_ops.experts' is outside the packages "
+                   "rule files may import (ktransformers, transformers, torch); to load operators of your own, "
+                   "set KT_RULE_IMPORTS=my_ops"), err
+    assert not (pkg / "imported.marker").exists()  # refused before the import, not after
+
+    monkeypatch.setenv("KT_RULE_IMPORTS", "other, my_ops")  # the documented opt-in
+    rules = parse_rules(rule.read_text(), "r.yaml")
+    assert (pkg / "imported.marker").exists()
+    cls = rules[0].replace_class if key == "replace" else rules[0].match_class[0]
+    assert cls.__name__ == "MyExperts" and cls.__module__ == "my_ops.experts"
+    for name in ("my_ops", "my_ops.experts"):
+        sys.modules.pop(name, None)
+
+
+def test_shipped_rule_files_need_no_import_opt_in(monkeypatch):
+    monkeypatch.delenv("KT_RULE_IMPORTS", raising=False)
+    files = sorted(RULES_DIR.rglob("*.yaml"))  # the fine-tuning rules in sft/ too
+    assert len(files) > len(SHIPPED)
+    for f in files:
+        assert _ends_well(f.read_text(), str(f)) is None, f
+
+
 def test_transfer_map_keeps_integer_keys():
     rules = parse_rules("- match: {name: '^model$'}\n  replace:\n    class: KTransformersModel\n"
                         "    kwargs: {transfer_map: {2: cpu}}\n", "t.yaml")

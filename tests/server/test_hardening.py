@@ -142,14 +142,25 @@ def test_assistants_run_with_tiny_temperature_completes(http):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_seed_beyond_64_bits(http, stream):
-    r = http.post(CHAT, json={"messages": HI, "seed": 18446744073709551616, "stream": stream, "temperature": 1})
-    err = _openai_400(r, "seed")
-    assert err["param"] == "seed"
-    r = http.post("/api/generate", json={"model": MODEL_NAME, "prompt": "x", "options": {"seed": 2**64}})
-    assert r.status_code == 400 and "seed" in r.json()["error"]
-    r = http.post(CHAT, json={"messages": HI, "seed": 2**64 - 1, "temperature": 1, "max_tokens": 2})
-    assert r.status_code == 200
+def test_seed_beyond_64_bits_is_taken_modulo_2_64(http, stream):
+    def text(seed, path=CHAT):
+        if path == CHAT:
+            r = http.post(CHAT, json={"messages": HI, "seed": seed, "stream": stream, "temperature": 1.5,
+                                      "max_tokens": 6})
+        else:
+            r = http.post(path, json={"model": MODEL_NAME, "prompt": "x", "stream": stream,
+                                      "options": {"seed": seed, "temperature": 1.5, "num_predict": 6}})
+        assert r.status_code == 200, r.text
+        assert "error" not in r.text, r.text  # a stream has no error event either
+        return r.text.replace(r.text.split('"created"')[0], "") if stream else (
+            r.json()["choices"][0]["message"]["content"] if path == CHAT else r.json()["response"])
+
+    if not stream:  # the same draws as the seed it is congruent to, whatever its size or sign
+        assert text(18446744073709551616 + 7) == text(7) and text(-1) == text(2**64 - 1)
+        assert text(2**64 + 3, "/api/generate") == text(3, "/api/generate")
+    else:
+        text(18446744073709551616)
+        text(2**70, "/api/generate")
 
 
 @pytest.mark.parametrize("path, raw", [
@@ -308,3 +319,52 @@ def test_openapi_documents_every_status(http):
             assert "422" not in codes and set(ERROR_STATUSES) <= codes, (method, path, codes)
     shape = doc["paths"]["/api/generate"]["post"]["responses"]["400"]["content"]["application/json"]["schema"]
     assert shape["properties"]["error"] == {"type": "string"}
+
+
+def test_openapi_states_this_models_limits(http, srv):
+    doc = http.get("/openapi.json").json()
+    schemas = doc["components"]["schemas"]
+    prompt = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]
+    ids = next(a for a in prompt if a.get("items", {}).get("type") == "integer")["items"]
+    assert ids["minimum"] == 0 and ids["maximum"] == srv.engine.vocab_size - 1 and "x-kt-vocabulary" not in ids
+    model = schemas["ChatCompletionRequest"]["properties"]["model"]["anyOf"][0]
+    assert set(model["enum"]) == {MODEL_NAME, f"{MODEL_NAME}:latest", ""}
+    assert set(schemas["OllamaChatRequest"]["properties"]["model"]["enum"]) == {MODEL_NAME, f"{MODEL_NAME}:latest"}
+    streams = {p: set(doc["paths"][p]["post"]["responses"]["200"]["content"])
+               for p in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/api/chat", "/api/generate")}
+    assert streams["/v1/chat/completions"] == {"application/json", "text/event-stream"}, streams
+    assert streams["/api/generate"] == {"application/json", "application/x-ndjson"}, streams
+
+
+def test_vanishing_repetition_penalty_samples(http):
+    """A penalty of 1e-300 divides the seen tokens' logits into +inf; they stay finite and likeliest."""
+    for body in ({"prompt": "x y", "max_tokens": 4, "temperature": 0.7, "repetition_penalty": 1e-300, "top_p": 0.9},
+                 {"prompt": "x y", "max_tokens": 4, "repetition_penalty": 1e300}):
+        r = http.post(COMPLETIONS, json=body)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
+
+
+def test_integral_numbers_beyond_64_bits_are_read_as_integers(http):
+    r = http.post(CHAT, json={"messages": HI, "top_k": 1e30, "seed": 1.8e19, "temperature": 1, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    _openai_400(http.post(CHAT, json={"messages": HI, "top_k": 2.5, "max_tokens": 2}), "top_k")
+    _openai_400(http.post(CHAT, json={"messages": HI, "max_tokens": -1e30}), "max_tokens")
+
+
+def test_unknown_list_cursor_is_a_404(http):
+    for path in ("/v1/assistants", "/v1/threads", "/v1/responses/resp_none/input_items"):
+        r = http.get(path, params={"after": "asst_nothere"})
+        assert r.status_code == 404, (path, r.text)
+    http.post("/v1/assistants", json={"model": MODEL_NAME})
+    r = http.get("/v1/assistants", params={"after": "asst_nothere"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "after"
+
+
+@pytest.mark.parametrize("body, needle", [
+    ({"input": [{"type": "reasoning", "summary": 5}]}, "'input[0].summary' must be a list"),
+    ({"input": [{"type": "reasoning", "content": "abc"}]}, "'input[0].content' must be a list"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function",
+                                                                                  "function": "f"}}, "tool_choice"),
+])
+def test_responses_shapes_that_used_to_raise(http, body, needle):
+    _openai_400(http.post("/v1/responses", json={**body, "max_output_tokens": 2}), needle)
