@@ -62,6 +62,25 @@ class OutOfPages(Exception):
     """The pool has fewer free pages than an allocation needs (after asking ``on_pressure``)."""
 
 
+class PoolTooLarge(ValueError):
+    """The pool asked for would not fit the memory its devices have free (checked before allocating)."""
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    """Bytes a new allocation on ``device`` can take (MemAvailable for the CPU), or None if unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+    return None
+
+
 # ------------------------------------------------------------------------------------ the pool
 
 
@@ -99,6 +118,15 @@ class PagePool:
         self.num_pages = int(num_pages)
         self.layout = dict(layout)
         slots = self.page_size * self.num_pages
+        need: dict[torch.device, int] = {}
+        for spec in self.layout.values():
+            row = math.prod(spec.shape) * torch.empty((), dtype=spec.dtype).element_size()
+            need[spec.device] = need.get(spec.device, 0) + slots * row
+        for dev, n in need.items():
+            free = _free_bytes(dev)
+            if free is not None and n > free:
+                raise PoolTooLarge(f"{self.num_pages} pages of {self.page_size} tokens need {n / 2**30:.2f} GiB on "
+                                   f"{dev}, which has {free / 2**30:.2f} GiB available")
         self.tensors: dict[str, torch.Tensor] = {
             name: torch.zeros((slots, *spec.shape), dtype=spec.dtype, device=spec.device)
             for name, spec in self.layout.items()

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from .engine import _END, Engine, _Job
+from ..errors import ConfigError
 from .errors import APIError
 from .scheduler import NoRoom, Scheduler, Sequence
 
@@ -292,7 +293,12 @@ def build_batch_engine(settings, model, tokenizer, max_positions: int, **common)
 
     pool_tokens = settings.cache_lens or min(max_positions, DEFAULT_POOL_TOKENS)
     num_pages = max(1, pool_tokens // settings.page_size)
-    runner = runner_class()(model, page_size=settings.page_size, num_pages=num_pages)
+    from ..generation.paged import PoolTooLarge
+
+    try:
+        runner = runner_class()(model, page_size=settings.page_size, num_pages=num_pages)
+    except PoolTooLarge as e:
+        raise ConfigError(f"--cache_lens {pool_tokens}: {e}; lower --cache_lens") from None
     prefix_cache = make_prefix_cache(settings, model, runner.pool)
     generator = Generator(model, tokenizer, chunk_size=settings.prefill_chunk)  # prompt helpers, EOS ids
     log.info("batching: %d KV pages of %d tokens, up to %d requests, %d tokens per step (%s)", num_pages,

@@ -32,6 +32,13 @@ def test_bad_batching_values(capsys, tiny_dir, argv, needle):
     assert rc == 2 and needle in err and len(err.splitlines()) == 1, err
 
 
+def test_a_pool_larger_than_memory_is_refused_before_allocating(capsys, tiny_dir, tmp_path):
+    rc, err = _run(capsys, "--model_path", str(tiny_dir), "--data_dir", str(tmp_path), "--cache_lens", str(10**15))
+    last = err.splitlines()[-1]  # after the loading log lines
+    assert rc == 2 and last.startswith(f"error: --cache_lens {10**15}: ") and last.endswith(
+        "GiB available; lower --cache_lens"), err
+
+
 def test_defaults_and_backends(tiny_dir):
     from ktransformers.server.batch_engine import BatchEngine
 
