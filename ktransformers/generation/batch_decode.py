@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from ..operators.decode import FAMILIES, Unsupported, _cpu_kernel, _Layer, _norm_weight, _Proj
+from ..operators.decode import Unsupported, _cpu_kernel, _Layer, _norm_weight, _Proj, lean_parts
 
 log = logging.getLogger("ktransformers.batch_decode")
 
@@ -70,18 +70,7 @@ class BatchDecodeStep:
     a fresh tensor: callers may keep rows across steps)."""
 
     def __init__(self, model, pool):
-        config = model.config.get_text_config()
-        gemma = FAMILIES.get(getattr(config, "model_type", None))
-        if gemma is None:
-            raise Unsupported(f"model type {getattr(config, 'model_type', None)!r}")
-        if getattr(config, "use_bidirectional_attention", False):
-            raise Unsupported("bidirectional attention")
-        backbone = getattr(model, "model", None)
-        lm_head = getattr(model, "lm_head", None)
-        if backbone is None or lm_head is None or not hasattr(backbone, "layers"):
-            raise Unsupported("no model.model.layers / lm_head")
-        if getattr(model, "training", False):
-            raise Unsupported("model in training mode")
+        config, gemma, backbone, lm_head = lean_parts(model)
         self.embed = backbone.embed_tokens
         from .paged import _module_device
 

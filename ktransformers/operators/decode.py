@@ -283,22 +283,28 @@ class _Layer:
             self.mlp_module = mlp  # MoE block (or a dense MLP off the kernels): its own forward
 
 
+def lean_parts(model):
+    """(text config, is-Gemma, backbone, lm_head) of a model a lean step can serve, else :class:`Unsupported`."""
+    config = model.config.get_text_config()
+    gemma = FAMILIES.get(getattr(config, "model_type", None))
+    if gemma is None:
+        raise Unsupported(f"model type {getattr(config, 'model_type', None)!r}")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise Unsupported("bidirectional attention")
+    backbone = getattr(model, "model", None)
+    lm_head = getattr(model, "lm_head", None)
+    if backbone is None or lm_head is None or not hasattr(backbone, "layers"):
+        raise Unsupported("no model.model.layers / lm_head")
+    if getattr(model, "training", False):
+        raise Unsupported("model in training mode")
+    return config, gemma, backbone, lm_head
+
+
 class DecodeStep:
     """See the module docstring.  ``step(token, pos, cache) -> logits [1, vocab]`` (fp32)."""
 
     def __init__(self, model):
-        config = model.config.get_text_config()
-        gemma = FAMILIES.get(getattr(config, "model_type", None))
-        if gemma is None:
-            raise Unsupported(f"model type {getattr(config, 'model_type', None)!r}")
-        if getattr(config, "use_bidirectional_attention", False):
-            raise Unsupported("bidirectional attention")
-        backbone = getattr(model, "model", None)
-        lm_head = getattr(model, "lm_head", None)
-        if backbone is None or lm_head is None or not hasattr(backbone, "layers"):
-            raise Unsupported("no model.model.layers / lm_head")
-        if getattr(model, "training", False):
-            raise Unsupported("model in training mode")
+        config, gemma, backbone, lm_head = lean_parts(model)
         self.config = config
         self.embed = backbone.embed_tokens
         self.embed_rows = _embedding_rows(self.embed, int(config.hidden_size))

@@ -44,26 +44,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from ktransformers import load_model
 from ktransformers.optimize_rules import RULES_DIR, default_rule_file
 
+from .family_checks import BACKEND_SWAPS, prompt_ids, rel_err
+
 # model_type -> (architecture, shipped rule stem, attention class)
 FAMILIES = {
     "deepseek_v32": ("DeepseekV32ForCausalLM", "DeepseekV32", "DeepseekV32Attention"),
     "glm_moe_dsa": ("GlmMoeDsaForCausalLM", "GlmMoeDsa", "GlmMoeDsaAttention"),
 }
-# backend -> (rule text change, tolerance relative to max |logit|)
-BACKENDS = {
-    "KExpertsTorch": ("generate_op: KExpertsCPU\n      backend: llamafile", "generate_op: KExpertsTorch", 1e-4),
-    "AMXBF16": ("backend: llamafile", "backend: AMXBF16", 1e-2),
-    "AMXInt8": ("backend: llamafile", "backend: AMXInt8", 3e-2),
-}
 BF16_TOL = 2e-2  # as test_parity.py
-
-
-def _ids(n=12, seed=0):
-    return torch.randint(0, 300, (1, n), generator=torch.Generator().manual_seed(seed))
-
-
-def _rel(got, ref) -> float:
-    return (got - ref).abs().max().item() / ref.abs().max().item()
 
 
 def _choosers(model) -> list[torch.nn.Module]:
@@ -143,31 +131,31 @@ def test_the_indexer_selects(arch, tiny_model_dir):
     """The tiny models' top-k is smaller than the prompts: the sparse selection changes the logits (so
     the fp32 parity covers it)."""
     d = tiny_model_dir(arch)
-    ids = _ids()
+    ids = prompt_ids()
     with torch.no_grad():
         sparse = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()(ids).logits
         dense = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, index_topk=ids.shape[1]).eval()(ids).logits
-    assert sparse.shape == dense.shape and _rel(sparse, dense) > 0.1
+    assert sparse.shape == dense.shape and rel_err(sparse, dense) > 0.1
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("backend", list(BACKEND_SWAPS))
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_expert_backends(arch, backend, tiny_model_dir):
-    old, new, tol = BACKENDS[backend]
+    old, new, tol = BACKEND_SWAPS[backend]
     rules = (RULES_DIR / f"{FAMILIES[arch][1]}-cpu.yaml").read_text()
     assert old in rules
     d = tiny_model_dir(arch)
     model = load_model(d, model_path=d, rules=rules.replace(old, new), allow_unmatched=False)
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-    ids = _ids(24, seed=3)
+    ids = prompt_ids(24, seed=3)
     if backend == "KExpertsTorch":  # exact: ours chooses its own top-k
         with torch.no_grad():
-            assert _rel(model(ids).logits, hf(ids).logits) <= tol
+            assert rel_err(model(ids).logits, hf(ids).logits) <= tol
         a = model.generate(ids[:, :4], max_new_tokens=16, do_sample=False)
         assert torch.equal(a, hf.generate(ids[:, :4], max_new_tokens=16, do_sample=False))
     else:
         got, ref = _forward_with_reference_choices(model, hf, ids)
-        assert _rel(got, ref) <= tol
+        assert rel_err(got, ref) <= tol
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -177,7 +165,7 @@ def test_bf16_close_to_hf_bf16_with_the_reference_choices(arch, tiny_model_dir):
     d = tiny_model_dir(arch)
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).eval()
     model = load_model(d, model_path=d, dtype=torch.bfloat16, allow_unmatched=False)
-    prompt = _ids()[:, :4]
+    prompt = prompt_ids()[:, :4]
     seq = hf.generate(prompt, max_new_tokens=8, do_sample=False)
     got, ref = _forward_with_reference_choices(model, hf, seq)
     tol = BF16_TOL * ref.abs().max().item()
@@ -233,9 +221,9 @@ def test_gpu_rules_cross_device_parity(arch, tiny_model_dir):
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     model = load_model(d, model_path=d, allow_unmatched=False)  # picks the CUDA variant
     assert any(p.generate_device.type == "cuda" for p in model.kt_plan.placements.values())
-    ids = _ids()
+    ids = prompt_ids()
     with torch.no_grad():
-        assert _rel(model(ids).logits.cpu(), hf(ids).logits) <= 1e-3
+        assert rel_err(model(ids).logits.cpu(), hf(ids).logits) <= 1e-3
     a = model.generate(ids[:, :4], max_new_tokens=16, do_sample=False).cpu()
     assert torch.equal(a, hf.generate(ids[:, :4], max_new_tokens=16, do_sample=False))
 
@@ -270,10 +258,10 @@ def test_gguf_from_our_converter(arch, gguf_arch, tiny_model_dir, tmp_path):
                 "routed_scaling_factor", "norm_topk_prob", "index_n_heads", "index_head_dim", "index_topk",
                 "rope_parameters", "mlp_layer_types") + (("indexer_types",) if arch == "glm_moe_dsa" else ()):
         assert getattr(cfg, key) == getattr(hf.config, key), key
-    ids = _ids()
+    ids = prompt_ids()
     with torch.no_grad():
         ref = hf(ids).logits
-        assert _rel(load_model(f32, allow_unmatched=False)(ids).logits, ref) <= 1e-4
+        assert rel_err(load_model(f32, allow_unmatched=False)(ids).logits, ref) <= 1e-4
         q8 = convert(d, tmp_path / "q8.gguf", "Q8_0", "Q8_0", "Q8_0")
         deq = _hf_on(GGUFSource(q8))(ids).logits
         diff = (load_model(q8, allow_unmatched=False)(ids).logits - deq).abs()[0]
@@ -344,6 +332,6 @@ def test_fp8_release_loads_dequantized(tmp_path):
     assert sum(k.endswith("_scale_inv") for k in qsd) > 20
     ref = AutoModelForCausalLM.from_pretrained(str(deq), dtype=torch.float32).eval()
     model = load_model(fp8, model_path=fp8, allow_unmatched=False)
-    ids = _ids()
+    ids = prompt_ids()
     with torch.no_grad():
-        assert _rel(model(ids).logits, ref(ids).logits) <= 1e-4
+        assert rel_err(model(ids).logits, ref(ids).logits) <= 1e-4

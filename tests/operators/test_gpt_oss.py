@@ -29,22 +29,10 @@ from ktransformers import load_model
 from ktransformers.errors import WeightError
 from ktransformers.optimize_rules import RULES_DIR, default_rule_file
 
+from .family_checks import BACKEND_SWAPS, EXPERTS_CPU, prompt_ids, rel_err
+
 ARCH = "gpt_oss"
 CPU_RULES = RULES_DIR / "GptOss-cpu.yaml"
-# backend -> (rule text change, tolerance relative to max |logit|)
-BACKENDS = {
-    "KExpertsTorch": ("generate_op: KExpertsCPU\n      backend: llamafile", "generate_op: KExpertsTorch", 1e-4),
-    "AMXBF16": ("backend: llamafile", "backend: AMXBF16", 1e-2),
-    "AMXInt8": ("backend: llamafile", "backend: AMXInt8", 3e-2),
-}
-
-
-def _ids(n=12, seed=0):
-    return torch.randint(0, 300, (1, n), generator=torch.Generator().manual_seed(seed))
-
-
-def _rel(got, ref) -> float:
-    return (got - ref).abs().max().item() / ref.abs().max().item()
 
 
 @pytest.fixture(autouse=True)
@@ -76,14 +64,14 @@ def test_load_model_picks_the_gpt_oss_rules(tiny_model_dir):
         assert type(layer.self_attn).__name__ == "GptOssAttention"
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("backend", list(BACKEND_SWAPS))
 def test_other_expert_backends(backend, tiny_model_dir, hf):
-    old, new, tol = BACKENDS[backend]
+    old, new, tol = BACKEND_SWAPS[backend]
     rules = CPU_RULES.read_text()
     assert old in rules
     d = tiny_model_dir(ARCH)
     model = load_model(d, model_path=d, rules=rules.replace(old, new), allow_unmatched=False)
-    ids = _ids(24, seed=3)
+    ids = prompt_ids(24, seed=3)
     with torch.no_grad():
         got, ref = model(ids).logits[0], hf(ids).logits[0]
     per_pos = (got - ref).abs().amax(-1) / ref.abs().max()
@@ -105,7 +93,7 @@ def test_experts_with_the_clamp_active(backend, tol, tiny_model_dir, hf):
     (both sides), the (up + 1) term and the biases inside the kernel match GptOssExperts."""
     rules = CPU_RULES.read_text()
     if backend == "KExpertsTorch":
-        rules = rules.replace("generate_op: KExpertsCPU\n      backend: llamafile", "generate_op: KExpertsTorch")
+        rules = rules.replace(EXPERTS_CPU, "generate_op: KExpertsTorch")
     else:
         rules = rules.replace("backend: llamafile", f"backend: {backend}")
     d = tiny_model_dir(ARCH)
@@ -121,7 +109,7 @@ def test_experts_with_the_clamp_active(backend, tol, tiny_model_dir, hf):
     with torch.no_grad():
         ref = ref_experts(x, idx, w)
         got = model.model.layers[0].mlp.experts(x, idx, w)
-    assert _rel(got, ref) <= tol
+    assert rel_err(got, ref) <= tol
 
 
 def test_generator_chunked_prefill_past_the_sliding_window(tiny_model_dir, hf):

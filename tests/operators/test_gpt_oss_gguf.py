@@ -28,20 +28,14 @@ from ktransformers.optimize_rules import RULES_DIR
 from ktransformers.weights.gguf_names import gpt_oss_metadata, name_map
 from ktransformers.weights.gguf_source import GGUFSource
 
+from .family_checks import EXPERTS_CPU, prompt_ids, rel_err
+
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA_CPP = Path(os.environ.get("KT_LLAMA_CPP_DIR", "/nonexistent"))  # a llama.cpp source tree
 ARCH = "gpt_oss"
 CONFIG_KEYS = ("num_hidden_layers", "hidden_size", "head_dim", "num_attention_heads", "num_key_value_heads",
                "rope_parameters", "sliding_window", "layer_types", "num_local_experts", "num_experts_per_tok",
                "intermediate_size", "attention_bias", "vocab_size")
-
-
-def _ids(n=12, seed=0):
-    return torch.randint(0, 300, (1, n), generator=torch.Generator().manual_seed(seed))
-
-
-def _rel(got, ref) -> float:
-    return (got - ref).abs().max().item() / ref.abs().max().item()
 
 
 @pytest.fixture(autouse=True)
@@ -138,9 +132,9 @@ def test_f32_gguf_config_from_metadata_and_logits(hf, tmp_path):
     assert tuple(src.shape("model.layers.1.self_attn.sinks")) == (4,)
     model = load_model(f, allow_unmatched=False)
     assert model.model.layers[0].mlp.experts.generate_op.name == "KExpertsCPU"
-    ids = _ids()
+    ids = prompt_ids()
     with torch.no_grad():
-        assert _rel(model(ids).logits, hf(ids).logits) <= 1e-4
+        assert rel_err(model(ids).logits, hf(ids).logits) <= 1e-4
     a = model.generate(ids[:, :4], max_new_tokens=16, do_sample=False)
     assert torch.equal(a, hf.generate(ids[:, :4], max_new_tokens=16, do_sample=False))
 
@@ -155,14 +149,14 @@ def test_mxfp4_experts_match_hf_on_the_dequantized_weights(op, tol, hf, tmp_path
     assert raw.type.name == "MXFP4" and raw.type.kernel
     rules = (RULES_DIR / "GptOss-cpu.yaml").read_text()
     if op == "KExpertsTorch":
-        rules = rules.replace("generate_op: KExpertsCPU\n      backend: llamafile", "generate_op: KExpertsTorch")
+        rules = rules.replace(EXPERTS_CPU, "generate_op: KExpertsTorch")
     model = load_model(f, rules=rules, allow_unmatched=False)
     ref = _hf_on_dequantized(hf, f)
-    ids = _ids(24, seed=2)
+    ids = prompt_ids(24, seed=2)
     with torch.no_grad():
         want = ref(ids).logits
-        assert _rel(want, hf(ids).logits) > 1e-3  # the quantization is visible
-        assert _rel(model(ids).logits, want) <= tol
+        assert rel_err(want, hf(ids).logits) > 1e-3  # the quantization is visible
+        assert rel_err(model(ids).logits, want) <= tol
 
 
 def test_mxfp4_dequantize_bit_exact_with_gguf_py():
@@ -194,9 +188,9 @@ def test_gguf_from_llama_cpp_converter(tiny_model_dir, hf, tmp_path):
     for key in CONFIG_KEYS:
         assert getattr(cfg, key) == getattr(hf.config, key), key
     model = load_model(out, allow_unmatched=False)
-    ids = _ids()
+    ids = prompt_ids()
     with torch.no_grad():
-        assert _rel(model(ids).logits, hf(ids).logits) <= 1e-4
+        assert rel_err(model(ids).logits, hf(ids).logits) <= 1e-4
 
 
 def _openai_mxfp4(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,15 +238,15 @@ def test_published_mxfp4_checkpoint(op, tol, tiny_model_dir, hf, tmp_path):
     save_file(sd, tmp_path / "model.safetensors")
     rules = (RULES_DIR / "GptOss-cpu.yaml").read_text()
     if op == "KExpertsTorch":
-        rules = rules.replace("generate_op: KExpertsCPU\n      backend: llamafile", "generate_op: KExpertsTorch")
+        rules = rules.replace(EXPERTS_CPU, "generate_op: KExpertsTorch")
     model = load_model(tmp_path, model_path=tmp_path, rules=rules, allow_unmatched=False)
     if op == "KExpertsCPU":
         assert model.kt_weights.raw("model.layers.0.mlp.experts.down_proj").type.name == "MXFP4"
-    ids = _ids(24, seed=2)
+    ids = prompt_ids(24, seed=2)
     with torch.no_grad():
         want = ref(ids).logits
-        assert _rel(want, hf(ids).logits) > 1e-3  # the quantization is visible
-        assert _rel(model(ids).logits, want) <= tol
+        assert rel_err(want, hf(ids).logits) > 1e-3  # the quantization is visible
+        assert rel_err(model(ids).logits, want) <= tol
 
 
 def test_our_converter_refuses_gpt_oss_by_name(tiny_model_dir, tmp_path):

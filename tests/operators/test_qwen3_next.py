@@ -29,23 +29,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from ktransformers import load_model
 from ktransformers.optimize_rules import RULES_DIR, default_rule_file
 
+from .family_checks import BACKEND_SWAPS, prompt_ids, rel_err
+
 ARCH = "qwen3_next"
 CPU_RULES = RULES_DIR / "Qwen3Next-cpu.yaml"
 # backend -> (rule text change, tolerance relative to max |logit|)
 BACKENDS = {
     "llamafile": ("", "", 1e-4),
-    "KExpertsTorch": ("generate_op: KExpertsCPU\n      backend: llamafile", "generate_op: KExpertsTorch", 1e-4),
-    "AMXBF16": ("backend: llamafile", "backend: AMXBF16", 1e-2),
-    "AMXInt8": ("backend: llamafile", "backend: AMXInt8", 3e-2),
+    **BACKEND_SWAPS,
 }
-
-
-def _ids(n=12, seed=0):
-    return torch.randint(0, 300, (1, n), generator=torch.Generator().manual_seed(seed))
-
-
-def _rel(got, ref) -> float:
-    return (got - ref).abs().max().item() / ref.abs().max().item()
 
 
 @pytest.fixture(autouse=True)
@@ -101,7 +93,7 @@ def test_gated_shared_expert_in_the_block(tiny_model_dir, hf):
         ref = ref_block(x)
         got = model.model.layers[i].mlp(x)
         shared = torch.sigmoid(ref_block.shared_expert_gate(x)) * ref_block.shared_expert(x)
-    assert _rel(got, ref) <= 1e-5
+    assert rel_err(got, ref) <= 1e-5
     assert shared.abs().max() > 1e-3  # the gated shared expert contributes
 
 
@@ -115,7 +107,7 @@ def test_expert_backends(backend, tiny_model_dir, hf):
     want = "KExpertsTorch" if backend == "KExpertsTorch" else "KExpertsCPU"
     assert all(layer.mlp.experts.generate_op.name == want
                for layer in model.model.layers if hasattr(layer.mlp, "experts"))
-    ids = _ids(24, seed=3)
+    ids = prompt_ids(24, seed=3)
     with torch.no_grad():
         got, ref = model(ids).logits[0], hf(ids).logits[0]
     per_pos = (got - ref).abs().amax(-1) / ref.abs().max()
@@ -175,8 +167,8 @@ def test_gpu_rules_cross_device_parity(tiny_model_dir, hf):
     d = tiny_model_dir(ARCH)
     model = load_model(d, model_path=d, allow_unmatched=False)  # picks Qwen3Next.yaml
     assert any(p.generate_device.type == "cuda" for p in model.kt_plan.placements.values())
-    ids = _ids()
+    ids = prompt_ids()
     with torch.no_grad():
-        assert _rel(model(ids).logits.cpu(), hf(ids).logits) <= 1e-3
+        assert rel_err(model(ids).logits.cpu(), hf(ids).logits) <= 1e-3
     a = model.generate(ids[:, :4], max_new_tokens=16, do_sample=False).cpu()
     assert torch.equal(a, hf.generate(ids[:, :4], max_new_tokens=16, do_sample=False))
