@@ -428,6 +428,9 @@ def report(models: list[BenchModel], args) -> None:
             print("| server | cold s | cached s | cached/cold | tiers | after restart s | restart/cold | tiers |\n"
                   "|---|---|---|---|---|---|---|---|")
             for srv, r in pre.items():
+                if r.get("cold") is None or r.get("cached") is None:
+                    print(f"| {srv} | failed | | | | | | |")
+                    continue
                 disk = (f"{r['disk']:.3f} | {r['disk'] / r['cold']:.2f} | {r.get('disk_tiers')}"
                         if r.get("disk") is not None else "n/a | | ")
                 print(f"| {srv} | {r['cold']:.3f} | {r['cached']:.3f} | {r['cached'] / r['cold']:.2f} | "
