@@ -601,7 +601,7 @@ class _ConfigView:
             return raw[name]
         if _CONFIG_ALIASES.get(name) in raw:
             return raw[_CONFIG_ALIASES[name]]
-        if name in _ABSENT_MEANS_DEFAULT:
+        if name in _ABSENT_MEANS_DEFAULT or name.startswith("__"):  # (dunders: copy/pickle protocol probes)
             raise AttributeError(name)
         raise _LightUnsupported(f"config.json has no '{name}'")
 
