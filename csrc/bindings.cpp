@@ -33,7 +33,8 @@ template <class T>
 const T* cptr(uintptr_t p) { return reinterpret_cast<const T*>(p); }
 
 Backend to_backend(int b) {
-  if (b < 0 || b > 2) throw std::invalid_argument("backend must be 0 (llamafile), 1 (AMXInt8) or 2 (AMXBF16)");
+  if (b < 0 || b >= kNumBackends)
+    throw std::invalid_argument("backend must be 0 (llamafile), 1 (AMXInt8), 2 (AMXBF16), 3 (AMXInt4) or 4 (AMXInt4_1)");
   return static_cast<Backend>(b);
 }
 DType to_dtype(int d) {
@@ -96,6 +97,16 @@ PYBIND11_MODULE(KT_EXT_NAME, m) {
                                                             std::string(act_fmt_name(t.lf_act[ty])));
     return d;
   }, "llamafile kernel table of the tier in force: {type name: (decode kernel, prefill kernel, activation format)}");
+  m.def("packed_rows", [] {
+    const KernelTable& t = kernels();
+    const ActFmt acts[4] = {t.packed_i8_act, t.packed_bf16_act, t.packed_i4_act, t.packed_i4_act};
+    py::dict d;
+    for (int b = 1; b < kNumBackends; ++b)
+      d[py::str(backend_name(static_cast<Backend>(b)))] =
+          py::make_tuple(std::string(t.packed_decode[b - 1]), std::string(t.packed_prefill[b - 1]),
+                         std::string(act_fmt_name(acts[b - 1])));
+    return d;
+  }, "packed backends of the tier in force: {backend: (decode kernel, prefill kernel, activation format)}");
   m.def("cpu_features", [] {
     const auto& f = kt::cpu_features();
     py::dict d;

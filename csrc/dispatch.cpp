@@ -45,6 +45,8 @@ KernelTable make_table() {
       t.packed_i8_act = ActFmt::I8_G128;  // tdpbssd: signed activations
       t.packed_bf16 = amx_gemm_bf16();
       t.packed_bf16_act = ActFmt::BF16;   // tdpbf16ps: bf16 activations
+      t.packed_decode[0] = t.packed_prefill[0] = "i8_amx";
+      t.packed_decode[1] = t.packed_prefill[1] = "bf16_amx";
       return t;
     }
   }

@@ -40,6 +40,18 @@ constexpr int kPanelRows = 16;
 constexpr int kI8Group = 128;        // K padding / activation-scale group for int8
 constexpr int kBf16KAlign = 32;      // K padding for bf16
 
+// Packed int4 layout (AMXInt4 symmetric, AMXInt4_1 with a per-group min).  Group size along K:
+// 32, the block of the Q8_32 activation rows, so the integer dot of one weight group with one
+// activation block is exact and scaled once (weight scale x activation scale; the min or the
+// -8 zero point times the block's activation sum); per-32 scales also keep int4 error near
+// Q4_0 / Q4_1 (per-128 groups roughly double it on Gaussian weights).  K is padded to 32.
+// One panel (16 rows x Kpad): nibbles [Kpad/32][4][64 bytes] | fp16 d[Kpad/32][16] |
+// (AMXInt4_1) fp16 m[Kpad/32][16].  In the 64-byte vector h of group g, byte 4r + j holds
+// row r's q at k = 32g + 8h + j (low nibble) and k = 32g + 8h + 4 + j (high nibble), so one
+// AND / shift yields two vpdpbusd-ready u8 vectors.  Weight = d * (q - 8), or d * q + m.
+constexpr int kI4Group = 32;
+inline size_t i4_panel_bytes(int Kpad, bool with_min) { return (with_min ? 10ull : 9ull) * Kpad; }
+
 // C[t*ldc + r] = dot(weight row r, activation row t) for r < nr, t < nt.
 struct GemmArgs {
   int K = 0;                         // logical row length
@@ -77,6 +89,13 @@ struct KernelTable {
   ActFmt packed_i8_act = ActFmt::I8_G128;  // U8_G128 on the VNNI-512 tier
   GemmFn packed_bf16 = nullptr;
   ActFmt packed_bf16_act = ActFmt::F32;  // BF16 with AVX512-BF16/AMX, else F32
+  GemmFn packed_i4 = nullptr;    // AMXInt4
+  GemmFn packed_i4_1 = nullptr;  // AMXInt4_1
+  ActFmt packed_i4_act = ActFmt::Q8_32;
+  // Name of the kernel that serves decode / prefill for each packed backend (index Backend - 1:
+  // AMXInt8, AMXBF16, AMXInt4, AMXInt4_1).
+  const char* packed_decode[4] = {};
+  const char* packed_prefill[4] = {};
   // x[K] fp32 -> one activation row (Kpad >= K, padding is zero)
   void (*quantize_act)(ActFmt f, const float* x, int K, int Kpad, uint8_t* dst) = nullptr;
   void (*dequant_row)(int type, const void* src, float* dst, int64_t n) = nullptr;

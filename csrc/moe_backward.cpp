@@ -139,6 +139,9 @@ size_t MoETrain::scratch_bytes() {
 MoETrain::MoETrain(std::shared_ptr<MoE> base) : base_(std::move(base)), s_(shared_scratch()) {
   if (!base_) throw std::invalid_argument("MoETrain: base MoE is null");
   const MoEConfig& c = base_->config();
+  if (c.backend == Backend::AMXInt4 || c.backend == Backend::AMXInt4_1)
+    throw std::invalid_argument(std::string("MoETrain: backend ") + backend_name(c.backend) +
+                                " has no backward; use llamafile, AMXInt8 or AMXBF16");
   E_ = c.num_experts;
   H_ = c.hidden;
   I_ = c.intermediate;

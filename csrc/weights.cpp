@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
 #include <new>
 #include <stdexcept>
 #include <vector>
@@ -14,6 +15,8 @@ const char* backend_name(Backend b) {
     case Backend::Llamafile: return "llamafile";
     case Backend::AMXInt8: return "AMXInt8";
     case Backend::AMXBF16: return "AMXBF16";
+    case Backend::AMXInt4: return "AMXInt4";
+    case Backend::AMXInt4_1: return "AMXInt4_1";
   }
   return "?";
 }
@@ -34,6 +37,54 @@ void* AlignedBuf::ensure(size_t bytes) {
 }
 
 static int round_up(int x, int m) { return (x + m - 1) / m * m; }
+
+// fp32 -> IEEE fp16, round to nearest even (the int4 group scales and mins).
+static uint16_t f32_to_fp16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000);
+  x &= 0x7fffffff;
+  if (x >= 0x7f800000) return sign | 0x7c00 | (x > 0x7f800000 ? 0x200 : 0);
+  if (x >= 0x477ff000) return sign | 0x7c00;  // >= 65520 rounds to inf
+  if (x < 0x38800000) {                       // below 2^-14: fp16 subnormal (or zero)
+    float a;
+    std::memcpy(&a, &x, 4);
+    return sign | static_cast<uint16_t>(std::nearbyint(a * 16777216.f));
+  }
+  return sign | static_cast<uint16_t>((x + 0xfff + ((x >> 13) & 1) - 0x38000000) >> 13);
+}
+
+// One 16-row panel of fp32 weights w[16][Kpad] -> the packed int4 layout (kernels.h).  The
+// quantisation uses the fp16-rounded scale / min it stores, so dequantised weights are exactly
+// d * (q - 8) (symmetric: the largest-magnitude value maps to -8, as Q4_0) or d * q + m
+// (asymmetric: m = group min, d = (max - min) / 15, as Q4_1).
+static void pack_i4_panel(const float* w, int Kpad, bool with_min, uint8_t* P) {
+  uint16_t* D = reinterpret_cast<uint16_t*>(P + 8 * static_cast<size_t>(Kpad));
+  uint16_t* M = D + Kpad / 2;
+  std::memset(P, 0, 8 * static_cast<size_t>(Kpad));
+  for (int grp = 0; grp < Kpad / kI4Group; ++grp)
+    for (int r = 0; r < kPanelRows; ++r) {
+      const float* wr = w + static_cast<size_t>(r) * Kpad + grp * kI4Group;
+      float lo = wr[0], hi = wr[0], big = wr[0];
+      for (int k = 1; k < kI4Group; ++k) {
+        lo = std::min(lo, wr[k]);
+        hi = std::max(hi, wr[k]);
+        if (std::fabs(wr[k]) > std::fabs(big)) big = wr[k];
+      }
+      const uint16_t d16 = f32_to_fp16(with_min ? (hi - lo) / 15.f : big / -8.f);
+      const uint16_t m16 = with_min ? f32_to_fp16(lo) : 0;
+      const float d = fp16_to_f32(d16), m = fp16_to_f32(m16);
+      const float id = d != 0.f ? 1.f / d : 0.f;
+      D[grp * kPanelRows + r] = d16;
+      if (with_min) M[grp * kPanelRows + r] = m16;
+      for (int k = 0; k < kI4Group; ++k) {
+        int q = static_cast<int>(std::nearbyint(with_min ? (wr[k] - m) * id : wr[k] * id)) + (with_min ? 0 : 8);
+        q = q < 0 ? 0 : (q > 15 ? 15 : q);
+        const int h = k / 8, j = k % 4, shift = (k % 8) < 4 ? 0 : 4;
+        P[grp * 256 + 64 * h + 4 * r + j] |= static_cast<uint8_t>(q << shift);
+      }
+    }
+}
 
 ProjWeights describe_weights(Backend b, const void* src, int src_type, int count, int rows, int cols,
                              const std::string& what) {
@@ -64,13 +115,23 @@ ProjWeights describe_weights(Backend b, const void* src, int src_type, int count
     p.mat_bytes = static_cast<size_t>(p.rows_pad) * p.Kpad;
     p.act = kt.packed_i8_act;
     p.gemm = kt.packed_i8;
-  } else {
+  } else if (b == Backend::AMXInt4 || b == Backend::AMXInt4_1) {
+    const bool with_min = b == Backend::AMXInt4_1;
+    p.Kpad = round_up(cols, kI4Group);
+    p.rows_pad = round_up(rows, kPanelRows);
+    p.mat_bytes = static_cast<size_t>(p.rows_pad / kPanelRows) * i4_panel_bytes(p.Kpad, with_min);
+    p.act = kt.packed_i4_act;
+    p.gemm = with_min ? kt.packed_i4_1 : kt.packed_i4;
+  } else if (b == Backend::AMXBF16) {
     p.Kpad = round_up(cols, kBf16KAlign);
     p.rows_pad = round_up(rows, kPanelRows);
     p.mat_bytes = static_cast<size_t>(p.rows_pad) * p.Kpad * 2;
     p.act = kt.packed_bf16_act;
     p.gemm = kt.packed_bf16;
+  } else {
+    throw std::invalid_argument(what + ": unknown backend " + std::to_string(static_cast<int>(b)));
   }
+  if (!p.gemm) throw std::invalid_argument(what + ": no " + backend_name(b) + " kernel on this ISA tier");
   return p;
 }
 
@@ -106,6 +167,8 @@ void pack_weights(ProjWeights& p, const void* src, uint8_t* dst, ThreadPool& poo
   const int panels = p.rows_pad / kPanelRows;
   const int ntasks = p.count * panels;
   const bool i8 = p.backend == Backend::AMXInt8;
+  const bool i4 = p.backend == Backend::AMXInt4 || p.backend == Backend::AMXInt4_1;
+  const size_t panel_bytes = p.mat_bytes / panels;
   float* scales = i8 ? reinterpret_cast<float*>(dst + p.mat_bytes * p.count) : nullptr;
   int32_t* corr = i8 ? reinterpret_cast<int32_t*>(scales + static_cast<size_t>(p.rows_pad) * p.count) : nullptr;
   const int ng = p.Kpad / kI8Group;
@@ -120,8 +183,10 @@ void pack_weights(ProjWeights& p, const void* src, uint8_t* dst, ThreadPool& poo
       if (row < p.rows)
         kt.dequant_row(p.src_type, s + e * (p.row_bytes * p.rows) + row * p.row_bytes, &w[static_cast<size_t>(r) * p.Kpad], p.cols);
     }
-    uint8_t* P = dst + e * p.mat_bytes + static_cast<size_t>(pn) * kPanelRows * p.Kpad * (i8 ? 1 : 2);
-    if (i8) {
+    uint8_t* P = dst + e * p.mat_bytes + static_cast<size_t>(pn) * panel_bytes;
+    if (i4) {
+      pack_i4_panel(w.data(), p.Kpad, p.backend == Backend::AMXInt4_1, P);
+    } else if (i8) {
       float inv[kPanelRows];
       for (int r = 0; r < kPanelRows; ++r) {
         float amax = 0.f;

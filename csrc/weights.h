@@ -1,5 +1,5 @@
 // A stack of equally shaped weight matrices [count, rows, cols] in one backend format, plus the
-// load-time repacking for the AMXInt8 / AMXBF16 backends.
+// load-time repacking for the packed backends (AMXInt8, AMXBF16, AMXInt4, AMXInt4_1).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -11,7 +11,8 @@
 
 namespace kt {
 
-enum class Backend : int { Llamafile = 0, AMXInt8 = 1, AMXBF16 = 2 };
+enum class Backend : int { Llamafile = 0, AMXInt8 = 1, AMXBF16 = 2, AMXInt4 = 3, AMXInt4_1 = 4 };
+constexpr int kNumBackends = 5;
 const char* backend_name(Backend b);
 
 // 64-byte aligned, grow-only buffer.

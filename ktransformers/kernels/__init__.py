@@ -32,8 +32,10 @@ API
 ``MoEKernel(pool, backend, num_experts, hidden, intermediate, gate, up, down, gate_type,
 up_type, down_type, activation="silu", alpha=1.702, limit=7.0, gate_bias=None, up_bias=None, down_bias=None)``
     ``backend``: ``"llamafile"`` (weights used in place in their ggml type), ``"AMXInt8"``
-    (requantised at load to int8, per-row scales, VNNI/AMX tile layout) or ``"AMXBF16"``
-    (repacked to bf16).  ``gate``/``up`` hold ``[E, I, H]`` and ``down`` ``[E, H, I]`` in the
+    (requantised at load to int8, per-row scales, VNNI/AMX tile layout), ``"AMXBF16"``
+    (repacked to bf16), ``"AMXInt4"`` / ``"AMXInt4_1"`` (requantised to int4 per 32-k group,
+    fp16 scale / scale + min, two weights per byte; ``cpuinfer_ext.packed_rows()`` names the
+    kernel of each packed backend).  The int4 backends have no ``MoETrainKernel``.  ``gate``/``up`` hold ``[E, I, H]`` and ``down`` ``[E, H, I]`` in the
     stacked GGUF layout: either raw bytes (numpy/torch ``uint8``, any shape, exactly
     ``E*rows*row_bytes(type, cols)`` bytes, C-contiguous) or, for F32/F16/BF16, float tensors of
     that shape.  Types: F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL

@@ -8,7 +8,7 @@ from .. import cpuinfer_ext as _ext
 from .args import _desc, _empty_like, _weight, ggml_type, moe_call_args, positive_ints, rows_of
 from .pool import CPUInfer
 
-BACKENDS = {"llamafile": 0, "AMXInt8": 1, "AMXBF16": 2}
+BACKENDS = {"llamafile": 0, "AMXInt8": 1, "AMXBF16": 2, "AMXInt4": 3, "AMXInt4_1": 4}
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "clamp_swiglu": 2}
 
 

@@ -67,13 +67,6 @@ OPS: dict[str, dict[str, Alias]] = {
     },
 }
 
-#: expert backends of ``KExpertsCPU``: reference names accepted by ``check`` whose kernels are
-#: not built yet; loading a model with one says so, naming the rule
-PLANNED_BACKENDS: dict[str, str] = {
-    "AMXInt4": "int4 AMX experts",
-    "AMXInt4_1": "int4 AMX experts (asymmetric)",
-}
-
 #: kwarg spellings of the reference system -> ours
 KWARGS: dict[str, str] = {
     "per_layer_prefill_intput_threshold": "prefill_threshold",

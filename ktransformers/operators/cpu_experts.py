@@ -3,7 +3,9 @@
 Backends (the ``backend`` rule kwarg): ``llamafile`` computes on the weights in their stored
 GGUF type, read in place from the memory-mapped file (no copy); ``AMXInt8`` requantizes at load
 to int8 with per-row scales, ``AMXBF16`` repacks to bf16 — both in a tile layout that the AMX
-kernel uses where the CPU has AMX and the AVX-512 (VNNI / BF16) kernels use elsewhere.
+kernel uses where the CPU has AMX and the AVX-512 (VNNI / BF16) kernels use elsewhere;
+``AMXInt4`` / ``AMXInt4_1`` requantize to int4 per 32-k group (fp16 scale; ``_1`` also an fp16
+min), two weights per byte, run by the VNNI-512 / AVX-VNNI / AVX2 kernels.
 
 Weights that are not stored quantized (safetensors, F32/BF16 GGUF) are handed over as float
 tensors (F32 for an fp32 model, BF16 otherwise).  The op runs asynchronously: ``submit``
@@ -14,14 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import RuleError
 from .base import KwargSpec
-from .compat import PLANNED_BACKENDS
 from .cpu_threads import kernel_pool
 from .experts import ExpertsOp
 from .registry import register
 
-BACKEND_NAMES = ("llamafile", "AMXInt8", "AMXBF16")
+BACKEND_NAMES = ("llamafile", "AMXInt8", "AMXBF16", "AMXInt4", "AMXInt4_1")
 
 
 def _kernels():
@@ -46,13 +46,13 @@ class KExpertsCPU(ExpertsOp):
     device_kinds = ("cpu",)
     keeps_raw_weights = True
     extra_kwargs = {
-        "backend": KwargSpec((str,), "llamafile", "llamafile | AMXInt8 | AMXBF16"),
+        "backend": KwargSpec((str,), "llamafile", " | ".join(BACKEND_NAMES)),
     }
 
     @classmethod
     def validate_kwargs(cls, kwargs: dict):
         b = kwargs.get("backend", "llamafile")
-        if b not in BACKEND_NAMES and b not in PLANNED_BACKENDS:
+        if b not in BACKEND_NAMES:
             import difflib
 
             near = difflib.get_close_matches(str(b), BACKEND_NAMES, n=1)
@@ -61,9 +61,6 @@ class KExpertsCPU(ExpertsOp):
         return None
 
     def __init__(self, key, config, orig_module, device, backend: str = "llamafile", **kwargs):
-        if backend in PLANNED_BACKENDS:  # a valid rule, but nothing to run it with yet
-            raise RuleError(f"{key}: KExpertsCPU backend '{backend}' ({PLANNED_BACKENDS[backend]}) is not built yet; "
-                            f"use {' or '.join(BACKEND_NAMES)}")
         super().__init__(key, config, orig_module, device, **kwargs)
         self.backend = backend
         self.kernel = None

@@ -2,7 +2,7 @@
 
 Replaces a transformers 5 experts module like ``KTransformersExperts`` does (same ``backend``
 rule kwarg: ``llamafile`` weights read in place in their GGUF type, ``AMXInt8`` / ``AMXBF16``
-repacked), and runs it through a ``torch.autograd.Function`` whose backward is the C++ one
+repacked; not the int4 backends), and runs it through a ``torch.autograd.Function`` whose backward is the C++ one
 (``kernels.MoETrainKernel``): gradients flow to the hidden states, the routing weights (and so
 to the router's torch ops) and the expert LoRA factors.  The base weights stay frozen and are
 never expanded to float.
@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from ..errors import RuleError
 from .base import KwargSpec
 from .cpu_experts import KExpertsCPU
 from .experts import KTransformersExperts
@@ -42,6 +43,8 @@ from .registry import register
 
 #: the fused expert parameters LoRA can target, in the order PEFT nests their wrappers
 TARGETS = ("gate_up_proj", "down_proj")
+#: KExpertsCPU backends the C++ backward (MoETrainKernel) reads the weights of; not the int4 ones
+TRAIN_BACKENDS = ("llamafile", "AMXInt8", "AMXBF16")
 ADAPTER = "default"
 
 
@@ -108,7 +111,7 @@ class _SFTExpertsFunction(torch.autograd.Function):
 class KSFTExpertsCPU(KTransformersExperts):
     """Routed experts for LoRA fine-tuning on the CPU kernels (see the module docstring).
 
-    kwargs: ``backend`` (``llamafile`` | ``AMXInt8`` | ``AMXBF16``), ``recompute`` (bool),
+    kwargs: ``backend`` (one of ``TRAIN_BACKENDS``), ``recompute`` (bool),
     devices.  LoRA is added after loading with ``add_lora``.
     """
 
@@ -118,6 +121,10 @@ class KSFTExpertsCPU(KTransformersExperts):
                                                      "instead of keeping them (T*k*2I floats per layer)")}
 
     def __init__(self, key, gguf_loader=None, config=None, orig_module=None, **kwargs):
+        backend = kwargs.get("backend", "llamafile")
+        if backend not in TRAIN_BACKENDS:
+            raise RuleError(f"{key}: KSFTExpertsCPU has no backward for backend '{backend}'; "
+                            f"use {', '.join(TRAIN_BACKENDS)}")
         recompute = bool(kwargs.pop("recompute", False))
         super().__init__(key, gguf_loader, config, orig_module, **kwargs)
         object.__setattr__(self, "recompute", recompute)
