@@ -2,11 +2,13 @@
 
 Prints, side by side for Qwen3-30B-A3B (H2048 I768 E128 k8) and DeepSeek-V2-Lite
 (H2048 I1408 E64 k6), decode T=1 and prefill T=128/512, 1 and 2 threads:
-  * this project: llamafile Q4_K, Q8_0, BF16; AMXInt8; AMXBF16 (ktransformers.kernels)
+  * this project: llamafile Q4_K, Q8_0, BF16; AMXInt8; AMXInt4; AMXInt4_1; AMXBF16 (ktransformers.kernels)
   * a naive torch per-expert loop (bf16), the usual baseline
-  * kt-kernel (PyPI) and llama.cpp when importable (otherwise a note)
+  * kt-kernel (PyPI) when importable: its AMXInt4_MOE / AMXInt4_1_MOE (rows kt:AMXInt4, kt:AMXInt4_1,
+    quantised online from the same bf16 weights); llama.cpp: a note
 Per row: median ms (>= 20 timed calls, random routing with a fixed seed, a different routing
-per call), effective weight GB/s (bytes of the experts hit / time), GFLOP/s (2*3*H*I*T*k / time),
+per call), effective weight GB/s (bytes of the experts hit / time; int4 counts its fp16 scales
+(and mins) too: 0.5625 / 0.625 bytes per weight), GFLOP/s (2*3*H*I*T*k / time),
 the fraction of the DRAM read bandwidth and of the compute peak measured at start-up with the
 same thread count (the extension's probes), and the speed-up over the torch loop.
 
@@ -39,6 +41,9 @@ SHAPES = {"qwen3": ("Qwen3-30B-A3B", 2048, 768, 128, 8), "dsv2": ("DeepSeek-V2-L
 BLOCK = {"Q4_K": (256, 144), "Q8_0": (32, 34), "BF16": (1, 2), "Q4_0": (32, 18), "Q5_K": (256, 176),
          "Q6_K": (256, 210)}
 F16_AT = {"Q4_K": (0, 2), "Q8_0": (0,), "Q4_0": (0,), "Q5_K": (0, 2), "Q6_K": (208,)}  # byte offsets of d (, dmin)
+PACKED = ("AMXInt8", "AMXBF16", "AMXInt4", "AMXInt4_1")  # backends repacked from BF16 at load
+#: bytes read per weight by the packed backends (int4: nibbles + fp16 scale (+ min) per 32)
+PACKED_BPE = {"AMXInt8": 1.0, "AMXBF16": 2.0, "AMXInt4": 0.5 + 2 / 32, "AMXInt4_1": 0.5 + 4 / 32}
 
 
 def rand_weights(t: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -97,11 +102,50 @@ def kernel_label(var: str, types: tuple[str, str, str], T: int) -> str:
     """Which kernel served the row: the llamafile table of the tier (decode or prefill column)."""
     if var == "torch":
         return "torch"
-    if var in ("AMXInt8", "AMXBF16"):
-        return "packed_i8" if var == "AMXInt8" else "packed_bf16"
+    if var.startswith("kt:"):
+        return f"kt_kernel {var[3:]}_MOE"
+    if var in PACKED:
+        dec, pre, _ = ext.packed_rows()[var]
+        return dec if T == 1 else pre
     rows = ext.kernel_rows()
     names = dict.fromkeys(rows[t][0 if T == 1 else 1] for t in (types[0], types[2]))
     return "/".join(names)
+
+
+class KtKernelMoE:
+    """kt-kernel's MoE class ``name`` (e.g. AMXInt4_MOE) on bf16 weights, with the direct API of
+    shared/notes/peer-bench.md section 3; ``forward(x_f32, ids, w)`` like MoEKernel's."""
+
+    def __init__(self, name: str, threads: int, E: int, H: int, I: int, k: int, max_len: int, g, u, d):
+        from kt_kernel import kt_kernel_ext as kx
+
+        self.cpu = kx.CPUInfer(threads)
+        self.k, self.H = k, H
+        self._w = [torch.frombuffer(a, dtype=torch.bfloat16).view(E, *sh)
+                   for a, sh in ((g, (I, H)), (u, (I, H)), (d, (H, I)))]
+        cfg = kx.moe.MOEConfig(E, k, H, I, 0)
+        cfg.max_len = max_len
+        cfg.pool = self.cpu.backend_
+        cfg.gate_proj, cfg.up_proj, cfg.down_proj = (t.data_ptr() for t in self._w)
+        self.cfg = cfg
+        self.moe = getattr(kx.moe, name)(cfg)
+        self._ids = torch.arange(E, dtype=torch.int64)
+        self.cpu.submit(self.moe.load_weights_task(self._ids.data_ptr()))
+        self.cpu.sync()
+        self.packed_bytes = 0  # not reported by kt-kernel
+
+    def forward(self, x, ids, w, out):
+        T = x.shape[0]
+        xb = x.to(torch.bfloat16).contiguous()
+        ob = torch.empty(T, self.H, dtype=torch.bfloat16)
+        ids_t = torch.as_tensor(ids, dtype=torch.int64).contiguous()
+        w_t = torch.as_tensor(w, dtype=torch.float32).contiguous()
+        bsz = torch.tensor([T], dtype=torch.int32)
+        self.cpu.submit(self.moe.forward_task(bsz.data_ptr(), self.k, ids_t.data_ptr(), w_t.data_ptr(),
+                                              xb.data_ptr(), ob.data_ptr(), False))
+        self.cpu.sync()
+        out.copy_(ob)
+        return out
 
 
 def call_overhead_us(n: int = 2000) -> float:
@@ -125,17 +169,18 @@ def main() -> None:
     ap.add_argument("--shapes", default="qwen3,dsv2")
     ap.add_argument("--tokens", default="1,128,512")
     ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--variants", default="torch,Q4_K,Q8_0,BF16,AMXInt8,AMXBF16",
-                    help="torch first: the other rows report their speed-up over it; also Q4_0, Q5_K, Q6_K")
+    ap.add_argument("--variants", default="torch,Q4_K,Q8_0,BF16,AMXInt8,AMXInt4,AMXInt4_1,AMXBF16",
+                    help="torch first: the other rows report their speed-up over it; also Q4_0, Q5_K, Q6_K; "
+                         "kt:AMXInt4 and kt:AMXInt4_1 are appended when kt_kernel is importable")
     ap.add_argument("--reps", type=int, default=20, help="timed calls per row (median)")
     ap.add_argument("--quick", action="store_true",
-                    help="defaults become: qwen3, T=1,128, 1 thread, Q4_K,Q8_0,BF16,AMXInt8,AMXBF16, "
+                    help="defaults become: qwen3, T=1,128, 1 thread, Q4_K,Q8_0,BF16,AMXInt8,AMXInt4,AMXInt4_1,AMXBF16, "
                          "smaller probes, plus the per-call Python overhead; explicit options still win")
     args = ap.parse_args()
     if args.quick:
         given = {a.split("=")[0] for a in sys.argv[1:]}
         for opt, val in (("--shapes", "qwen3"), ("--tokens", "1,128"), ("--threads", "1"),
-                         ("--variants", "Q4_K,Q8_0,BF16,AMXInt8,AMXBF16")):
+                         ("--variants", "Q4_K,Q8_0,BF16,AMXInt8,AMXInt4,AMXInt4_1,AMXBF16")):
             if opt not in given:
                 setattr(args, opt[2:], val)
     tokens = [int(v) for v in args.tokens.split(",")]
@@ -152,12 +197,18 @@ def main() -> None:
         probes[th] = (bw, peaks)
         print(f"probe {th} thread(s): DRAM read {bw:.1f} GB/s, fp32 {fmt_peak(peaks['fp32'], 'GFLOP/s')}, "
               f"bf16 {fmt_peak(peaks['bf16'], 'GFLOP/s')}, int8 {fmt_peak(peaks['int8'], 'GOP/s')}")
-    for name in ("kt_kernel", "llama_cpp"):
-        try:
-            __import__(name)
-            print(f"note: {name} is importable but not wired into this bench yet; see shared/notes/peer-bench.md")
-        except ImportError:
-            print(f"note: {name} not importable here: skipped (numbers in shared/notes/peer-bench.md)")
+    try:
+        __import__("kt_kernel")
+        if "--variants" not in {a.split("=")[0] for a in sys.argv[1:]}:
+            variants += ["kt:AMXInt4", "kt:AMXInt4_1"]
+    except ImportError:
+        print("note: kt_kernel not importable here: its rows skipped (numbers in shared/notes/peer-bench.md)")
+        variants = [v for v in variants if not v.startswith("kt:")]
+    try:
+        __import__("llama_cpp")
+        print("note: llama_cpp is importable but not wired into this bench yet; see shared/notes/peer-bench.md")
+    except ImportError:
+        print("note: llama_cpp not importable here: skipped (numbers in shared/notes/peer-bench.md)")
 
     if args.quick:
         print(f"python call overhead (tiny layer, T=1, 1 thread): {call_overhead_us():.1f} us per forward")
@@ -170,7 +221,7 @@ def main() -> None:
         torch_ms: dict = {}
         for var in variants:
             rng = np.random.default_rng(1)
-            if var in ("BF16", "AMXInt8", "AMXBF16", "torch"):
+            if var in ("BF16", "torch") or var in PACKED or var.startswith("kt:"):
                 gt = ut = dt = "BF16"
             elif var == "Q4_K" and I % 256:
                 gt, ut, dt = "Q4_K", "Q4_K", "Q8_0"
@@ -180,7 +231,8 @@ def main() -> None:
             g = rand_weights(gt, E * I, H, rng)
             u = rand_weights(ut, E * I, H, rng)
             d = rand_weights(dt, E * H, I, rng)
-            label = var if (gt, dt) == (var, var) or var in ("AMXInt8", "AMXBF16", "torch") else f"{gt}/down {dt}"
+            label = var if (gt, dt) == (var, var) or var in PACKED or var in ("torch",) or var.startswith("kt:") \
+                else f"{gt}/down {dt}"
             for th in threads_l:
                 pool = K.cpu_infer(th)
                 if var == "torch":
@@ -188,8 +240,16 @@ def main() -> None:
                     tg, tu, td = (torch.frombuffer(a, dtype=torch.bfloat16).view(E, *s)
                                   for a, s in ((g, (I, H)), (u, (I, H)), (d, (H, I))))
                     moe = None
+                elif var.startswith("kt:"):
+                    tl = time.perf_counter()
+                    try:
+                        moe = KtKernelMoE(f"{var[3:]}_MOE", th, E, H, I, k, max(tokens), g, u, d)
+                    except Exception as e:  # noqa: BLE001 - a peer's failure is a row, not the end of the report
+                        print(f"{sname:17s} {label:14s} {th:3d}  failed: {type(e).__name__}: {e}", flush=True)
+                        continue
+                    load_s = time.perf_counter() - tl
                 else:
-                    backend = var if var in ("AMXInt8", "AMXBF16") else "llamafile"
+                    backend = var if var in PACKED else "llamafile"
                     tl = time.perf_counter()
                     moe = K.MoEKernel(pool, backend, E, H, I, g, u, d, gt, ut, dt)
                     load_s = time.perf_counter() - tl
@@ -206,9 +266,9 @@ def main() -> None:
                         peak_kind = "bf16" if var in ("BF16", "AMXBF16") else "int8"
                     ms = time_calls(fn, routes) * 1e3
                     hit = np.mean([len(np.unique(ids)) for ids, _ in routes])
-                    if var == "AMXInt8":
-                        bpe = (1.0, 1.0, 1.0)
-                    elif var in ("AMXBF16", "BF16", "torch"):
+                    if var in PACKED or var.startswith("kt:"):
+                        bpe = (PACKED_BPE[var.removeprefix("kt:")],) * 3
+                    elif var in ("BF16", "torch"):
                         bpe = (2.0, 2.0, 2.0)
                     else:
                         bpe = tuple(BLOCK[t][1] / BLOCK[t][0] for t in (gt, ut, dt))
@@ -225,7 +285,7 @@ def main() -> None:
                             f"{100 * gbs / bw:5.0f}% {pk} {ratio:7.2f}x  {kernel_label(var, (gt, ut, dt), T)}")
                     print(line, flush=True)
                     rows.append(line)
-                if moe is not None and var in ("AMXInt8", "AMXBF16"):
+                if moe is not None and var in PACKED:
                     print(f"  ({var} load+repack {load_s:.1f} s, {moe.packed_bytes / 1e9:.2f} GB)")
                 del moe
             del g, u, d

@@ -35,7 +35,8 @@ def _env(tier: str) -> dict:
 def test_lower_tier_subset(tier):
     if ORDER.index(tier) > ORDER.index(ext.best_isa_tier()):
         pytest.skip(f"CPU does not support {tier}")
-    files = [str(HERE / "test_linear.py"), str(HERE / "test_kernel_table.py"), str(HERE / "test_isa.py::test_tier_reported")]
+    files = [str(HERE / "test_linear.py"), str(HERE / "test_kernel_table.py"), str(HERE / "test_int4_backends.py"),
+             str(HERE / "test_isa.py::test_tier_reported")]
     if tier != "scalar":  # scalar runs every type through the generic path: Linear only (speed)
         files.insert(0, str(HERE / "test_moe.py"))
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *files],
