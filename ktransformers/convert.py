@@ -43,6 +43,7 @@ from .errors import ConfigError, KTError, WeightError
 from .weights import gguf_names as gn
 from .weights.ggml_types import FILE_TYPES, ggml_type_info
 from .weights.quantize import QUANTIZABLE, native_quantizer, quantize
+from .weights.safetensors_header import read_header
 
 #: llama-quantize's type for rows that are not a multiple of a 256-value block
 _FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL"}
@@ -245,7 +246,7 @@ class _TorchFiles:
 
 
 class _NumpyFiles:
-    """Safetensors files read without torch: the JSON header parsed here, the data mapped with numpy.
+    """Safetensors files read without torch: the header from :func:`read_header`, the data mapped with numpy.
     Only float32/float16/bfloat16 tensors (others: :class:`_LightUnsupported`)."""
 
     _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
@@ -253,33 +254,13 @@ class _NumpyFiles:
     def __init__(self, files: list[Path]):
         self.where, self._info, self._maps = {}, {}, {}
         for f in files:
-            size = f.stat().st_size
-            try:
-                with open(f, "rb") as fh:
-                    n = int.from_bytes(fh.read(8), "little")
-                    if not 2 <= n <= min(size - 8, 1 << 27):
-                        raise ValueError(f"header length {n} does not fit a {size}-byte file")
-                    header = json.loads(fh.read(n))
-                if not isinstance(header, dict):
-                    raise ValueError("the header is not a JSON object")
-            except (OSError, ValueError, UnicodeDecodeError) as e:
-                raise WeightError(f"{f}: unreadable safetensors file ({e})") from e
+            header = read_header(f)
             mm = np.memmap(f, dtype=np.uint8, mode="r")
-            for k, v in header.items():
-                if k == "__metadata__":
-                    continue
-                try:
-                    dtype, shape, (b0, b1) = v["dtype"], tuple(int(x) for x in v["shape"]), v["data_offsets"]
-                except (KeyError, TypeError, ValueError) as e:
-                    raise WeightError(f"{f}: tensor '{k}' has a malformed header entry ({e})") from e
-                if dtype not in self._DTYPES:
-                    raise _LightUnsupported(f"{k}: dtype {dtype}")
-                itemsize = np.dtype(self._DTYPES[dtype]).itemsize
-                if not (0 <= b0 <= b1 <= size - 8 - n) or b1 - b0 != itemsize * int(np.prod(shape, dtype=np.int64)):
-                    raise WeightError(f"{f}: tensor '{k}' has data offsets {b0}..{b1} that do not match its "
-                                      f"shape {list(shape)} {dtype} inside the file")
+            for k, e in header.items():
+                if e.dtype not in self._DTYPES:
+                    raise _LightUnsupported(f"{k}: dtype {e.dtype}")
                 self.where[k] = f
-                self._info[k] = (dtype, shape, 8 + n + b0, 8 + n + b1)
+                self._info[k] = (e.dtype, e.shape, e.start, e.end)
                 self._maps[k] = mm
 
     def shape(self, key: str) -> tuple[int, ...]:

@@ -3,11 +3,14 @@
 Accepts the layouts found in the wild: transformers 5's fused experts
 (``experts.gate_up_proj``), per-expert keys as ``save_pretrained`` writes them
 (``experts.E.{gate,up,down}_proj.weight``), and Mixtral's ``block_sparse_moe.experts.E.w{1,2,3}``.
-Tensors are read lazily from memory-mapped files, one at a time.
+Tensors are read lazily, one at a time; per-expert tensors are read with ``pread`` straight into
+the stacked tensor (no file mapping stays resident beside the copy the kernels keep, which would
+otherwise double the peak RSS of a bf16 checkpoint's experts).
 """
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -15,10 +18,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import WeightError
+from .safetensors_header import read_header
 from .source import WeightSource
 
 _PER_EXPERT = re.compile(r"^(?P<base>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 def _hf_name(key: str) -> str:
@@ -32,7 +37,10 @@ class SafetensorsSource(WeightSource):
         files = [p] if p.is_file() else sorted(p.glob("*.safetensors"))
         if not files:
             raise WeightError(f"{p}: no .safetensors files")
+        self._files = files
         self._handles = []
+        self._headers: list[dict] = []  # per file: key -> TensorEntry (byte ranges for pread)
+        self._fds: dict[int, int] = {}
         self._index: dict[str, tuple[int, str]] = {}  # hf name -> (file idx, key)
         self._experts: dict[str, dict[str, dict[int, tuple[int, str]]]] = {}  # base -> proj -> e -> loc
         for i, f in enumerate(files):
@@ -41,6 +49,7 @@ class SafetensorsSource(WeightSource):
             except (SafetensorError, OSError, ValueError) as e:
                 raise WeightError(f"{f}: not a readable safetensors file ({e})") from None
             self._handles.append(h)
+            self._headers.append(read_header(f))
             for key in h.keys():
                 m = _PER_EXPERT.match(key)
                 if m:
@@ -88,10 +97,55 @@ class SafetensorsSource(WeightSource):
         if name in self._index:
             i, key = self._index[name]
             return self._read(i, key)
+        return self._load_as(name, None, None)
+
+    def _natural_dtype(self, name: str) -> torch.dtype:
+        i, key = self._index[name] if name in self._index else self._first_expert(name)
+        dt = _TORCH_DTYPES.get(self._headers[i][key].dtype)
+        return dt if dt is not None else self._read(i, key).dtype
+
+    def _first_expert(self, name: str) -> tuple[int, str]:
         per = self._expert_entry(name)
         if per is None:
             raise self.missing(name)
-        return torch.stack([self._read(*per[e]) for e in range(len(per))])
+        return per[0]
+
+    def _load_as(self, name: str, dtype: torch.dtype | None, device) -> torch.Tensor:
+        if name in self._index:
+            return super()._load_as(name, dtype, device)
+        out = torch.empty(self._native_shape(name), dtype=dtype or self._natural_dtype(name))
+        self._load_into(name, out)
+        return out.to(device) if device is not None else out
+
+    def _load_into(self, name: str, out: torch.Tensor) -> None:
+        per = None if name in self._index else self._expert_entry(name)
+        if per is None:
+            return super()._load_into(name, out)
+        for e in range(len(per)):
+            i, key = per[e]
+            dst = out[e]
+            entry = self._headers[i][key]
+            if (dst.device.type == "cpu" and dst.is_contiguous() and _TORCH_DTYPES.get(entry.dtype) == dst.dtype
+                    and dst.numel() * dst.element_size() == entry.end - entry.start):
+                self._pread(i, entry.start, dst)
+            else:  # another dtype or device: converted from a temporary
+                dst.copy_(self._read(i, key))
+
+    def _pread(self, i: int, offset: int, dst: torch.Tensor) -> None:
+        """Fill the contiguous CPU tensor ``dst`` with the file's bytes from ``offset``."""
+        fd = self._fds.get(i)
+        if fd is None:
+            fd = self._fds[i] = os.open(self._files[i], os.O_RDONLY)
+        buf = memoryview(dst.view(torch.uint8).reshape(-1).numpy())
+        done = 0
+        while done < len(buf):
+            try:
+                n = os.preadv(fd, [buf[done:]], offset + done)
+            except OSError as e:
+                raise WeightError(f"{self._files[i]}: cannot read at byte {offset + done} ({e})") from None
+            if n <= 0:
+                raise WeightError(f"{self._files[i]}: truncated at byte {offset + done}")
+            done += n
 
     def _read(self, i: int, key: str) -> torch.Tensor:
         try:
@@ -101,3 +155,6 @@ class SafetensorsSource(WeightSource):
 
     def close(self) -> None:
         self._handles.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
