@@ -56,16 +56,28 @@ def test_fixture_matches_hf(arch):
     assert tok.encode(probe["text"], add_special_tokens=False) == probe["ids"]
 
 
+def kernel_bf16_tolerance() -> float:
+    """Relative logits tolerance of the CPU kernels on these BF16 files: 1e-4 where the tier's BF16
+    kernel takes fp32 activations (measured <= 2e-6); 3e-2 where it takes bf16 ones (``vdpbf16ps`` on
+    AVX512-BF16, as llama.cpp does there): each activation is rounded to 8 significant bits (2^-9
+    relative) before every BF16 product, which reaches 0.5-1.4e-2 of the largest logit through these
+    two-layer models (Gemma-3's scaled embeddings the most); the same files on the avx2 / avx512 tiers
+    (fp32 activations; ``KT_ISA=avx512`` here) stay within 2e-6."""
+    import ktransformers.cpuinfer_ext as ext
+
+    return 3e-2 if ext.kernel_rows()["BF16"][2] == "bf16" else 1e-4
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fixture_through_load_model(arch):
-    """The whole loader (shipped -cpu rules, operators, CPU kernels) on the llama.cpp file: same bar."""
+    """The whole loader (shipped -cpu rules, operators, CPU kernels) on the llama.cpp file."""
     from ktransformers import load_model
 
     ref = reference(arch)
     model = load_model(FIXTURES / f"{arch}.gguf", device="cpu")
     with torch.no_grad():
         got = model(torch.tensor([ref["token_ids"]])).logits[0].float().numpy()
-    assert rel_err(got, np.array(ref["hf_logits"], dtype=np.float32)) <= 1e-4
+    assert rel_err(got, np.array(ref["hf_logits"], dtype=np.float32)) <= kernel_bf16_tolerance()
 
 
 def test_qwen2moe_one_dimensional_shared_expert_gate(tmp_path):
