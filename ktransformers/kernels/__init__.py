@@ -68,7 +68,7 @@ up_type, down_type, activation="silu", alpha=1.702, limit=7.0, gate_bias=None, u
     fp32 contiguous CPU tensors.
 
 ``row_bytes(type, cols)``, ``type_info(type)``, ``dequantize(raw, type, n)`` (ggml reference
-values, used by tests).
+values, used by tests), ``activation_format(type)`` (what the tier's kernel rounds activations to).
 """
 
 from __future__ import annotations
@@ -79,10 +79,11 @@ from .linear import LinearGroupKernel, LinearKernel
 from .moe import ACTIVATIONS, BACKENDS, MoEKernel
 from .moe_train import LoraFactors, MoETrainKernel
 from .pool import CPUInfer, cpu_infer, isa_tier
-from .types import dequantize, row_bytes, type_info
+from .types import activation_format, dequantize, row_bytes, type_info
 
 #: the weight types the kernels compute on: name -> id
 TYPES = {name: t.id for name, t in KERNEL_TYPES.items()}
 
 __all__ = ["isa_tier", "cpu_infer", "CPUInfer", "MoEKernel", "LinearKernel", "LinearGroupKernel", "row_bytes",
-           "type_info", "dequantize", "ggml_type", "BACKENDS", "ACTIVATIONS", "TYPES", "MoETrainKernel", "LoraFactors"]
+           "type_info", "dequantize", "ggml_type", "BACKENDS", "ACTIVATIONS", "TYPES", "MoETrainKernel", "LoraFactors",
+           "activation_format"]

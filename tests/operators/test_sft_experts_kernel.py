@@ -2,7 +2,9 @@
 same weights dequantized by gguf-py (an independent dequantizer).
 
 Tolerances, max |error| relative to the largest reference value, per backend/type:
-llamafile F32 and BF16 weights 1e-5 (same math in another order; measured <= 8e-7); llamafile
+llamafile F32 and BF16 weights 1e-5 (same math in another order; measured <= 8e-7), BF16 1e-2
+where the tier's BF16 kernel takes bf16 activations (AVX512-BF16: each forward input rounded to
+bf16; measured 2.7e-3); llamafile
 Q8_0 / Q4_K 3e-2 (the forward products take int8-quantized activations on the avx2 tier and up,
 as for inference; the backward's products are fp32; measured <= 1.3e-2, and <= 8e-7 on the
 scalar tier, which computes on fp32 activations); AMXBF16 1e-2 (weights repacked to bf16;
@@ -29,7 +31,8 @@ from .sft_reference import experts_reference, rel_err, silu_glu
 
 E, H, I, T, TOPK, R = 4, 256, 256, 24, 2, 4
 SCALE = 2.0
-CASES = {("llamafile", "F32"): 1e-5, ("llamafile", "BF16"): 1e-5, ("llamafile", "Q8_0"): 3e-2,
+CASES = {("llamafile", "F32"): 1e-5, ("llamafile", "BF16"): 1e-2 if K.activation_format("BF16") == "bf16" else 1e-5,
+         ("llamafile", "Q8_0"): 3e-2,
          ("llamafile", "Q4_K"): 3e-2, ("AMXBF16", "F32"): 1e-2, ("AMXInt8", "F32"): 4e-2}
 
 
