@@ -7,6 +7,12 @@ weights rounded to bfloat16 so a BF16 GGUF holds them exactly), its byte-level B
 then **llama.cpp's own** ``convert_hf_to_gguf.py --outtype bf16`` (with the gguf-py it ships).
 Beside each ``<arch>.gguf`` the HF fp32 logits for fixed token ids go into ``<arch>.json``.
 
+Qwen3-Next is written ``--outtype f32 --no-mtp``: the AVX-512-BF16 tier's BF16 CPU kernels take
+bf16 activations, which its random gated-DeltaNet layer amplifies to ~5e-2 of the logits (the F32
+file holds the loader to 1e-4 through the shipped rules on every tier), and the tiny model has no
+MTP block.  llama.cpp's
+qwen3next has no dense-MLP layers, so its tiny model has none (``mlp_only_layers = []``).
+
 One thing of llama.cpp's converter is replaced: its BPE pre-tokenizer lookup, which only knows
 published tokenizers by the hash of their output; the tiny tokenizer gets llama.cpp's ``qwen2``
 pre-tokenizer name.  Everything else (tensor names, shapes, types, metadata) is llama.cpp's.
@@ -25,8 +31,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "tests" / "fixtures" / "llamacpp"
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "deepseek_v2", "llama", "qwen2", "qwen3",
-         "gemma3_text")
+         "gemma3_text", "qwen3_next")
 TOKEN_IDS = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 257, 200, 17]
+#: output type and further converter options per architecture (see the module docstring)
+OUTTYPE = {"qwen3_next": "f32"}
+EXTRA_ARGS = {"qwen3_next": ["--no-mtp"]}
 EXTRA_CONFIG = {"deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"},
                 "deepseek_v2": {"scoring_func": "softmax"}}
 
@@ -53,6 +62,8 @@ def make_hf(arch: str, folder: Path) -> None:
     if arch == "gemma3_text":
         # llama.cpp drops embedding rows beyond the tokenizer, and scales queries by 1/sqrt(head_dim)
         overrides = {"vocab_size": len(make_tiny_tokenizer()), "query_pre_attn_scalar": 16}
+    elif arch == "qwen3_next":
+        overrides = {"mlp_only_layers": []}  # llama.cpp's qwen3next has no dense-MLP layers
     model = write_tiny_model(arch, folder, seed=ARCHS.index(arch), **overrides)
     with torch.no_grad():  # bf16-representable fp32 weights: the BF16 GGUF is then exact
         for p in model.parameters():
@@ -70,7 +81,8 @@ def make_hf(arch: str, folder: Path) -> None:
     (OUT / f"{arch}.json").write_text(json.dumps({
         "arch": arch, "token_ids": TOKEN_IDS, "hf_logits": [[round(float(x), 7) for x in row] for row in logits],
         "tokenizer_probe": {"text": "Hello <|im_start|>world", "ids": tok.encode("Hello <|im_start|>world")},
-        "made_by": "llama.cpp convert_hf_to_gguf.py --outtype bf16 (scripts/make_llamacpp_fixtures.py)",
+        "made_by": f"llama.cpp convert_hf_to_gguf.py --outtype {OUTTYPE.get(arch, 'bf16')} "
+                   "(scripts/make_llamacpp_fixtures.py)",
     }))
 
 
@@ -84,7 +96,8 @@ def main(argv: list[str]) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             hf = Path(tmp) / arch
             make_hf(arch, hf)
-            subprocess.run([sys.executable, "-c", _RUN_CONVERTER, llama_dir, str(hf), "--outtype", "bf16",
+            subprocess.run([sys.executable, "-c", _RUN_CONVERTER, llama_dir, str(hf),
+                            "--outtype", OUTTYPE.get(arch, "bf16"), *EXTRA_ARGS.get(arch, []),
                             "--outfile", str(OUT / f"{arch}.gguf")], check=True)
         print(f"{arch}: {(OUT / f'{arch}.gguf').stat().st_size:,} bytes")
     return 0

@@ -2,7 +2,8 @@
 
 ``tests/fixtures/llamacpp/<arch>.gguf`` were made once by ``scripts/make_llamacpp_fixtures.py``
 (llama.cpp's ``convert_hf_to_gguf.py --outtype bf16`` on a tiny model whose weights are
-bf16-exact); ``<arch>.json`` holds the HF fp32 logits of that model and a tokenizer probe.
+bf16-exact; Qwen3-Next ``--outtype f32 --no-mtp``, see the script); ``<arch>.json`` holds the HF
+fp32 logits of that model and a tokenizer probe.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from .test_gguf_source import build_model, logits
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp"
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "deepseek_v2", "llama", "qwen2", "qwen3",
-         "gemma3_text")
+         "gemma3_text", "qwen3_next")
 CONFIG = {"qwen3_moe": "Qwen3MoeConfig", "qwen2_moe": "Qwen2MoeConfig", "mixtral": "MixtralConfig",
           "deepseek_v3": "DeepseekV3Config", "deepseek_v2": "DeepseekV2Config", "llama": "LlamaConfig",
-          "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "gemma3_text": "Gemma3TextConfig"}
+          "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "gemma3_text": "Gemma3TextConfig",
+          "qwen3_next": "Qwen3NextConfig"}
 
 
 def reference(arch: str) -> dict:
