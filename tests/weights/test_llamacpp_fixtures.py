@@ -58,6 +58,10 @@ def test_fixture_matches_hf(arch):
     assert tok.encode(probe["text"], add_special_tokens=False) == probe["ids"]
 
 
+#: fixtures written F32 (their float kernels take fp32 activations on every tier)
+F32_FIXTURES = ("qwen3_next",)
+
+
 def kernel_bf16_tolerance() -> float:
     """Relative logits tolerance of the CPU kernels on these BF16 files: 1e-4 where the tier's BF16
     kernel takes fp32 activations (measured <= 2e-6); 3e-2 where it takes bf16 ones (``vdpbf16ps`` on
@@ -79,7 +83,8 @@ def test_fixture_through_load_model(arch):
     model = load_model(FIXTURES / f"{arch}.gguf", device="cpu")
     with torch.no_grad():
         got = model(torch.tensor([ref["token_ids"]])).logits[0].float().numpy()
-    assert rel_err(got, np.array(ref["hf_logits"], dtype=np.float32)) <= kernel_bf16_tolerance()
+    tol = 1e-4 if arch in F32_FIXTURES else kernel_bf16_tolerance()
+    assert rel_err(got, np.array(ref["hf_logits"], dtype=np.float32)) <= tol
 
 
 def test_qwen2moe_one_dimensional_shared_expert_gate(tmp_path):
