@@ -2,8 +2,9 @@
 
 ``tests/fixtures/llamacpp/<arch>.gguf`` were made once by ``scripts/make_llamacpp_fixtures.py``
 (llama.cpp's ``convert_hf_to_gguf.py --outtype bf16`` on a tiny model whose weights are
-bf16-exact; Qwen3-Next ``--outtype f32 --no-mtp``, see the script); ``<arch>.json`` holds the HF
-fp32 logits of that model and a tokenizer probe.
+bf16-exact; Qwen3-Next ``--outtype f32 --no-mtp``, DeepSeek-V3.2 and GLM-5 ``--outtype f32``, see
+the script); ``<arch>.json`` holds the HF fp32 logits of that model and a tokenizer probe (and, for
+the sparse-attention models, how far the indexers' top-k key choices are from flipping).
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ from .test_gguf_source import build_model, logits
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp"
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "deepseek_v2", "llama", "qwen2", "qwen3",
-         "gemma3_text", "qwen3_next")
+         "gemma3_text", "qwen3_next", "deepseek_v32", "glm_moe_dsa")
 CONFIG = {"qwen3_moe": "Qwen3MoeConfig", "qwen2_moe": "Qwen2MoeConfig", "mixtral": "MixtralConfig",
           "deepseek_v3": "DeepseekV3Config", "deepseek_v2": "DeepseekV2Config", "llama": "LlamaConfig",
           "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "gemma3_text": "Gemma3TextConfig",
-          "qwen3_next": "Qwen3NextConfig"}
+          "qwen3_next": "Qwen3NextConfig", "deepseek_v32": "DeepseekV32Config", "glm_moe_dsa": "GlmMoeDsaConfig"}
 
 
 def reference(arch: str) -> dict:
@@ -59,7 +60,7 @@ def test_fixture_matches_hf(arch):
 
 
 #: fixtures written F32 (their float kernels take fp32 activations on every tier)
-F32_FIXTURES = ("qwen3_next",)
+F32_FIXTURES = ("qwen3_next", "deepseek_v32", "glm_moe_dsa")
 
 
 def kernel_bf16_tolerance() -> float:
