@@ -12,7 +12,8 @@ qwen2moe       Qwen2MoeConfig
 qwen3moe       Qwen3MoeConfig
 deepseek2      DeepseekV3Config when ``expert_gating_func`` is 2 (sigmoid) or the file has
                ``exp_probs_b`` tensors, else DeepseekV2Config
-deepseek32     DeepseekV32Config (the deepseek2 keys plus ``attention.indexer.*``)
+deepseek32     DeepseekV32Config (the deepseek2 keys plus ``attention.indexer.*``; ``expert_gating_func``
+               sigmoid or absent, its only router)
 glm-dsa        GlmMoeDsaConfig (as deepseek32; ``attention.indexer.types``: true where a layer runs
                its own indexer, false where it reuses the previous top-k)
 gemma3         Gemma3TextConfig
@@ -238,6 +239,9 @@ def config_from_metadata(
             topk_group=topk_group,
         )
         if arch in ("deepseek32", "glm-dsa"):
+            if (func := md.get("expert_gating_func")) not in (None, 2):  # absent: llama.cpp's glm-dsa: sigmoid
+                raise WeightError(f"{md.where}: '{arch}.expert_gating_func' is {func}; DeepSeek-V3.2 and GLM-5 "
+                                  "route with sigmoid (2)")
             kw.update(index_n_heads=int(md.need("attention.indexer.head_count")),
                       index_head_dim=int(md.need("attention.indexer.key_length")),
                       index_topk=int(md.need("attention.indexer.top_k")))

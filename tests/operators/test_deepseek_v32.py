@@ -299,6 +299,34 @@ def test_converter_writes_llama_cpps_file(arch, tmp_path):
         np.testing.assert_array_equal(np.array(t.data), ref[t.name], err_msg=t.name)
 
 
+def test_softmax_router_in_the_file_is_named(tmp_path):
+    """A ``deepseek32`` file saying softmax routing (``expert_gating_func`` 1): the model only routes
+    with sigmoid, so one error naming the key, not a model that silently routes otherwise."""
+    import gguf
+    import numpy as np
+
+    from ktransformers.errors import WeightError
+    from ktransformers.weights.gguf_source import GGUFSource
+
+    reader = gguf.GGUFReader(Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "deepseek_v32.gguf")
+    out = tmp_path / "softmax.gguf"
+    w = gguf.GGUFWriter(out, arch="deepseek32")
+    for f in reader.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        value = 1 if f.name == "deepseek32.expert_gating_func" else f.contents()
+        w.add_key_value(f.name, value, f.types[0], sub_type=sub)
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(WeightError, match=r"'deepseek32\.expert_gating_func' is 1; .* sigmoid"):
+        GGUFSource(out).config()
+
+
 LLAMA_CPP = Path(os.environ.get("KT_LLAMA_CPP_DIR", "/nonexistent"))  # a llama.cpp source tree (its gguf-py)
 _LLAMA_NAMES = r"""
 import re, sys
