@@ -50,7 +50,9 @@ EXTRA_CONFIG = {"deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux
                 # as the released config.json files: llama.cpp's deepseek32 loader requires the
                 # expert_gating_func its converter writes from scoring_func
                 "deepseek_v32": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"},
-                "glm_moe_dsa": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}}
+                # GLM's config.json has no bos_token_id (the config class's default 0 would win over the
+                # [gMASK] llama.cpp's GLM vocab writer makes the BOS)
+                "glm_moe_dsa": {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "bos_token_id": None}}
 
 # runs in a fresh interpreter: llama.cpp's converter with the two replacements of the module docstring
 _RUN_CONVERTER = """

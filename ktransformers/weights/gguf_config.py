@@ -239,9 +239,10 @@ def config_from_metadata(
             topk_group=topk_group,
         )
         if arch in ("deepseek32", "glm-dsa"):
-            if (func := md.get("expert_gating_func")) not in (None, 2):  # absent: llama.cpp's glm-dsa: sigmoid
-                raise WeightError(f"{md.where}: '{arch}.expert_gating_func' is {func}; DeepSeek-V3.2 and GLM-5 "
-                                  "route with sigmoid (2)")
+            # absent: sigmoid, as llama.cpp's glm-dsa loader takes it
+            if (func := md.get("expert_gating_func")) not in (None, 2):
+                raise WeightError(f"{md.where}: '{arch}.expert_gating_func' is {func}; DeepSeek-V3.2 and "
+                                  "GLM-5 route with sigmoid (2)")
             kw.update(index_n_heads=int(md.need("attention.indexer.head_count")),
                       index_head_dim=int(md.need("attention.indexer.key_length")),
                       index_topk=int(md.need("attention.indexer.top_k")))

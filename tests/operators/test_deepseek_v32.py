@@ -308,7 +308,8 @@ def test_softmax_router_in_the_file_is_named(tmp_path):
     from ktransformers.errors import WeightError
     from ktransformers.weights.gguf_source import GGUFSource
 
-    reader = gguf.GGUFReader(Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "deepseek_v32.gguf")
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "deepseek_v32.gguf"
+    reader = gguf.GGUFReader(fixture)
     out = tmp_path / "softmax.gguf"
     w = gguf.GGUFWriter(out, arch="deepseek32")
     for f in reader.fields.values():

@@ -59,6 +59,17 @@ def test_fixture_matches_hf(arch):
     assert tok.encode(probe["text"], add_special_tokens=False) == probe["ids"]
 
 
+@pytest.mark.parametrize("arch,bos,adds_bos",
+                         [("deepseek_v32", "<|endoftext|>", True), ("glm_moe_dsa", "[gMASK]", False)])
+def test_sparse_attention_fixture_specials(arch, bos, adds_bos):
+    """llama.cpp's vocab writers for these: DeepSeek-V3.2's BOS added to every prompt
+    (``add_bos_token``), GLM-5's ``[gMASK]`` as BOS (not added)."""
+    tok = open_weights(FIXTURES / f"{arch}.gguf").tokenizer()
+    assert tok.bos_token == bos
+    assert (tok.encode("hi")[0] == tok.bos_token_id) == adds_bos
+    assert tok.encode("hi", add_special_tokens=False) == [71, 72]
+
+
 #: fixtures written F32 (their float kernels take fp32 activations on every tier)
 F32_FIXTURES = ("qwen3_next", "deepseek_v32", "glm_moe_dsa")
 
