@@ -16,8 +16,8 @@ bf16 model (llamafile)        7.1e-3 vs transformers in bf16 (test_parity's 2e-2
                               own bf16 run is 17 % off its fp32 run on this random DeltaNet layer
 ============================  ======================================================
 
-GGUF: llama.cpp's ``qwen3next`` stores the DeltaNet projections split and reordered
-(``attn_qkv`` / ``attn_gate``, ``ssm_a = -exp(A_log)``, norms as ``w + 1``); not read here yet.
+GGUF (llama.cpp's ``qwen3next``: the DeltaNet projections split and reordered, ``ssm_a =
+-exp(A_log)``, norms as ``w + 1``): tests/operators/test_qwen3_next_gguf.py.
 """
 
 from __future__ import annotations
