@@ -3,6 +3,9 @@
 Accepts the layouts found in the wild: transformers 5's fused experts
 (``experts.gate_up_proj``), per-expert keys as ``save_pretrained`` writes them
 (``experts.E.{gate,up,down}_proj.weight``), and Mixtral's ``block_sparse_moe.experts.E.w{1,2,3}``.
+DeepSeek-V4's release names (``layers.N.attn.wq_a``, ``ffn.experts.E.w1``, ``hc_attn_fn`` ...; also
+what ``save_pretrained`` writes for the family) are mapped to the module names by transformers'
+own renamings for the family.
 Tensors are read lazily, one at a time; per-expert tensors are read with ``pread`` straight into
 the stacked tensor (no file mapping stays resident beside the copy the kernels keep, which would
 otherwise double the peak RSS of a bf16 checkpoint's experts).
@@ -30,6 +33,36 @@ def _hf_name(key: str) -> str:
     return key.replace(".block_sparse_moe.", ".mlp.")
 
 
+#: a key only the release naming of this family has -> the family's model_type in transformers'
+#: checkpoint conversion mapping
+_RELEASE_NAMED = {"hc_attn_fn": "deepseek_v4"}
+
+
+def _release_renamer(keys):
+    """A function mapping the checkpoint's keys to module names, when the checkpoint uses the release
+    names of a family whose renamings transformers knows; None otherwise."""
+    family = next((f for k in keys for tail, f in _RELEASE_NAMED.items() if k.endswith(tail)), None)
+    if family is None:
+        return None
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    renamings = [t for t in get_checkpoint_conversion_mapping(family) or [] if isinstance(t, WeightRenaming)]
+    scaled = next((k for k in keys if k.endswith(".scale")), None)
+    if scaled is not None:  # FP8 linears / FP4 experts with block scales, as the release is published
+        raise WeightError(f"'{scaled}': {family}'s FP8 / FP4 block-quantized release is not read (its "
+                          f"'.scale' tensors); dequantize it to bf16 safetensors first")
+
+    def rename(key: str) -> str:
+        # the renamings are written for keys without the base model's prefix (``layers.0.attn.norm``
+        # but ``norm.weight``), as the release stores them; save_pretrained's keep ``model.``
+        bare = key[len("model."):] if key.startswith("model.") else key
+        out, _ = rename_source_key(bare, renamings, [])
+        return out if out.startswith(("model.", "lm_head.")) else f"model.{out}"
+
+    return rename
+
+
 class SafetensorsSource(WeightSource):
     def __init__(self, path: str | Path):
         p = Path(path)
@@ -43,21 +76,23 @@ class SafetensorsSource(WeightSource):
         self._fds: dict[int, int] = {}
         self._index: dict[str, tuple[int, str]] = {}  # hf name -> (file idx, key)
         self._experts: dict[str, dict[str, dict[int, tuple[int, str]]]] = {}  # base -> proj -> e -> loc
-        for i, f in enumerate(files):
+        for f in files:
             try:
-                h = safe_open(str(f), framework="pt")
+                self._handles.append(safe_open(str(f), framework="pt"))
             except (SafetensorError, OSError, ValueError) as e:
                 raise WeightError(f"{f}: not a readable safetensors file ({e})") from None
-            self._handles.append(h)
             self._headers.append(read_header(f))
+        rename = _release_renamer([k for h in self._handles for k in h.keys()])
+        for i, h in enumerate(self._handles):
             for key in h.keys():
-                m = _PER_EXPERT.match(key)
+                name = rename(key) if rename else key
+                m = _PER_EXPERT.match(name)
                 if m:
                     base = _hf_name(m["base"])
                     proj = _MIXTRAL_PROJ.get(m["proj"], m["proj"])
                     self._experts.setdefault(base, {}).setdefault(proj, {})[int(m["e"])] = (i, key)
                 else:
-                    self._index[_hf_name(key)] = (i, key)
+                    self._index[_hf_name(name)] = (i, key)
         for base, projs in self._experts.items():
             for proj, per in projs.items():
                 n = len(per)
