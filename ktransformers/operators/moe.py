@@ -34,7 +34,8 @@ class KMoEBlock(BaseInjectedModule):
             if input_ids is None:
                 raise ValueError(f"{self.key}: {type(router).__name__} routes by token id and got no input_ids "
                                  f"(call the model with input_ids, not inputs_embeds)")
-            _, top_k_weights, top_k_index = router(x, input_ids)
+            # the ids come from where the embeddings are (the CPU in the GPU rules), the router's table is here
+            _, top_k_weights, top_k_index = router(x, input_ids.to(x.device))
         else:
             _, top_k_weights, top_k_index = router(x)
         experts = self.experts

@@ -197,6 +197,39 @@ def test_continuous_batching_refuses_it_by_name(ours):
         BatchRunner(ours, page_size=4, num_pages=4)
 
 
+def test_server_falls_back_to_one_request_at_a_time(tiny_model_dir, caplog):
+    from ktransformers.server.engine import Engine
+    from ktransformers.server.main import build_engine, parse_settings
+
+    d = tiny_model_dir(ARCH)
+    with caplog.at_level("WARNING", logger="ktransformers.server"):
+        engine = build_engine(parse_settings(["--model_path", str(d), "--cache_lens", "512"]))
+    assert type(engine) is Engine and engine.max_context == 512
+    assert "continuous batching is not available for this model" in caplog.text
+    assert "compresses its KV" in caplog.text
+
+
+@pytest.mark.parametrize("stem", ["DeepSeek-V4", "DeepSeek-V4-cpu"])
+def test_check_and_explain_the_shipped_rules(stem, tiny_model_dir):
+    """Both files pass ``check``; ``explain`` on the tiny model places the routed experts on the CPU
+    kernels in both, the attention and the MoE block on cuda:0 in the CPU+GPU file."""
+    import subprocess
+    import sys
+
+    path = str(RULES_DIR / f"{stem}.yaml")
+    r = subprocess.run([sys.executable, "-m", "ktransformers.optimize", "check", path], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, "-m", "ktransformers.optimize", "explain", path, "--model_path",
+                        str(tiny_model_dir(ARCH))], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rows = {ln.split()[0]: ln for ln in r.stdout.splitlines() if ln.startswith("model.")}
+    dev = "cuda:0" if stem == "DeepSeek-V4" else "cpu"
+    for i in range(3):
+        assert "cpu/KExpertsCPU" in rows[f"model.layers.{i}.mlp.experts"]
+        assert "KMoEBlock" in rows[f"model.layers.{i}.mlp"] and dev in rows[f"model.layers.{i}.mlp"]
+        assert dev in rows[f"model.layers.{i}.self_attn.q_a_proj"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CPU+GPU rule files)")
 def test_gpu_rules_cross_device_parity(tiny_model_dir, hf):
     d = tiny_model_dir(ARCH)
