@@ -5,10 +5,11 @@ Accepts the layouts found in the wild: transformers 5's fused experts
 (``experts.E.{gate,up,down}_proj.weight``), and Mixtral's ``block_sparse_moe.experts.E.w{1,2,3}``.
 DeepSeek-V4's release names (``layers.N.attn.wq_a``, ``ffn.experts.E.w1``, ``hc_attn_fn`` ...; also
 what ``save_pretrained`` writes for the family) are mapped to the module names by transformers'
-own renamings for the family.
-Tensors are read lazily, one at a time; per-expert tensors are read with ``pread`` straight into
-the stacked tensor (no file mapping stays resident beside the copy the kernels keep, which would
-otherwise double the peak RSS of a bf16 checkpoint's experts).
+own renamings for the family; its block scales (``<linear>.scale``: FP8 linears, served by fp8.py as
+``weight_scale_inv``; ``experts.E.w1.scale``: FP4 experts, stacked as ``experts.gate_proj_scales``
+for mxfp4.py).  Tensors are read lazily, one at a time; per-expert tensors are read with ``pread``
+straight into the stacked tensor (no file mapping stays resident beside the copy the kernels keep,
+which would otherwise double the peak RSS of a bf16 checkpoint's experts).
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ from ..errors import WeightError
 from .safetensors_header import read_header
 from .source import WeightSource
 
-_PER_EXPERT = re.compile(r"^(?P<base>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+_PER_EXPERT = re.compile(r"^(?P<base>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)"
+                         r"\.(?P<kind>weight|scale)$")
+#: stacked name suffix of per-expert block scales (``experts.E.w1.scale`` -> ``experts.gate_proj_scales``)
+EXPERT_SCALES = "_scales"
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -48,17 +52,18 @@ def _release_renamer(keys):
     from transformers.core_model_loading import WeightRenaming, rename_source_key
 
     renamings = [t for t in get_checkpoint_conversion_mapping(family) or [] if isinstance(t, WeightRenaming)]
-    scaled = next((k for k in keys if k.endswith(".scale")), None)
-    if scaled is not None:  # FP8 linears / FP4 experts with block scales, as the release is published
-        raise WeightError(f"'{scaled}': {family}'s FP8 / FP4 block-quantized release is not read (its "
-                          f"'.scale' tensors); dequantize it to bf16 safetensors first")
+    stored = set(keys)
 
     def rename(key: str) -> str:
         # the renamings are written for keys without the base model's prefix (``layers.0.attn.norm``
         # but ``norm.weight``), as the release stores them; save_pretrained's keep ``model.``
         bare = key[len("model."):] if key.startswith("model.") else key
         out, _ = rename_source_key(bare, renamings, [])
-        return out if out.startswith(("model.", "lm_head.")) else f"model.{out}"
+        out = out if out.startswith(("model.", "lm_head.")) else f"model.{out}"
+        if out.endswith(".scale") and key[: -len(".scale")] + ".weight" in stored and not _PER_EXPERT.match(out):
+            # an FP8 linear's block scales, under the name fp8.py reads (transformers' FP8 renaming)
+            out = out[: -len(".scale")] + ".weight_scale_inv"
+        return out
 
     return rename
 
@@ -89,7 +94,7 @@ class SafetensorsSource(WeightSource):
                 m = _PER_EXPERT.match(name)
                 if m:
                     base = _hf_name(m["base"])
-                    proj = _MIXTRAL_PROJ.get(m["proj"], m["proj"])
+                    proj = _MIXTRAL_PROJ.get(m["proj"], m["proj"]) + (EXPERT_SCALES if m["kind"] == "scale" else "")
                     self._experts.setdefault(base, {}).setdefault(proj, {})[int(m["e"])] = (i, key)
                 else:
                     self._index[_hf_name(name)] = (i, key)

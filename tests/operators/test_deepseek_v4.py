@@ -20,8 +20,10 @@ bf16 model (llamafile)        7.8e-3 (avx2 tier 6.8e-3) vs transformers in bf16 
 ============================  ======================================================
 
 Checkpoints: the release's names (``layers.N.attn.wq_a``, ``ffn.experts.E.w1``, ``hc_attn_fn``, no
-``model.`` prefix) and the module names both load; the FP8 / FP4 block-quantized release is refused by
-name.  GGUF: llama.cpp has a ``deepseek4`` architecture, which this project neither writes nor reads yet
+``model.`` prefix) and the module names both load.  The release's format (FP8 linears, FP4 experts,
+E8M0 ``.scale`` tensors): linears dequantized at load, experts as MXFP4 on the CPU kernels, 2.7e-3
+(avx512 / avx2 tiers, whose MXFP4 products take int8-quantized activations; 4.6e-7 on the scalar
+tier) and KExpertsTorch 4.6e-7 against transformers' model on the weights its own dequantizer gives.  GGUF: llama.cpp has a ``deepseek4`` architecture, which this project neither writes nor reads yet
 (the converter refuses the family by name).
 """
 
@@ -32,7 +34,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ktransformers import load_model
-from ktransformers.errors import WeightError
 from ktransformers.optimize_rules import RULES_DIR, default_rule_file
 
 from .family_checks import BACKEND_SWAPS, prompt_ids, rel_err
@@ -130,15 +131,11 @@ def test_expert_backends(backend, tiny_model_dir, hf):
         assert torch.equal(a, hf.generate(ids[:, :4], max_new_tokens=16, do_sample=False))
 
 
-def test_release_names_load(tiny_model_dir, hf, tmp_path):
-    """The release's key names (no ``model.`` prefix: ``layers.0.attn.wq_a.weight``, ``embed.weight``,
-    ``norm.weight``, ``hc_head_fn``) map to the same modules as the ones save_pretrained writes."""
-    import shutil
-
+def _release_tensors(d) -> dict[str, torch.Tensor]:
+    """The tiny checkpoint under the release's key names (save_pretrained writes them with a ``model.``
+    prefix, the release without: ``layers.0.attn.wq_a.weight``, ``embed.weight``, ``hc_head_fn``)."""
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
-    d = tiny_model_dir(ARCH)
     with safe_open(str(d / "model.safetensors"), "pt") as h:
         saved = {k: h.get_tensor(k) for k in h.keys()}
     assert "model.layers.0.hc_attn_fn" in saved  # save_pretrained writes the release names
@@ -146,19 +143,102 @@ def test_release_names_load(tiny_model_dir, hf, tmp_path):
            "model.hc_head.hc_base": "hc_head_base", "model.hc_head.hc_scale": "hc_head_scale"}
     release = {top.get(k, k.removeprefix("model.")): v for k, v in saved.items()}
     assert {"layers.0.attn.wq_a.weight", "norm.weight", "head.weight", "layers.1.ffn.experts.3.w1.weight"} <= set(release)
+    return release
+
+
+def _write_like(d, out, tensors, config_update=None):
+    """``tensors`` as a model folder beside ``d``'s config and tokenizer files."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out.mkdir(exist_ok=True)
     for f in d.iterdir():
         if f.suffix != ".safetensors":
-            shutil.copy(f, tmp_path / f.name)
-    save_file(release, tmp_path / "model.safetensors")
-    model = load_model(tmp_path, model_path=tmp_path, allow_unmatched=False)
+            shutil.copy(f, out / f.name)
+    if config_update:
+        cfg = json.loads((out / "config.json").read_text())
+        cfg.update(config_update)
+        (out / "config.json").write_text(json.dumps(cfg))
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def test_release_names_load(tiny_model_dir, hf, tmp_path):
+    """The release's key names map to the same modules as the module names."""
+    d = tiny_model_dir(ARCH)
+    out = _write_like(d, tmp_path / "release", _release_tensors(d))
+    model = load_model(out, model_path=out, allow_unmatched=False)
     ids = prompt_ids(24, seed=3)
     with torch.no_grad():
         assert rel_err(model(ids).logits, hf(ids).logits) <= 1e-4
-    # the block-quantized release (FP8 linears, FP4 experts, '.scale' tensors beside them) is refused
-    save_file({**release, "layers.0.attn.wq_a.scale": torch.ones(1, 1)}, tmp_path / "model.safetensors")
-    with pytest.raises(WeightError, match=r"'layers\.0\.attn\.wq_a\.scale': deepseek_v4's FP8 / FP4 "
-                                          r"block-quantized release is not read"):
-        load_model(tmp_path, model_path=tmp_path)
+
+
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def _e8m0(exponents: torch.Tensor) -> torch.Tensor:
+    return (exponents + 127).clamp(0, 254).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def _fp8_release(w: torch.Tensor):
+    """(float8_e4m3fn weight, E8M0 scale per 128 x 128 block): one block at the tiny sizes."""
+    assert max(w.shape) <= 128
+    e = torch.ceil(torch.log2(w.abs().max() / 448.0)).reshape(1, 1)
+    return (w / torch.exp2(e)).to(torch.float8_e4m3fn), _e8m0(e)
+
+
+def _fp4_release(w: torch.Tensor):
+    """(int8 [rows, cols/2] e2m1 pairs, element 2j in the low nibble; E8M0 scale per 32 elements)."""
+    rows, cols = w.shape
+    g = w.reshape(rows, cols // 32, 32)
+    e = torch.ceil(torch.log2(g.abs().amax(-1).clamp_min(1e-30) / 6.0))
+    codes = ((g / torch.exp2(e)[..., None]).unsqueeze(-1) - _E2M1).abs().argmin(-1).to(torch.uint8)
+    codes = codes.reshape(rows, cols // 2, 2)
+    return (codes[..., 0] | (codes[..., 1] << 4)).view(torch.int8), _e8m0(e)
+
+
+def test_fp8_fp4_release_loads(tiny_model_dir, tmp_path):
+    """The release's format: FP8 (e4m3) linears with E8M0 128x128 block scales and FP4 (e2m1) routed
+    experts with an E8M0 scale per 32, the scales as ``<name>.scale``.  The linears are dequantized at
+    load, the experts go to the CPU kernels as MXFP4; against transformers' model on the weights
+    dequantized by transformers' own FP8 / FP4 dequantizer."""
+    import re
+
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    dequant = Fp8Dequantize(None)._dequantize_one
+    d = tiny_model_dir(ARCH)
+    release, reference = {}, {}
+    for k, t in _release_tensors(d).items():
+        if re.search(r"\.ffn\.experts\.\d+\.w[123]\.weight$", k):
+            q, s = _fp4_release(t)
+        elif re.search(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|ffn\.shared_experts\.w[123])\.weight$", k):
+            q, s = _fp8_release(t)
+        else:
+            release[k] = reference[k] = t
+            continue
+        release[k], release[k.removesuffix(".weight") + ".scale"] = q, s
+        reference[k] = dequant(q, s, torch.float32)
+    assert sum(k.endswith(".scale") for k in release) == 3 * (5 + 3 + 3 * 8)
+    quant = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [128, 128],
+             "expert_dtype": "fp4"}
+    out = _write_like(d, tmp_path / "fp8", release, {"quantization_config": quant})
+    ref = AutoModelForCausalLM.from_pretrained(_write_like(d, tmp_path / "deq", reference), dtype=torch.float32).eval()
+    assert ref.model.layers[1].mlp.experts.gate_up_proj.abs().max() > 0
+    ids = prompt_ids(24, seed=3)
+    rules = CPU_RULES.read_text()
+    for r, tol in ((rules, 3e-2), (rules.replace(*BACKEND_SWAPS["KExpertsTorch"][:2]), 1e-4)):
+        model = load_model(out, model_path=out, rules=r, allow_unmatched=False)
+        with torch.no_grad():
+            assert rel_err(model(ids).logits, ref(ids).logits) <= tol
+    assert model.model.layers[1].mlp.experts.generate_op.name == "KExpertsTorch"
+    from ktransformers.weights import open_weights
+
+    src = open_weights(out)  # what KExpertsCPU gets: the experts as ggml MXFP4 blocks, the linears dequantized
+    assert src.raw("model.layers.1.mlp.experts.down_proj").ggml_type.name == "MXFP4"
+    assert src.tensor("model.layers.1.self_attn.q_a_proj.weight").dtype == torch.float32
 
 
 def test_our_converter_refuses_it_by_name(tiny_model_dir, tmp_path):
