@@ -75,7 +75,8 @@ TINY_CONFIGS: dict[str, dict] = {
     # DeepSeek-V4: hyper-connections (2 residual streams), shared-KV attention with attention sinks, a
     # sliding window and compressed KV: CSA (every 4 tokens, with its indexer's top-4) and HCA (every 8
     # here, 128 as released, so a prompt reaches it); a hash-routed first layer (tid2eid) and top-k routed
-    # ones, one shared expert; swiglu_limit low enough that the experts' clamps bite
+    # ones, one shared expert; swiglu_limit low enough that the experts' clamps bite.  16 indexer heads:
+    # with 4, exact ties of the ReLU scores at the top-k boundary went either way with the prefill chunking
     "deepseek_v4": dict(_COMMON, num_hidden_layers=3, num_key_value_heads=1, head_dim=32, q_lora_rank=32,
                         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, o_groups=2,
                         o_lora_rank=32, index_n_heads=16, index_head_dim=16, index_topk=4, sliding_window=8,
