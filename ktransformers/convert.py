@@ -369,6 +369,8 @@ def _arch_of(config) -> str:
         config = config.get_text_config()
         mt = config.model_type
     arch = gn.MODEL_TYPE_TO_ARCH.get(mt)
+    if mt in gn.NOT_WRITTEN:
+        raise ConfigError(f"cannot convert model_type '{mt}': {gn.NOT_WRITTEN[mt]}")
     if arch is None:
         raise ConfigError(f"cannot convert model_type '{mt}' (supported: {', '.join(sorted(gn.MODEL_TYPE_TO_ARCH))})")
     return arch

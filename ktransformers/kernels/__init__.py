@@ -41,7 +41,8 @@ up_type, down_type, activation="silu", alpha=1.702, limit=7.0, gate_bias=None, u
     or id).  Row lengths must be multiples of the type's block (32, or 256 for K-quants, IQ4_XS and
     the IQ1/IQ2/IQ3 types), else ``ValueError`` naming the projection and
     shape.  ``activation``: ``"silu"`` | ``"gelu_tanh"`` | ``"clamp_swiglu"`` (gpt-oss:
-    ``(clamp(up,±limit)+1) * g*sigmoid(alpha*g)``, ``g = min(gate, limit)``).  Optional per-expert
+    ``(clamp(up,±limit)+1) * g*sigmoid(alpha*g)``, ``g = min(gate, limit)``) | ``"clamp_silu"``
+    (DeepSeek-V4: ``silu(min(gate, limit)) * clamp(up,±limit)``).  Optional per-expert
     fp32 biases (gpt-oss) ``gate_bias``/``up_bias [E, I]`` (added before the activation) and
     ``down_bias [E, H]`` (added before the routing weight); kept alive like the weights.
     llamafile weights are referenced, not copied: the wrapper keeps the arrays alive.

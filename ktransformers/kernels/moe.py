@@ -9,7 +9,7 @@ from .args import _desc, _empty_like, _weight, ggml_type, moe_call_args, positiv
 from .pool import CPUInfer
 
 BACKENDS = {"llamafile": 0, "AMXInt8": 1, "AMXBF16": 2}
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "clamp_swiglu": 2}
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "clamp_swiglu": 2, "clamp_silu": 3}
 
 
 def _backend(b: Any) -> int:

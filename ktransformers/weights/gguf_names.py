@@ -53,6 +53,12 @@ MODEL_TYPE_TO_ARCH = {
     "qwen3_next": "qwen3next",
 }  # gpt_oss: read only (its experts' layout is not the converter's yet)
 
+#: transformers ``model_type`` -> why the converter does not write it (llama.cpp has the architecture)
+NOT_WRITTEN = {
+    "deepseek_v4": "llama.cpp's deepseek4 layout (hyper-connection, compressor, indexer and hash-router "
+                   "tensors, their metadata keys) is neither written nor read here yet; load the safetensors",
+}
+
 # (gguf leaf without .weight/.bias, hf leaf without .weight/.bias)
 _ATTENTION = [
     ("attn_norm", "input_layernorm"),

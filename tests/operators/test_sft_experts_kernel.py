@@ -120,12 +120,19 @@ def _clamp_swiglu(alpha, limit):
     return glu
 
 
-@pytest.mark.parametrize("act", ["gelu_tanh", "clamp_swiglu"])
+def _clamp_silu(limit):
+    def glu(g, u):
+        return torch.nn.functional.silu(g.clamp(max=limit)) * u.clamp(-limit, limit)
+    return glu
+
+
+@pytest.mark.parametrize("act", ["gelu_tanh", "clamp_swiglu", "clamp_silu"])
 def test_other_activations(act):
-    """GELU(tanh) (Gemma-style) and gpt-oss's clamped SwiGLU; limit 0.5 so that the clamps bite."""
+    """GELU(tanh) (Gemma-style), gpt-oss's clamped SwiGLU and DeepSeek-V4's clamped SiLU; limit 0.5
+    so that the clamps bite."""
     kw = {"activation": act} if act == "gelu_tanh" else {"activation": act, "alpha": 1.702, "limit": 0.5}
-    glu = (lambda g, u: torch.nn.functional.gelu(g, approximate="tanh") * u) if act == "gelu_tanh" \
-        else _clamp_swiglu(1.702, 0.5)
+    glu = {"gelu_tanh": lambda g, u: torch.nn.functional.gelu(g, approximate="tanh") * u,
+           "clamp_swiglu": _clamp_swiglu(1.702, 0.5), "clamp_silu": _clamp_silu(0.5)}[act]
     out, dx, dw, grads, (gu, dn) = _kernel_run("llamafile", "F32", **kw)
     ref_out, ref_dx, ref_dw, ref_grads = _oracle(gu, dn, glu=glu)
     for got, ref in [(out, ref_out), (dx, ref_dx), (dw, ref_dw)] + [(g, ref_grads[n]) for n, g in grads.items()]:
