@@ -52,8 +52,8 @@ Ours shares one LoRA A between gate and up (the fused ``gate_up_proj``, PEFT's l
 kt-kernel has one per projection, here given the same values, so both compute the same function.
 Printed: median fwd+bwd ms over ``--layer-steps`` after ``--layer-warmup``, tokens/s, peak RSS
 of the contender's process, tokens/s relative to kt-kernel on the same weights (llamafile and
-AMXBF16: kt:AMXBF16; AMXInt8: kt:AMXInt8), and, once per pair, whether the input gradients agree
-(max |ours - kt| / max |kt| within ``LAYER_DX_TOL``).
+AMXBF16: kt:AMXBF16; AMXInt8: kt:AMXInt8), and, once per pair, whether the input and LoRA
+gradients agree (max |ours - kt| / max |kt| within ``LAYER_DX_TOL``).
 """
 
 from __future__ import annotations
@@ -194,9 +194,10 @@ def worker(args) -> None:
 LAYER_CONTENDERS = "kt:AMXBF16,kt:AMXInt8,kt:AMXInt4,ours:llamafile,ours:AMXBF16,ours:AMXInt8"
 KT_CLASSES = {"AMXBF16": "AMXBF16_SFT_MOE", "AMXInt8": "AMXInt8_SFT_MOE", "AMXInt4": "AMXInt4_SFT_MOE"}
 KT_SAME_WEIGHTS = {"llamafile": "AMXBF16", "AMXBF16": "AMXBF16", "AMXInt8": "AMXInt8"}  # ours -> kt backend
-# input gradient, max |ours - kt| / max |kt|, by kt backend: about each side's own error against a torch
-# fp32 oracle added up (bf16: kt 1.7e-2, ours <= 2.4e-3; int8: kt 3.0e-2, ours <= 1.6e-2), with room;
-# measured between the two: 2.1e-2 (bf16), 3.6e-2 (int8) at 16 experts, 32 tokens
+# input and LoRA gradients, max |ours - kt| / max |kt|, by kt backend: about each side's own error against a
+# torch fp32 oracle added up (dx, bf16: kt 1.7e-2, ours <= 2.4e-3; int8: kt 3.0e-2, ours <= 1.6e-2), with
+# room; measured between the two at 16 experts, 32 tokens: dx 2.1e-2 (bf16), 3.6e-2 (int8), LoRA grads
+# <= 1.0e-2 (bf16), <= 1.8e-2 (int8)
 LAYER_DX_TOL = {"AMXBF16": 3e-2, "AMXInt8": 6e-2}
 KT_VENV_PYTHON = Path("/work/peers/venv-kt/bin/python")
 LORA_SCALE = 2.0  # alpha = 2r, as in the model rows
@@ -249,8 +250,9 @@ def _ours_layer(P: dict, backend: str, threads: int):
         t0 = time.perf_counter()
         _, saved = tk.forward(x, ids, w, gu, dn)
         t1 = time.perf_counter()
-        dx = tk.backward(x, ids, w, dout, saved, gu, dn)[0]
-        return dx, t1 - t0, time.perf_counter() - t1
+        dx, _, dA_gu, dB_gu, dA_d, dB_d = tk.backward(x, ids, w, dout, saved, gu, dn)
+        grads = {"dx": dx, "A_gu": dA_gu, "B_gu": dB_gu, "A_d": dA_d, "B_d": dB_d}
+        return grads, t1 - t0, time.perf_counter() - t1
 
     return step
 
@@ -288,6 +290,8 @@ def _kt_layer(P: dict, backend: str, threads: int):
     grads = [torch.empty_like(keep[f"{p}_lora_{ab}"]) for p in ("gate", "up", "down") for ab in ("a", "b")]
 
     def step():
+        for g in grads:
+            g.zero_()
         t0 = time.perf_counter()
         cpu.submit(moe.forward_sft_task(bsz.data_ptr(), k, ids.data_ptr(), w.data_ptr(), x.data_ptr(),
                                         out.data_ptr(), True))
@@ -296,7 +300,10 @@ def _kt_layer(P: dict, backend: str, threads: int):
         cpu.submit(moe.backward_task(dout.data_ptr(), dx.data_ptr(), *(g.data_ptr() for g in grads), dw.data_ptr(),
                                      0, 0, 0))
         cpu.sync()
-        return dx, t1 - t0, time.perf_counter() - t1
+        t2 = time.perf_counter()
+        ga, gb, ua, ub, da, db = grads  # in ours' layout: the shared A's grad is the sum of both
+        return {"dx": dx, "A_gu": ga.float() + ua.float(), "B_gu": torch.cat([gb, ub], 1), "A_d": da, "B_d": db}, \
+            t1 - t0, t2 - t1
 
     step.keep = (cpu, moe, keep, bsz, x, ids, w, dout, out, dx, dw, grads)
     return step
@@ -333,11 +340,12 @@ def layer_worker(args) -> None:
     P.clear()  # the kernels hold what they need (llamafile: the bf16 weights, in place)
     _report(event="loaded", load_s=time.perf_counter() - t0, gen_s=gen_s, data=fp, torch=torch.__version__, isa=isa)
     for i in range(args.layer_warmup + args.layer_steps):
-        dx, fwd_s, bwd_s = step()
+        c0 = time.process_time()
+        grads, fwd_s, bwd_s = step()
         _report(event="step", step=i, warmup=i < args.layer_warmup, step_s=fwd_s + bwd_s, fwd_s=fwd_s, bwd_s=bwd_s,
-                rss_mib=_rss_mib())
+                cpu_s=time.process_time() - c0, rss_mib=_rss_mib())
     if args.dx_out:
-        torch.save(dx.float().clone(), args.dx_out)
+        torch.save({n: g.float().clone() for n, g in grads.items()}, args.dx_out)
 
 
 # ------------------------------------------------------------------------------ the bench
@@ -496,6 +504,7 @@ def print_layer_row(r: Result, kt: Result | None, limit: int) -> None:
         return
     steps = [e for e in r.events if e.get("event") == "step" and not e["warmup"]]
     ms = {f: _median([e[f] for e in steps]) for f in ("step_s", "fwd_s", "bwd_s")}
+    cores = _median([e["cpu_s"] / e["step_s"] for e in steps if e["step_s"] > 0])
     tps, rss = r.tokens_per_s, r.peak_rss_mib
     fmt = lambda v: "-" if v is None else f"{1e3 * v:.1f}"  # noqa: E731
     ratio = "-"
@@ -504,6 +513,7 @@ def print_layer_row(r: Result, kt: Result | None, limit: int) -> None:
     rss_s = "-" if rss is None else f"{'' if r.finished else '>='}{rss:.0f}"
     now = f"{steps[-1]['rss_mib']:.0f}" if steps else "-"
     print(f"{r.contender:<16} {fmt(ms['step_s']):>11} {fmt(ms['fwd_s']):>8} {fmt(ms['bwd_s']):>8} "
+          f"{'-' if cores is None else f'{cores:.2f}':>5} "
           f"{f'{tps:.1f}' if tps else '-':>10} {rss_s:>13} {now:>8} {'-' if r.load_s is None else f'{r.load_s:.0f}':>6}"
           f"  {ratio}", flush=True)
     if not r.finished:
@@ -513,12 +523,13 @@ def print_layer_row(r: Result, kt: Result | None, limit: int) -> None:
 
 
 def check_dx(ours: Result, kt: Result, dx_dir: Path) -> None:
-    """Input gradient of ours against kt-kernel's on the same data, within LAYER_DX_TOL."""
+    """Input and LoRA gradients of ours against kt-kernel's on the same data (the last step's), within
+    LAYER_DX_TOL."""
     import torch
 
     backend = kt.contender.partition(":")[2]
     fa, fb = (dx_dir / f"{c.contender.replace(':', '-')}.pt" for c in (ours, kt))
-    head = f"dx {ours.contender} vs {kt.contender}:"
+    head = f"grads {ours.contender} vs {kt.contender}:"
     if not (ours.finished and kt.finished and fa.exists() and fb.exists()):
         print(f"{head} not checked (a side did not finish)")
         return
@@ -528,10 +539,11 @@ def check_dx(ours: Result, kt: Result, dx_dir: Path) -> None:
               f"different data from the seed")
         return
     a, b = torch.load(fa), torch.load(fb)
-    err = float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+    errs = {n: float((a[n] - b[n]).abs().max() / b[n].abs().max().clamp_min(1e-30)) for n in b}
     tol = LAYER_DX_TOL[backend]
-    verdict = "agree" if err <= tol else "DISAGREE"
-    print(f"{head} max|ours - kt| / max|kt| = {err:.2e} (tolerance {tol:.0e}): {verdict}")
+    bad = [n for n, e in errs.items() if e > tol]
+    print(f"{head} max|ours - kt| / max|kt|: " + ", ".join(f"{'' if n == 'dx' else 'd'}{n} {e:.2e}" for n, e in errs.items())
+          + f" (tolerance {tol:.0e}): " + ("agree" if not bad else "DISAGREE on " + ", ".join(bad)))
 
 
 def layer_bench(args, kt_python: str | None, kt_info: str) -> None:
@@ -550,7 +562,7 @@ def layer_bench(args, kt_python: str | None, kt_info: str) -> None:
           f"bf16 weights; LoRA r={args.rank} on gate/up/down; forward + backward (input, LoRA A/B grads); "
           f"{args.threads} threads; median of {args.layer_steps} steps after {args.layer_warmup} warm-up; "
           f"at most {args.time_limit} s per contender" + (f"; kt-kernel {kt_info} ({kt_python})" if kt_python else ""))
-    print(f"{'contender':<16} {'fwd+bwd ms':>11} {'fwd ms':>8} {'bwd ms':>8} {'tokens/s':>10} {'peak RSS MiB':>13} "
+    print(f"{'contender':<16} {'fwd+bwd ms':>11} {'fwd ms':>8} {'bwd ms':>8} {'cores':>5} {'tokens/s':>10} {'peak RSS MiB':>13} "
           f"{'RSS MiB':>8} {'load s':>6}  x tokens/s vs kt-kernel, same weights", flush=True)
     results: dict[str, Result] = {}
     with tempfile.TemporaryDirectory() as d:
