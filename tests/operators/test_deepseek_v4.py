@@ -31,26 +31,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from ktransformers import load_model
 from ktransformers.optimize_rules import RULES_DIR, default_rule_file
 
-from .family_checks import BACKEND_SWAPS, prompt_ids, rel_err
+from .family_checks import BACKEND_SWAPS, assert_server_serves_one_at_a_time, generator_greedy, prompt_ids, rel_err
 
 ARCH = "deepseek_v4"
 CPU_RULES = RULES_DIR / "DeepSeek-V4-cpu.yaml"
 BACKENDS = {"llamafile": ("", "", 1e-4), **BACKEND_SWAPS}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(one_torch_thread):
-    yield
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_model_dir):
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir(ARCH), dtype=torch.float32).eval()
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # hf: the shared fixture (conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -256,17 +249,7 @@ def test_generator_carries_the_compressed_caches(chunk, tiny_model_dir, hf, ours
     """The project's engine (prefill in chunks of 5 tokens, so chunks end inside the compression
     windows of 4 and 8, then decode) on the model's own cache layers: the compressor state and
     compressed entries carry across the chunks, the tokens equal transformers' greedy ones."""
-    from ktransformers.generation import Generator, SamplingParams
-
-    d = tiny_model_dir(ARCH)
-    tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
-    gen = Generator(ours, tok, chunk_size=chunk)
-    gen.eos_ids = set()
-    ids = gen.apply_chat_template([{"role": "user", "content": "Hello there, how are you today?"}])
-    assert len(ids) > 3 * 8
-    got = [e.token_id for e in gen.stream(ids, SamplingParams(max_new_tokens=16))][:-1]
-    ref = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=None,
-                      pad_token_id=0)[0, len(ids):].tolist()
+    got, ref = generator_greedy(ours, hf, tiny_model_dir(ARCH), chunk, min_prompt=3 * 8)
     assert got == ref
 
 
@@ -278,15 +261,7 @@ def test_continuous_batching_refuses_it_by_name(ours):
 
 
 def test_server_falls_back_to_one_request_at_a_time(tiny_model_dir, caplog):
-    from ktransformers.server.engine import Engine
-    from ktransformers.server.main import build_engine, parse_settings
-
-    d = tiny_model_dir(ARCH)
-    with caplog.at_level("WARNING", logger="ktransformers.server"):
-        engine = build_engine(parse_settings(["--model_path", str(d), "--cache_lens", "512"]))
-    assert type(engine) is Engine and engine.max_context == 512
-    assert "continuous batching is not available for this model" in caplog.text
-    assert "compresses its KV" in caplog.text
+    assert_server_serves_one_at_a_time(tiny_model_dir(ARCH), caplog, "compresses its KV")
 
 
 @pytest.mark.parametrize("stem", ["DeepSeek-V4", "DeepSeek-V4-cpu"])

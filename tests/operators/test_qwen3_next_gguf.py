@@ -54,14 +54,7 @@ CONFIG_KEYS = ("num_hidden_layers", "hidden_size", "head_dim", "num_attention_he
                "intermediate_size", "norm_topk_prob", "vocab_size", "tie_word_embeddings")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(one_torch_thread):
-    yield
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_model_dir):
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir(ARCH), dtype=torch.float32).eval()
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # hf: the shared fixture (conftest.py)
 
 
 def _hf_on(src: GGUFSource):

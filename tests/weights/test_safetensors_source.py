@@ -17,14 +17,19 @@ def _experts(E=3, I=4, H=5):
     return g, u, d
 
 
-def test_per_expert_keys_stack(tmp_path):
-    g, u, d = _experts()
+def _save_per_expert(path, g, u, d):
+    """A checkpoint with per-expert keys, as save_pretrained writes them."""
     sd = {}
-    for e in range(3):
+    for e in range(g.shape[0]):
         sd[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"] = g[e]
         sd[f"model.layers.0.mlp.experts.{e}.up_proj.weight"] = u[e]
         sd[f"model.layers.0.mlp.experts.{e}.down_proj.weight"] = d[e]
-    save_file(sd, tmp_path / "m.safetensors")
+    save_file(sd, path)
+
+
+def test_per_expert_keys_stack(tmp_path):
+    g, u, d = _experts()
+    _save_per_expert(tmp_path / "m.safetensors", g, u, d)
     src = open_weights(tmp_path)
     b = "model.layers.0.mlp.experts"
     assert torch.equal(src.tensor(f"{b}.gate_up_proj"), torch.cat([g, u], dim=1))
@@ -37,12 +42,7 @@ def test_per_expert_bf16_read_into_place(tmp_path):
     """Stacked per-expert tensors are read straight into the stack (bf16 as stored, or converted),
     equal to what was saved."""
     g, u, d = (t.to(torch.bfloat16) for t in _experts(E=4, I=32, H=64))
-    sd = {}
-    for e in range(4):
-        sd[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"] = g[e]
-        sd[f"model.layers.0.mlp.experts.{e}.up_proj.weight"] = u[e]
-        sd[f"model.layers.0.mlp.experts.{e}.down_proj.weight"] = d[e]
-    save_file(sd, tmp_path / "m.safetensors")
+    _save_per_expert(tmp_path / "m.safetensors", g, u, d)
     src = open_weights(tmp_path)
     b = "model.layers.0.mlp.experts"
     gu = src.tensor(f"{b}.gate_up_proj")
