@@ -68,7 +68,7 @@ MoE::MoE(const MoEConfig& cfg, ThreadPool& pool) : cfg_(cfg) {
   const int E = cfg.num_experts, H = cfg.hidden, I = cfg.intermediate;
   if (E <= 0 || H <= 0 || I <= 0)
     throw std::invalid_argument("MoE: num_experts, hidden, intermediate must be positive, got " + shape_str(E, H, I));
-  if (static_cast<int>(cfg.act) < 0 || static_cast<int>(cfg.act) > 2) throw std::invalid_argument("MoE: unknown activation");
+  if (static_cast<int>(cfg.act) < 0 || static_cast<int>(cfg.act) > 3) throw std::invalid_argument("MoE: unknown activation");
   gate_ = describe_weights(cfg.backend, cfg.gate, cfg.gate_type, E, I, H, "gate_proj " + shape_str(E, I, H));
   up_ = describe_weights(cfg.backend, cfg.up, cfg.up_type, E, I, H, "up_proj " + shape_str(E, I, H));
   down_ = describe_weights(cfg.backend, cfg.down, cfg.down_type, E, H, I, "down_proj " + shape_str(E, H, I));

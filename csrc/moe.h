@@ -9,7 +9,8 @@
 
 namespace kt {
 
-enum class Activation : int { SiLU = 0, GeluTanh = 1, ClampSwiGLU = 2 };  // 2 = gpt-oss (alpha, limit)
+// 2 = gpt-oss (alpha, limit); 3 = DeepSeek-V4: silu(min(g, limit)) * clamp(u, +-limit)
+enum class Activation : int { SiLU = 0, GeluTanh = 1, ClampSwiGLU = 2, ClampSiLU = 3 };
 enum class DType : int { F32 = 0, BF16 = 1 };
 
 struct MoEConfig {

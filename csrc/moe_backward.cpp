@@ -55,6 +55,14 @@ void glu_backward(Activation act, const float* g, const float* u, const float* d
       dg[i] = dh[i] * u[i] * da;
       du[i] = dh[i] * a;
     }
+  } else if (act == Activation::ClampSiLU) {  // silu(gc) * clamp(u, +-limit), gc = min(g, limit)
+    for (int i = 0; i < n; ++i) {
+      const float gc = g[i] > limit ? limit : g[i];
+      const float uc = u[i] > limit ? limit : (u[i] < -limit ? -limit : u[i]);
+      const float s = 1.f / (1.f + std::exp(-gc));
+      dg[i] = g[i] > limit ? 0.f : dh[i] * uc * (s * (1.f + gc * (1.f - s)));
+      du[i] = (u[i] > limit || u[i] < -limit) ? 0.f : dh[i] * gc * s;
+    }
   } else {  // (clamp(u, +-limit) + 1) * gc * sigmoid(alpha * gc), gc = min(g, limit)
     for (int i = 0; i < n; ++i) {
       const float gc = g[i] > limit ? limit : g[i];

@@ -5,7 +5,8 @@
 
 Architectures: llama (and Mixtral, written as llama.cpp does: ``llama`` arch with ``ffn_*_exps``),
 qwen2, qwen3, qwen2_moe, qwen3_moe, deepseek_v2, deepseek_v3 (split MLA ``attn_k_b``/``attn_v_b``
-like current llama.cpp), gemma3 (text).
+like current llama.cpp), gemma3 (text), qwen3_next (as llama.cpp's converter with ``--no-mtp``:
+the MTP block is not part of the transformers model).
 
 Type policy, like llama-quantize's: routed experts ``--experts``; attention projections
 ``--attention``; ``token_embd`` ``--embeddings``; ``output`` ``--output-type``; everything else 2-D
@@ -43,9 +44,14 @@ from .errors import ConfigError, KTError, WeightError
 from .weights import gguf_names as gn
 from .weights.ggml_types import FILE_TYPES, ggml_type_info
 from .weights.quantize import QUANTIZABLE, native_quantizer, quantize
+from .weights.safetensors_header import read_header
 
 #: llama-quantize's type for rows that are not a multiple of a 256-value block
 _FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL"}
+
+
+#: 2-D tensors llama.cpp never quantizes: routers, the correction bias, the DeltaNet's short conv
+_FLOAT_LEAVES = ("ffn_gate_inp", "ffn_gate_inp_shexp", "exp_probs_b", "ssm_conv1d")
 
 
 @dataclass
@@ -69,7 +75,7 @@ class TypePolicy:
 
     def choose(self, gguf_name: str, shape: tuple[int, ...]) -> str:
         leaf = gguf_name.split(".")[-2] if gguf_name.startswith("blk.") else gguf_name.split(".")[0]
-        if len(shape) == 1 or leaf in ("ffn_gate_inp", "ffn_gate_inp_shexp", "exp_probs_b"):
+        if len(shape) == 1 or leaf in _FLOAT_LEAVES:
             t = self.norms
         elif leaf.endswith("_exps"):
             t = self.experts
@@ -135,7 +141,7 @@ class PresetPolicy:
 
     def choose(self, gguf_name: str, shape: tuple[int, ...]) -> str:
         leaf = gguf_name.split(".")[-2] if gguf_name.startswith("blk.") else gguf_name.split(".")[0]
-        if len(shape) == 1 or leaf in ("ffn_gate_inp", "ffn_gate_inp_shexp", "exp_probs_b"):
+        if len(shape) == 1 or leaf in _FLOAT_LEAVES:
             return "F32"
         t = self.base
         if t in ("F32", "F16", "BF16"):
@@ -245,7 +251,7 @@ class _TorchFiles:
 
 
 class _NumpyFiles:
-    """Safetensors files read without torch: the JSON header parsed here, the data mapped with numpy.
+    """Safetensors files read without torch: the header from :func:`read_header`, the data mapped with numpy.
     Only float32/float16/bfloat16 tensors (others: :class:`_LightUnsupported`)."""
 
     _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
@@ -253,33 +259,13 @@ class _NumpyFiles:
     def __init__(self, files: list[Path]):
         self.where, self._info, self._maps = {}, {}, {}
         for f in files:
-            size = f.stat().st_size
-            try:
-                with open(f, "rb") as fh:
-                    n = int.from_bytes(fh.read(8), "little")
-                    if not 2 <= n <= min(size - 8, 1 << 27):
-                        raise ValueError(f"header length {n} does not fit a {size}-byte file")
-                    header = json.loads(fh.read(n))
-                if not isinstance(header, dict):
-                    raise ValueError("the header is not a JSON object")
-            except (OSError, ValueError, UnicodeDecodeError) as e:
-                raise WeightError(f"{f}: unreadable safetensors file ({e})") from e
+            header = read_header(f)
             mm = np.memmap(f, dtype=np.uint8, mode="r")
-            for k, v in header.items():
-                if k == "__metadata__":
-                    continue
-                try:
-                    dtype, shape, (b0, b1) = v["dtype"], tuple(int(x) for x in v["shape"]), v["data_offsets"]
-                except (KeyError, TypeError, ValueError) as e:
-                    raise WeightError(f"{f}: tensor '{k}' has a malformed header entry ({e})") from e
-                if dtype not in self._DTYPES:
-                    raise _LightUnsupported(f"{k}: dtype {dtype}")
-                itemsize = np.dtype(self._DTYPES[dtype]).itemsize
-                if not (0 <= b0 <= b1 <= size - 8 - n) or b1 - b0 != itemsize * int(np.prod(shape, dtype=np.int64)):
-                    raise WeightError(f"{f}: tensor '{k}' has data offsets {b0}..{b1} that do not match its "
-                                      f"shape {list(shape)} {dtype} inside the file")
+            for k, e in header.items():
+                if e.dtype not in self._DTYPES:
+                    raise _LightUnsupported(f"{k}: dtype {e.dtype}")
                 self.where[k] = f
-                self._info[k] = (dtype, shape, 8 + n + b0, 8 + n + b1)
+                self._info[k] = (e.dtype, e.shape, e.start, e.end)
                 self._maps[k] = mm
 
     def shape(self, key: str) -> tuple[int, ...]:
@@ -383,6 +369,8 @@ def _arch_of(config) -> str:
         config = config.get_text_config()
         mt = config.model_type
     arch = gn.MODEL_TYPE_TO_ARCH.get(mt)
+    if mt in gn.NOT_WRITTEN:
+        raise ConfigError(f"cannot convert model_type '{mt}': {gn.NOT_WRITTEN[mt]}")
     if arch is None:
         raise ConfigError(f"cannot convert model_type '{mt}' (supported: {', '.join(sorted(gn.MODEL_TYPE_TO_ARCH))})")
     return arch
@@ -476,6 +464,8 @@ def metadata_for(config, arch: str, tensor_names: Iterable[str]) -> dict[str, tu
         md.update(gn.glm4moe_metadata(c, head_dim))
     if A == "minimax-m2":
         md.update(gn.minimax_m2_metadata(c, head_dim))
+    if A == "qwen3next":
+        md.update(gn.qwen3next_metadata(c, head_dim))
     return md
 
 
@@ -531,6 +521,17 @@ def plan(config, ckpt: Checkpoint, policy: TypePolicy, params=None) -> tuple[str
             add(f"blk.{layer}.attn_v_b.weight", (n_head, v, r),
                 lambda src=src: gn.split_kv_b(ckpt.get(src), n_head, nope, v)[1])
             continue
+        if arch == "qwen3next" and hf.endswith("linear_attn.in_proj_qkvz.weight"):
+            layer = re.match(r"model\.layers\.(\d+)\.", hf).group(1)
+            dims = (text_cfg.linear_num_key_heads, text_cfg.linear_key_head_dim,
+                    text_cfg.linear_num_value_heads, text_cfg.linear_value_head_dim)
+            n_qkv = gn.qwen3next_linear_dims(*dims)[2]
+            src = ck_name(hf)
+            add(f"blk.{layer}.attn_qkv.weight", (n_qkv, shape[1]),
+                lambda src=src: gn.split_qkvz(ckpt.get(src), *dims)[0])
+            add(f"blk.{layer}.attn_gate.weight", (shape[0] - n_qkv, shape[1]),
+                lambda src=src: gn.split_qkvz(ckpt.get(src), *dims)[1])
+            continue
         gname = nmap.hf_to_gguf(hf)
         if gname is None:
             raise ConfigError(f"{ckpt.path}: no GGUF name for parameter '{hf}' of a {arch} model")
@@ -538,8 +539,12 @@ def plan(config, ckpt: Checkpoint, policy: TypePolicy, params=None) -> tuple[str
         if arch == "llama" and re.search(r"\.attn_(q|k)\.(weight|bias)$", gname):
             kv = n_head if ".attn_q." in gname else n_kv
             add(gname, shape, lambda src=src, kv=kv: gn.permute_qk(ckpt.get(src), n_head, kv))
-        elif arch == "gemma3" and gn.is_gemma_norm(gname):
+        elif gn.has_norm_offset(arch, gname):
             add(gname, shape, lambda src=src: ckpt.get(src) + 1.0)
+        elif arch == "qwen3next" and gname.endswith(".ssm_a"):
+            add(gname, shape, lambda src=src: -ckpt.get(src).exp())  # llama.cpp stores A = -exp(A_log)
+        elif arch == "qwen3next" and gname.endswith(".ssm_conv1d.weight"):
+            add(gname, (shape[0], shape[2]), lambda src=src, s=shape: ckpt.get(src).reshape(s[0], s[2]))
         else:
             add(gname, shape, lambda src=src: ckpt.get(src))
     outs.sort(key=lambda o: _file_order(o.name))

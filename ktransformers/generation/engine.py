@@ -171,12 +171,19 @@ class Generator:
 
     # ---------------------------------------------------------------------------------- model
     def new_cache(self, max_cache_len: int):
-        from transformers import StaticCache
+        from transformers import DynamicCache, StaticCache
+        from transformers.cache_utils import STATIC_LAYER_TYPE_MAPPING
 
         # offloading moves layers between a CUDA device and host memory; on the CPU the cache already
         # lives in host memory
         offload = self.offload_cache and self.device.type == "cuda"
-        return StaticCache(config=self.model.config, max_cache_len=max_cache_len, offloading=offload)
+        cfg = self.model.config
+        types = getattr(cfg.get_text_config(decoder=True), "layer_types", None) or ()
+        if any(t not in STATIC_LAYER_TYPE_MAPPING for t in types):
+            # layers whose cache only the model's own dynamic layer classes hold (DeepSeek-V4's
+            # compressor state and compressed entries)
+            return DynamicCache(config=cfg, offloading=offload)
+        return StaticCache(config=cfg, max_cache_len=max_cache_len, offloading=offload)
 
     def _forward(self, ids: torch.Tensor, start: int, cache) -> torch.Tensor:
         n = ids.shape[1]

@@ -504,6 +504,9 @@ def _attention_layers(model) -> list[_AttnLayer]:
         if is_mla and not hasattr(mod, "absorb_weights"):
             raise NotPageable(f"{name}: {type(mod).__name__} (MLA) has no paged path; inject KDeepseekV2Attention "
                              f"(the shipped DeepSeek rules do)")
+        if getattr(mod, "compressor", None) is not None:  # DeepSeek-V4's CSA / HCA layers
+            raise NotPageable(f"{name}: {type(mod).__name__} compresses its KV (DeepSeek-V4 CSA / HCA), whose "
+                             f"compressor state and compressed entries the paged attention does not hold")
         if getattr(mod, "sinks", None) is not None:
             raise NotPageable(f"{name}: {type(mod).__name__} has attention sinks (gpt-oss), which the paged "
                              f"attention does not compute")

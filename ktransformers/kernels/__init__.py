@@ -43,7 +43,8 @@ up_type, down_type, activation="silu", alpha=1.702, limit=7.0, gate_bias=None, u
     or id).  Row lengths must be multiples of the type's block (32, or 256 for K-quants, IQ4_XS and
     the IQ1/IQ2/IQ3 types), else ``ValueError`` naming the projection and
     shape.  ``activation``: ``"silu"`` | ``"gelu_tanh"`` | ``"clamp_swiglu"`` (gpt-oss:
-    ``(clamp(up,±limit)+1) * g*sigmoid(alpha*g)``, ``g = min(gate, limit)``).  Optional per-expert
+    ``(clamp(up,±limit)+1) * g*sigmoid(alpha*g)``, ``g = min(gate, limit)``) | ``"clamp_silu"``
+    (DeepSeek-V4: ``silu(min(gate, limit)) * clamp(up,±limit)``).  Optional per-expert
     fp32 biases (gpt-oss) ``gate_bias``/``up_bias [E, I]`` (added before the activation) and
     ``down_bias [E, H]`` (added before the routing weight); kept alive like the weights.
     llamafile weights are referenced, not copied: the wrapper keeps the arrays alive.
@@ -70,7 +71,7 @@ up_type, down_type, activation="silu", alpha=1.702, limit=7.0, gate_bias=None, u
     fp32 contiguous CPU tensors.
 
 ``row_bytes(type, cols)``, ``type_info(type)``, ``dequantize(raw, type, n)`` (ggml reference
-values, used by tests).
+values, used by tests), ``activation_format(type)`` (what the tier's kernel rounds activations to).
 """
 
 from __future__ import annotations
@@ -81,10 +82,11 @@ from .linear import LinearGroupKernel, LinearKernel
 from .moe import ACTIVATIONS, BACKENDS, MoEKernel
 from .moe_train import LoraFactors, MoETrainKernel
 from .pool import CPUInfer, cpu_infer, isa_tier
-from .types import dequantize, row_bytes, type_info
+from .types import activation_format, dequantize, row_bytes, type_info
 
 #: the weight types the kernels compute on: name -> id
 TYPES = {name: t.id for name, t in KERNEL_TYPES.items()}
 
 __all__ = ["isa_tier", "cpu_infer", "CPUInfer", "MoEKernel", "LinearKernel", "LinearGroupKernel", "row_bytes",
-           "type_info", "dequantize", "ggml_type", "BACKENDS", "ACTIVATIONS", "TYPES", "MoETrainKernel", "LoraFactors"]
+           "type_info", "dequantize", "ggml_type", "BACKENDS", "ACTIVATIONS", "TYPES", "MoETrainKernel", "LoraFactors",
+           "activation_format"]

@@ -9,7 +9,7 @@ from .args import _desc, _empty_like, _weight, ggml_type, moe_call_args, positiv
 from .pool import CPUInfer
 
 BACKENDS = {"llamafile": 0, "AMXInt8": 1, "AMXBF16": 2, "AMXInt4": 3, "AMXInt4_1": 4}
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "clamp_swiglu": 2}
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "clamp_swiglu": 2, "clamp_silu": 3}
 
 
 def _backend(b: Any) -> int:
@@ -50,9 +50,12 @@ class MoEKernel:
         pd = _weight(down, dt, (E, H, I), "down")
         biases = (_bias(gate_bias, (E, I), "gate_bias"), _bias(up_bias, (E, I), "up_bias"),
                   _bias(down_bias, (E, H), "down_bias"))
-        self._weights = (gate, up, down, gate_bias, up_bias, down_bias)  # zero-copy: keep alive
         self._m = _ext.MoE(pool._c, E, H, I, _backend(backend), pg, pu, pd, gt.id, ut.id, dt.id,
                            ACTIVATIONS[activation], float(alpha), float(limit), *biases)
+        # zero-copy: the kernel reads these in place (llamafile weights; biases on every backend); the
+        # packed backends hold their own requantized copy, so the source weights can go
+        keep = (gate, up, down) if backend == "llamafile" else ()
+        self._weights = (*keep, gate_bias, up_bias, down_bias)
 
     def submit(self, x: Any, ids: Any, weights: Any, out: Any) -> None:
         """Queue the layer; returns at once.  Read ``out`` only after ``pool.sync()``."""

@@ -29,3 +29,10 @@ def dequantize(raw: Any, t: Any, n: int | None = None) -> np.ndarray:
     out = np.empty(n, np.float32)
     _ext.dequantize(t.id, ptr, n, out.ctypes.data)
     return out
+
+
+def activation_format(t: Any) -> str:
+    """The activation row format the tier in force feeds the llamafile kernel of weight type ``t``
+    (``"f32"``, ``"bf16"``, ``"q8_32"``, ``"q8_256"``): what rounds the inputs, so what bounds the
+    error against an fp32 reference (bf16: 2^-9 relative per element; q8: per-block int8)."""
+    return _ext.kernel_rows()[ggml_type(t).name][2]

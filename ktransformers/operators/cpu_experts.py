@@ -93,7 +93,9 @@ class KExpertsCPU(ExpertsOp):
 
             raise WeightError(f"{weights.path}: {self.key}: the {self.backend} CPU kernel cannot take these "
                               f"weights: {e}") from None
-        self._arrays = arrays  # the kernel reads them in place
+        # the llamafile kernel reads them in place; the packed backends keep their own copy (then
+        # dropping these frees a float copy of every expert: the peak RSS of a bf16 checkpoint's load)
+        self._arrays = arrays if self.backend == "llamafile" else {}
         self.out_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
 
     def _kernel_activation(self) -> str:

@@ -83,7 +83,7 @@ class ExpertsOp(Op):
             # gpt-oss: (clamp(up, +-limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
             self.activation = "clamp_swiglu"
         elif self.activation == "silu" and hasattr(orig_module, "limit") and not hasattr(orig_module, "alpha"):
-            # DeepSeek-V4: silu(min(gate, limit)) * clamp(up, +-limit); no kernel has it (KExpertsCPU refuses)
+            # DeepSeek-V4: silu(min(gate, limit)) * clamp(up, +-limit)
             self.activation = "clamp_silu"
         self.alpha = float(getattr(orig_module, "alpha", 1.702))
         self.limit = float(getattr(orig_module, "limit", 7.0))

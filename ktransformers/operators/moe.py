@@ -1,13 +1,16 @@
 """The MoE block: route, run routed experts, add shared experts — overlapping where it can.
 
 One operator serves every sparse block of transformers 5 (Qwen2/3-MoE, Mixtral, DeepSeek
-V2/V3, GLM-4-MoE): it reads the block's children (``gate``/``router``, ``experts``,
+V2/V3, GLM-4-MoE, DeepSeek-V4): it reads the block's children (``gate``/``router``, ``experts``,
 ``shared_expert(s)``, ``shared_expert_gate``).  When the experts run asynchronously
 (``KExpertsCPU``), the routed experts are submitted first and the shared experts computed
-while they run.
+while they run.  A router whose forward takes ``input_ids`` (DeepSeek-V4's hash router: the
+experts are a fixed function of the token id) gets the ids the decoder layer passes the block.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -23,11 +26,18 @@ class KMoEBlock(BaseInjectedModule):
 
     REPLACES = (MOE_BLOCK,)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         router = self._modules.get("gate") or self._modules.get("router")
-        _, top_k_weights, top_k_index = router(x)
+        if _takes_input_ids(router):
+            if input_ids is None:
+                raise ValueError(f"{self.key}: {type(router).__name__} routes by token id and got no input_ids "
+                                 f"(call the model with input_ids, not inputs_embeds)")
+            # the ids come from where the embeddings are (the CPU in the GPU rules), the router's table is here
+            _, top_k_weights, top_k_index = router(x, input_ids.to(x.device))
+        else:
+            _, top_k_weights, top_k_index = router(x)
         experts = self.experts
         if hasattr(experts, "submit"):
             token = experts.submit(x, top_k_index, top_k_weights)
@@ -51,3 +61,11 @@ class KMoEBlock(BaseInjectedModule):
                 out = F.sigmoid(gate(x)) * out
             return out
         return None
+
+
+def _takes_input_ids(router) -> bool:
+    fn = getattr(type(router), "forward", None)
+    try:
+        return "input_ids" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False

@@ -23,6 +23,7 @@ DEFAULT_RULES = {
     "GlmMoeDsaForCausalLM": "GlmMoeDsa",
     "Qwen3_5MoeForCausalLM": "Qwen3_5Moe",
     "Qwen3NextForCausalLM": "Qwen3Next",
+    "DeepseekV4ForCausalLM": "DeepSeek-V4",
     "MiniMaxM2ForCausalLM": "MiniMaxM2",
     "GptOssForCausalLM": "GptOss",
     "LlamaForCausalLM": "Dense",

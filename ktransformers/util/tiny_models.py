@@ -72,6 +72,19 @@ TINY_CONFIGS: dict[str, dict] = {
                         routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=32, kv_lora_rank=32,
                         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, index_topk=4,
                         index_head_dim=16, index_n_heads=16, indexer_types=["full", "full", "shared"]),
+    # DeepSeek-V4: hyper-connections (2 residual streams), shared-KV attention with attention sinks, a
+    # sliding window and compressed KV: CSA (every 4 tokens, with its indexer's top-4) and HCA (every 8
+    # here, 128 as released, so a prompt reaches it); a hash-routed first layer (tid2eid) and top-k routed
+    # ones, one shared expert; swiglu_limit low enough that the experts' clamps bite.  16 indexer heads:
+    # with 4, exact ties of the ReLU scores at the top-k boundary went either way with the prefill chunking
+    "deepseek_v4": dict(_COMMON, num_hidden_layers=3, num_key_value_heads=1, head_dim=32, q_lora_rank=32,
+                        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, o_groups=2,
+                        o_lora_rank=32, index_n_heads=16, index_head_dim=16, index_topk=4, sliding_window=8,
+                        hc_mult=2, num_nextn_predict_layers=0, swiglu_limit=0.5,
+                        layer_types=["heavily_compressed_attention", "compressed_sparse_attention",
+                                     "heavily_compressed_attention"],
+                        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+                        mlp_layer_types=["hash_moe", "moe", "moe"]),
     # MiniMax-M2: every layer sparse, no shared expert, sigmoid router whose correction bias sits on the
     # block; q/k norms over all heads; partial rotary (rotary_dim = head_dim / 2 as released)
     "minimax_m2": dict(_COMMON, head_dim=16, rotary_dim=8, num_local_experts=8, num_experts_per_tok=2,
@@ -139,6 +152,9 @@ def random_model(arch: str, seed: int = 0, **overrides):
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.05 * torch.randn_like(b))
+            if name.endswith("tid2eid"):  # hash routing: distinct experts per token id
+                n_experts = model.config.num_local_experts
+                b.copy_(torch.stack([torch.randperm(n_experts)[:b.shape[1]] for _ in range(b.shape[0])]))
         # routers with clearer margins so tiny numerical differences rarely flip experts
         for name, mod in model.named_modules():
             if name.endswith(("mlp.gate", "mlp.router")) and hasattr(mod, "weight") and mod.weight.dim() == 2:

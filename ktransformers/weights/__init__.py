@@ -45,15 +45,15 @@ def open_weights(path: str | os.PathLike) -> WeightSource:
 def _safetensors(p: Path) -> WeightSource:
     """A safetensors source; FP8 block-quantized checkpoints (``*_scale_inv`` tensors, as
     DeepSeek-V3 publishes them) are served dequantized; ``raw()`` gives ops that keep FP8 the weight
-    with its scales.  gpt-oss's MXFP4 experts are served as ggml MXFP4 (``mxfp4.py``)."""
+    with its scales.  gpt-oss's and DeepSeek-V4's MXFP4 experts are served as ggml MXFP4 (``mxfp4.py``)."""
     from .fp8 import SCALE_SUFFIX, FP8DequantSource
+    from .mxfp4 import Mxfp4ExpertsSource, is_mxfp4_checkpoint
     from .safetensors_source import SafetensorsSource
 
     src = SafetensorsSource(p)
+    mxfp4 = is_mxfp4_checkpoint(src)
     if any(n.endswith(SCALE_SUFFIX) for n in src.names()):
-        return FP8DequantSource(src)
-    from .mxfp4 import Mxfp4ExpertsSource, is_mxfp4_checkpoint
-
-    if is_mxfp4_checkpoint(src):  # gpt-oss as published: MXFP4 experts, served as ggml MXFP4 blocks
-        return Mxfp4ExpertsSource(src)
+        src = FP8DequantSource(src)
+    if mxfp4:  # gpt-oss, DeepSeek-V4 as published: MXFP4 experts, served as ggml MXFP4 blocks
+        src = Mxfp4ExpertsSource(src)
     return src

@@ -180,7 +180,9 @@ def check_metadata(where: str, meta, arch: str, tensors: dict[str, tuple[int, ..
                      f"gives heads of {head_dim}; rotary embeddings need an even head size")
     # the projections' widths follow from the head counts and sizes (plain attention; MLA differs)
     if len(heads) == 1 and len(kv_heads) == 1 and not k.raw("attention.kv_lora_rank"):
-        for proj, n, size in (("attn_q", heads[0], head_dim), ("attn_k", kv_heads[0], head_dim),
+        # qwen3next's gated attention: attn_q holds each head's query and its output gate
+        q_rows = 2 * head_dim if arch == "qwen3next" else head_dim
+        for proj, n, size in (("attn_q", heads[0], q_rows), ("attn_k", kv_heads[0], head_dim),
                               ("attn_v", kv_heads[0], val_len or head_dim)):
             for name, shape in tensors.items():
                 if name.endswith(f".{proj}.weight") and shape[0] != n * size:

@@ -12,7 +12,8 @@ qwen2moe       Qwen2MoeConfig
 qwen3moe       Qwen3MoeConfig
 deepseek2      DeepseekV3Config when ``expert_gating_func`` is 2 (sigmoid) or the file has
                ``exp_probs_b`` tensors, else DeepseekV2Config
-deepseek32     DeepseekV32Config (the deepseek2 keys plus ``attention.indexer.*``)
+deepseek32     DeepseekV32Config (the deepseek2 keys plus ``attention.indexer.*``; ``expert_gating_func``
+               sigmoid or absent, its only router)
 glm-dsa        GlmMoeDsaConfig (as deepseek32; ``attention.indexer.types``: true where a layer runs
                its own indexer, false where it reuses the previous top-k)
 gemma3         Gemma3TextConfig
@@ -20,6 +21,9 @@ glm4moe        Glm4MoeConfig (``block_count`` counts the NextN/MTP layers llama.
                model has ``block_count - nextn_predict_layers``)
 minimax-m2     MiniMaxM2Config
 gpt-oss        GptOssConfig (sliding / full layers alternate from layer 0; yarn without truncation)
+qwen3next      Qwen3NextConfig (``attention.recurrent_layers`` or ``full_attention_interval`` give
+               the layer types, ``ssm.*`` the DeltaNet sizes; layers without a router are
+               ``mlp_only_layers``; ``block_count`` counts the MTP layers llama.cpp keeps)
 =============  ==========================================================================
 
 Conventions: the config says ``dtype=float32`` (override with ``dtype=``), and
@@ -235,6 +239,10 @@ def config_from_metadata(
             topk_group=topk_group,
         )
         if arch in ("deepseek32", "glm-dsa"):
+            # absent: sigmoid, as llama.cpp's glm-dsa loader takes it
+            if (func := md.get("expert_gating_func")) not in (None, 2):
+                raise WeightError(f"{md.where}: '{arch}.expert_gating_func' is {func}; DeepSeek-V3.2 and "
+                                  "GLM-5 route with sigmoid (2)")
             kw.update(index_n_heads=int(md.need("attention.indexer.head_count")),
                       index_head_dim=int(md.need("attention.indexer.key_length")),
                       index_topk=int(md.need("attention.indexer.top_k")))
@@ -257,6 +265,8 @@ def config_from_metadata(
         cfg = _minimax_m2_config(md, kw, expert_ffn)
     elif arch == "gpt-oss":
         cfg = _gpt_oss_config(md, kw, tensor_shapes, expert_ffn)
+    elif arch == "qwen3next":
+        cfg = _qwen3next_config(md, kw, tensor_shapes, expert_ffn)
     elif arch == "gemma3":
         head_dim = int(key_len or 256)
         # llama.cpp scales queries by 1/sqrt(head_dim), except 27B (62 layers): 1/sqrt(hidden/heads)
@@ -282,7 +292,7 @@ def config_from_metadata(
         raise WeightError(
             f"{where}: GGUF architecture '{arch}' is not supported "
             "(supported: llama, mixtral-style llama, qwen2, qwen3, qwen2moe, qwen3moe, deepseek2, deepseek32, glm-dsa, gemma3, glm4moe, minimax-m2, "
-            "gpt-oss)"
+            "gpt-oss, qwen3next)"
         )
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
@@ -309,7 +319,50 @@ _ARCH_CLASS = {
     "Glm4MoeConfig": "Glm4MoeForCausalLM",
     "MiniMaxM2Config": "MiniMaxM2ForCausalLM",
     "GptOssConfig": "GptOssForCausalLM",
+    "Qwen3NextConfig": "Qwen3NextForCausalLM",
 }
+
+
+def _qwen3next_config(md: _Meta, kw: dict, tensor_shapes, expert_ffn):
+    """Qwen3NextConfig: gated DeltaNet (``ssm.*``: conv kernel, key head size, key / value head
+    counts, value width) and gated full attention with partial rotary, softmax top-k with
+    normalised weights, a gated shared expert."""
+    import transformers as tf
+
+    n_layers = kw["num_hidden_layers"] - int(md.get("nextn_predict_layers", 0) or 0)
+    head_dim = int(md.get("attention.key_length") or kw["hidden_size"] // kw["num_attention_heads"])
+    rope = _rope_parameters(md, float(md.get("rope.freq_base", 10000.0)))
+    rope["partial_rotary_factor"] = int(md.get("rope.dimension_count") or head_dim // 4) / head_dim
+    recurrent = md.m.get(f"{md.arch}.attention.recurrent_layers")  # per layer: not collapsed by get()
+    if recurrent is not None:
+        if len(recurrent) < n_layers:
+            raise WeightError(f"{md.where}: '{md.arch}.attention.recurrent_layers' has {len(recurrent)} entries "
+                              f"for {n_layers} layers")
+        layer_types = ["linear_attention" if r else "full_attention" for r in recurrent[:n_layers]]
+    else:
+        interval = int(md.get("full_attention_interval", 4) or 4)
+        layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
+    n_v = int(md.need("ssm.time_step_rank"))
+    kw.update(
+        num_hidden_layers=n_layers,
+        head_dim=head_dim,
+        rope_parameters=rope,
+        partial_rotary_factor=rope["partial_rotary_factor"],
+        layer_types=layer_types,
+        linear_conv_kernel_dim=int(md.need("ssm.conv_kernel")),
+        linear_key_head_dim=int(md.need("ssm.state_size")),
+        linear_num_key_heads=int(md.need("ssm.group_count")),
+        linear_num_value_heads=n_v,
+        linear_value_head_dim=int(md.need("ssm.inner_size")) // n_v,
+        num_experts=int(md.need("expert_count")),
+        num_experts_per_tok=int(md.need("expert_used_count")),
+        moe_intermediate_size=expert_ffn(),
+        shared_expert_intermediate_size=int(md.need("expert_shared_feed_forward_length")),
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_shapes],
+    )
+    return tf.Qwen3NextConfig(**kw)
 
 
 def _gpt_oss_config(md: _Meta, kw: dict, tensor_shapes, expert_ffn):

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 #: architectures the source and the converter handle (GGUF ``general.architecture`` values)
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "deepseek2", "deepseek32", "glm-dsa", "gemma3",
-                   "glm4moe", "minimax-m2", "gpt-oss")
+                   "glm4moe", "minimax-m2", "gpt-oss", "qwen3next")
 #: DeepSeek MLA architectures (split ``attn_k_b`` / ``attn_v_b``, the ``deepseek2`` metadata keys)
 MLA_ARCHS = ("deepseek2", "deepseek32", "glm-dsa")
 #: MLA with the sparse-attention indexer (``indexer.*`` tensors, ``attention.indexer.*`` keys)
@@ -50,7 +50,14 @@ MODEL_TYPE_TO_ARCH = {
     "gemma3": "gemma3",
     "glm4_moe": "glm4moe",
     "minimax_m2": "minimax-m2",
+    "qwen3_next": "qwen3next",
 }  # gpt_oss: read only (its experts' layout is not the converter's yet)
+
+#: transformers ``model_type`` -> why the converter does not write it (llama.cpp has the architecture)
+NOT_WRITTEN = {
+    "deepseek_v4": "llama.cpp's deepseek4 layout (hyper-connection, compressor, indexer and hash-router "
+                   "tensors, their metadata keys) is neither written nor read here yet; load the safetensors",
+}
 
 # (gguf leaf without .weight/.bias, hf leaf without .weight/.bias)
 _ATTENTION = [
@@ -110,6 +117,19 @@ _EXP_PROBS_B = {"minimax-m2": "mlp.e_score_correction_bias"}
 # gpt-oss: the router is ``mlp.router`` (weight and bias), the norm before the MLP ``post_attention_norm``
 _GPT_OSS_BLOCK = _ATTENTION + [("post_attention_norm", "post_attention_layernorm"), ("ffn_gate_inp", "mlp.router")]
 
+# Qwen3-Next: full attention (q_proj holds the query and its output gate, as stored by both sides),
+# gated DeltaNet (``ssm_*``), the norm before the MLP ``post_attention_norm``, a gated shared expert;
+# the dense MLP only for mlp_only_layers, which llama.cpp's qwen3next has no loader for
+_QWEN3NEXT_BLOCK = _ATTENTION + _DENSE_MLP + [
+    ("post_attention_norm", "post_attention_layernorm"),
+    ("ffn_gate_inp", "mlp.gate"),
+    ("ffn_gate_inp_shexp", "mlp.shared_expert_gate"),
+    ("ssm_ba", "linear_attn.in_proj_ba"),
+    ("ssm_conv1d", "linear_attn.conv1d"),
+    ("ssm_norm", "linear_attn.norm"),
+    ("ssm_out", "linear_attn.out_proj"),
+] + _shexp("mlp.shared_expert")
+
 #: full leaves outside the ``.weight`` / ``.bias`` pattern: gpt-oss's attention sinks (a bare parameter)
 #: and its per-expert biases
 _EXTRA_LEAVES = {
@@ -119,6 +139,7 @@ _EXTRA_LEAVES = {
         "ffn_up_exps.bias": "mlp.experts.up_proj_bias",
         "ffn_down_exps.bias": "mlp.experts.down_proj_bias",
     },
+    "qwen3next": {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"},
 }
 
 _BLOCK_TABLES = {
@@ -134,6 +155,7 @@ _BLOCK_TABLES = {
     "glm4moe": _GLM4MOE_BLOCK,
     "minimax-m2": _COMMON_BLOCK,
     "gpt-oss": _GPT_OSS_BLOCK,
+    "qwen3next": _QWEN3NEXT_BLOCK,
 }
 
 _TOP = [
@@ -264,6 +286,29 @@ def gpt_oss_metadata(c, head_dim: int) -> dict[str, tuple[str, object]]:
     }
 
 
+def qwen3next_metadata(c, head_dim: int) -> dict[str, tuple[str, object]]:
+    """The ``qwen3next.*`` keys llama.cpp's converter writes beyond the common ones (DeltaNet sizes
+    as ``ssm.*``, which layers are recurrent, partial rotary, the shared expert's width)."""
+    A = "qwen3next"
+    rope = getattr(c, "rope_parameters", None) or {}
+    return {
+        f"{A}.attention.key_length": ("u32", head_dim),
+        f"{A}.attention.value_length": ("u32", head_dim),
+        f"{A}.rope.dimension_count": ("u32", int(head_dim * rope.get("partial_rotary_factor", 0.25))),
+        f"{A}.expert_count": ("u32", c.num_experts),
+        f"{A}.expert_used_count": ("u32", c.num_experts_per_tok),
+        f"{A}.expert_feed_forward_length": ("u32", c.moe_intermediate_size),
+        f"{A}.expert_shared_feed_forward_length": ("u32", c.shared_expert_intermediate_size),
+        f"{A}.ssm.conv_kernel": ("u32", c.linear_conv_kernel_dim),
+        f"{A}.ssm.state_size": ("u32", c.linear_key_head_dim),
+        f"{A}.ssm.group_count": ("u32", c.linear_num_key_heads),
+        f"{A}.ssm.time_step_rank": ("u32", c.linear_num_value_heads),
+        f"{A}.ssm.inner_size": ("u32", c.linear_value_head_dim * c.linear_num_value_heads),
+        f"{A}.attention.recurrent_layers": ("arr", [t == "linear_attention" for t in c.layer_types]),
+        f"{A}.full_attention_interval": ("u32", int(getattr(c, "full_attention_interval", None) or 4)),
+    }
+
+
 # ------------------------------------------------------------------------- value transforms
 
 
@@ -312,6 +357,46 @@ def is_gemma_norm(gguf_name: str) -> bool:
     return gguf_name.endswith("norm.weight")
 
 
+#: architectures whose RMSNorm weights llama.cpp stores as ``w + 1``
+NORM_OFFSET_ARCHS = ("gemma3", "qwen3next")
+
+
+def has_norm_offset(arch: str, gguf_name: str) -> bool:
+    """Whether llama.cpp stores this tensor as the HF weight + 1 (zero-centred RMSNorm weights)."""
+    if arch == "qwen3next" and gguf_name.endswith(".ssm_norm.weight"):
+        return False
+    return arch in NORM_OFFSET_ARCHS and is_gemma_norm(gguf_name)
+
+
+def qwen3next_linear_dims(n_k_heads: int, k_dim: int, n_v_heads: int, v_dim: int) -> tuple[int, int, int]:
+    """(key heads, per-key-head [q, k, v, z] block rows, rows of q + k + v) of a Qwen3-Next DeltaNet."""
+    vz = n_v_heads // n_k_heads * v_dim
+    return n_k_heads, 2 * k_dim + 2 * vz, n_k_heads * (2 * k_dim + vz)
+
+
+def qkvz_row_order(n_k_heads: int, k_dim: int, n_v_heads: int, v_dim: int) -> torch.Tensor:
+    """Index ``idx`` with ``in_proj_qkvz rows = cat(attn_qkv, attn_gate) rows[idx]`` (llama.cpp's
+    ``Qwen3NextModel.modify_tensors`` undone; whole rows, so it serves quantized rows too)."""
+    import torch
+
+    vz = n_v_heads // n_k_heads * v_dim
+    nq = n_k_heads * k_dim
+    ar = torch.arange(2 * nq + 2 * n_k_heads * vz)
+    q = ar[:nq].view(n_k_heads, k_dim)
+    k = ar[nq:2 * nq].view(n_k_heads, k_dim)
+    v = ar[2 * nq:2 * nq + n_k_heads * vz].view(n_k_heads, vz)
+    z = ar[2 * nq + n_k_heads * vz:].view(n_k_heads, vz)
+    return torch.cat([q, k, v, z], dim=1).reshape(-1)
+
+
+def split_qkvz(w, n_k_heads: int, k_dim: int, n_v_heads: int, v_dim: int):
+    """HF ``in_proj_qkvz.weight`` -> (``attn_qkv``, ``attn_gate``) rows, llama.cpp's order."""
+    inv = qkvz_row_order(n_k_heads, k_dim, n_v_heads, v_dim).argsort()
+    rows = w[inv.numpy()] if not hasattr(w, "device") else w[inv.to(w.device)]
+    n_qkv = qwen3next_linear_dims(n_k_heads, k_dim, n_v_heads, v_dim)[2]
+    return rows[:n_qkv], rows[n_qkv:]
+
+
 #: GGUF tensors some writers store 1-D although HF holds a one-row matrix (qwen2moe's shared-expert
 #: gate: llama.cpp reads it as ``[n_embd]`` and converters write either ``[n_embd]`` or ``[1, n_embd]``)
 _ONE_ROW = re.compile(r"\.ffn_gate_inp_shexp\.weight$")
@@ -321,4 +406,6 @@ def hf_shape(gguf_name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The torch shape the HF model gives a stored GGUF tensor (usually the stored one)."""
     if len(shape) == 1 and _ONE_ROW.search(gguf_name):
         return (1, *shape)
+    if len(shape) == 2 and gguf_name.endswith(".ssm_conv1d.weight"):  # depthwise conv: [C, 1, K]
+        return (shape[0], 1, shape[1])
     return tuple(shape)

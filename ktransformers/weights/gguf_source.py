@@ -289,8 +289,8 @@ class _UnpermutedQK(_Plain):
         return RawTensor(name, data, t.type, self.shape)
 
 
-class _GemmaNorm(_Plain):
-    """gemma3 norms: llama.cpp stores ``w + 1``."""
+class _OffsetNorm(_Plain):
+    """gemma3 / qwen3next norms: llama.cpp stores ``w + 1``."""
 
     def load(self, src, dtype, device):
         t = src._tensors[self.parts[0]]
@@ -301,6 +301,55 @@ class _GemmaNorm(_Plain):
 
     def natural_dtype(self, src):
         return torch.float32
+
+
+class _ALog(_Plain):
+    """qwen3next ``ssm_a``: llama.cpp stores ``A = -exp(A_log)``; HF holds ``A_log``."""
+
+    def load(self, src, dtype, device):
+        t = src._tensors[self.parts[0]]
+        return torch.log(-src._deq(t, t.data, t.shape, torch.float32, device)).to(dtype)
+
+    def raw(self, src, name):
+        return None
+
+    def natural_dtype(self, src):
+        return torch.float32
+
+
+class _FusedQKVZ(_Entry):
+    """qwen3next gated DeltaNet: ``attn_qkv`` + ``attn_gate`` rebuild HF's ``in_proj_qkvz`` (rows
+    regrouped per key head; whole rows, so quantized bytes are served reordered, not requantized)."""
+
+    def __init__(self, parts, shape, order: torch.Tensor):
+        super().__init__(parts, shape)
+        self.order = order
+
+    def _check(self, src):
+        qkv, z = (src._tensors[p] for p in self.parts)
+        if qkv.shape[0] + z.shape[0] != self.order.numel() or qkv.shape[1] != z.shape[1]:
+            raise WeightError(f"{qkv.file}: tensors '{qkv.name}' {list(qkv.shape)} and '{z.name}' {list(z.shape)} "
+                              f"do not make the {self.order.numel()} rows the ssm.* metadata implies")
+        return qkv, z
+
+    def load(self, src, dtype, device):
+        qkv, z = self._check(src)
+        w = torch.cat([src._deq(t, t.data, t.shape, dtype, device) for t in (qkv, z)])
+        return w[self.order.to(w.device)]
+
+    def raw(self, src, name):
+        qkv, z = self._check(src)
+        if qkv.type != z.type:
+            return None
+        rows = np.concatenate([t.data.reshape(t.shape[0], -1) for t in (qkv, z)])
+        return RawTensor(name, rows[self.order.numpy()].reshape(-1), qkv.type, self.shape)
+
+    def stored_type(self, src):
+        qkv, z = (src._tensors[p] for p in self.parts)
+        return qkv.type.id if qkv.type == z.type else None
+
+    def natural_dtype(self, src):
+        return src._natural_dtype_of(self.parts[0])
 
 
 class _Stack(_Entry):
@@ -448,8 +497,10 @@ class GGUFSource(WeightSource):
                     raise WeightError(f"{t.file}: GGUF metadata lacks '{arch}.attention.head_count'")
                 kv = n_head if ".attn_q." in gname else (n_head_kv or n_head)
                 self._entries[hf] = _UnpermutedQK([gname], t.shape, n_head, kv)
-            elif arch == "gemma3" and gn.is_gemma_norm(gname):
-                self._entries[hf] = _GemmaNorm([gname], t.shape)
+            elif gn.has_norm_offset(arch, gname):
+                self._entries[hf] = _OffsetNorm([gname], t.shape)
+            elif arch == "qwen3next" and gname.endswith(".ssm_a"):
+                self._entries[hf] = _ALog([gname], t.shape)
             else:
                 self._entries[hf] = _Plain([gname], gn.hf_shape(gname, t.shape))
         for virt, experts in per_expert.items():
@@ -470,9 +521,35 @@ class GGUFSource(WeightSource):
             if vname in self._tensors and hf not in self._entries:
                 kb, vb = self._tensors[gname].shape, self._tensors[vname].shape  # [H, r, nope], [H, v, r]
                 self._entries[hf] = _SplitKvB([gname, vname], (kb[0] * (kb[2] + vb[1]), kb[1]))
+        if arch == "qwen3next":
+            self._qwen3next_qkvz()
         if "lm_head.weight" not in self._entries and "model.embed_tokens.weight" in self._entries:
             emb = self._entries["model.embed_tokens.weight"]
             self._entries["lm_head.weight"] = _Alias(list(emb.parts), emb.shape)
+
+    def _qwen3next_qkvz(self) -> None:
+        """``in_proj_qkvz`` of every DeltaNet layer from its ``attn_qkv`` + ``attn_gate``."""
+        md, arch = self.metadata, self.arch
+        for gname, t in self._tensors.items():
+            m = re.match(r"^blk\.(\d+)\.attn_qkv\.weight$", gname)
+            if not m:
+                continue
+            zname = f"blk.{m.group(1)}.attn_gate.weight"
+            if zname not in self._tensors:
+                raise WeightError(f"{t.file}: tensor '{gname}' has no '{zname}' beside it")
+            dims = {}
+            for key in ("ssm.group_count", "ssm.state_size", "ssm.time_step_rank", "ssm.inner_size"):
+                v = md.get(f"{arch}.{key}")
+                if v is None:
+                    raise WeightError(f"{t.file}: GGUF metadata lacks '{arch}.{key}'")
+                dims[key] = int(v)
+            nk, dk, nv = dims["ssm.group_count"], dims["ssm.state_size"], dims["ssm.time_step_rank"]
+            if nk <= 0 or nv <= 0 or nv % nk or dims["ssm.inner_size"] % nv:
+                raise WeightError(f"{t.file}: '{arch}.ssm.*' metadata (group_count {nk}, time_step_rank {nv}, "
+                                  f"inner_size {dims['ssm.inner_size']}) does not describe whole heads")
+            order = gn.qkvz_row_order(nk, dk, nv, dims["ssm.inner_size"] // nv)
+            hf = f"model.layers.{m.group(1)}.linear_attn.in_proj_qkvz.weight"
+            self._entries[hf] = _FusedQKVZ([gname, zname], (order.numel(), t.shape[1]), order)
 
     # ---------------------------------------------------------------- protocol
     def names(self) -> list[str]:

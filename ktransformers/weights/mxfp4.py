@@ -6,6 +6,10 @@ e2m1 codes a byte: element 2j in the low nibble, 2j+1 in the high one) with ``ga
 ``down_proj_blocks [E, H, I/32, 16]`` / ``down_proj_scales``.  Rows are in the stacked ``[out, in]``
 order already.
 
+DeepSeek-V4 as published: per-expert ``experts.E.w{1,2,3}.weight`` ``int8 [rows, cols/2]`` (the same
+e2m1 pairs a byte) with ``experts.E.w{1,2,3}.scale`` ``[rows, cols/32]`` (E8M0, one per 32 elements);
+the safetensors source stacks them as ``<experts>.gate_proj`` and ``<experts>.gate_proj_scales``.
+
 :class:`Mxfp4ExpertsSource` serves them under the stacked names of ``source.py`` as ggml ``MXFP4``
 blocks (``e | qs[16]``, element j in the low nibble of ``qs[j]``, j + 16 in its high nibble: the
 same codes and exponent, the nibbles reordered), so ``KExpertsCPU`` computes on them in place of a
@@ -23,30 +27,44 @@ from .source import RawTensor, WeightSource
 
 BLOCKS, SCALES = "_blocks", "_scales"
 _MXFP4 = ggml_type_info("MXFP4")
+_PACKED = tuple(f".experts.{p}{SCALES}" for p in ("gate_proj", "up_proj", "down_proj"))
 
 
 def is_mxfp4_checkpoint(source: WeightSource) -> bool:
-    return any(n.endswith(".experts.gate_up_proj" + BLOCKS) for n in source.names())
+    return any(n.endswith((".experts.gate_up_proj" + BLOCKS, *_PACKED)) for n in source.names())
+
+
+def _exponents(scales: torch.Tensor) -> torch.Tensor:
+    """E8M0 scales as their exponent bytes (a float8_e8m0fnu tensor's bits, not its value)."""
+    e8m0 = getattr(torch, "float8_e8m0fnu", None)
+    return scales.view(torch.uint8) if e8m0 is not None and scales.dtype == e8m0 else scales.to(torch.uint8)
 
 
 def ggml_mxfp4_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``[..., G, 16]`` packed codes + ``[..., G]`` exponents (the checkpoint's layout) -> ggml MXFP4
     bytes ``[..., G * 17]``."""
-    b = blocks.to(torch.uint8)
+    b = blocks.view(torch.uint8) if blocks.dtype == torch.int8 else blocks.to(torch.uint8)
     codes = torch.stack((b & 0x0F, b >> 4), dim=-1).reshape(*b.shape[:-1], 32)  # element order
     qs = codes[..., :16] | (codes[..., 16:] << 4)
-    out = torch.cat((scales.to(torch.uint8).unsqueeze(-1), qs), dim=-1)
+    out = torch.cat((_exponents(scales).unsqueeze(-1), qs), dim=-1)
     return out.reshape(*b.shape[:-2], b.shape[-2] * 17).contiguous()
 
 
 class Mxfp4ExpertsSource(WeightSource):
-    """A safetensors source of a gpt-oss MXFP4 checkpoint, its experts under the stacked names."""
+    """A safetensors source of an MXFP4 checkpoint (gpt-oss, DeepSeek-V4), its experts under the
+    stacked names."""
 
     def __init__(self, inner: WeightSource):
         self.inner = inner
         self.path = inner.path
-        self._experts: dict[str, tuple[str, str]] = {}  # stacked name -> (blocks name, rows: all / even / odd)
+        # stacked name -> (blocks name, rows: all / even / odd; packed: [E, rows, cols/2] codes)
+        self._experts: dict[str, tuple[str, str]] = {}
         for n in inner.names():
+            if n.endswith(_PACKED) and not inner.has(n[: -len(SCALES)] + BLOCKS):  # not gpt-oss's blocks + scales
+                if not inner.has(n[: -len(SCALES)]):
+                    raise WeightError(f"{self.path}: '{n}' has no '{n[: -len(SCALES)]}' beside it")
+                self._experts[n[: -len(SCALES)]] = (n[: -len(SCALES)], "packed")
+                continue
             if not n.endswith(BLOCKS) or ".experts." not in n:
                 continue
             base, _, leaf = n[: -len(BLOCKS)].rpartition(".")
@@ -63,6 +81,14 @@ class Mxfp4ExpertsSource(WeightSource):
     # -- the stacked expert projections ------------------------------------------------------
     def _bytes(self, name: str) -> tuple[torch.Tensor, tuple[int, int, int]]:
         blocks_name, rows = self._experts[name]
+        if rows == "packed":
+            blocks, scales = self.inner.tensor(name), self.inner.tensor(name + SCALES)
+            if blocks.dim() != 3 or scales.dim() != 3 or blocks.shape[-1] * 2 != scales.shape[-1] * 32 \
+                    or blocks.shape[:2] != scales.shape[:2] or blocks.element_size() != 1:
+                raise WeightError(f"{self.path}: '{name}' {list(blocks.shape)} {blocks.dtype} with scales "
+                                  f"{list(scales.shape)} is not packed e2m1 [E, rows, cols/2] + [E, rows, cols/32]")
+            E, R, G = scales.shape
+            return ggml_mxfp4_blocks(blocks.reshape(E, R, G, 16), scales), (E, R, G * 32)
         blocks = self.inner.tensor(blocks_name)
         scales = self.inner.tensor(blocks_name[: -len(BLOCKS)] + SCALES)
         if blocks.dim() != 4 or blocks.shape[-1] != 16 or tuple(scales.shape) != tuple(blocks.shape[:-1]):
@@ -83,6 +109,7 @@ class Mxfp4ExpertsSource(WeightSource):
     # -- protocol ------------------------------------------------------------------------------
     def names(self) -> list[str]:
         hidden = {n for n in self.inner.names() if n.endswith((BLOCKS, SCALES)) and ".experts." in n}
+        hidden |= set(self._experts)  # listed once, below
         biases = [n.replace("gate_up_proj_bias", p) for n in self.inner.names() if n.endswith(".experts.gate_up_proj_bias")
                   for p in ("gate_proj_bias", "up_proj_bias")]
         return [n for n in self.inner.names() if n not in hidden] + list(self._experts) + biases
@@ -96,11 +123,17 @@ class Mxfp4ExpertsSource(WeightSource):
         return None
 
     def _has_native(self, name: str) -> bool:
+        base, _, leaf = name.rpartition(".")
+        if leaf == "gate_up_proj" and f"{base}.gate_proj" in self._experts:
+            return False  # derived by the base class from the dequantized gate and up stacks
         return name in self._experts or self._split_bias(name) is not None or self.inner.has(name)
 
     def _native_shape(self, name: str) -> tuple[int, ...]:
         if name in self._experts:
             blocks_name, rows = self._experts[name]
+            if rows == "packed":
+                E, R, half = self.inner.shape(name)
+                return (E, R, 2 * half)
             E, R, G, _ = self.inner.shape(blocks_name)
             return (E, R if rows == "all" else R // 2, G * 32)
         sb = self._split_bias(name)

@@ -18,9 +18,10 @@ from ktransformers.util.tiny_models import TINY_CONFIGS
 # every family with softmax or MLA attention: GQA (llama, qwen*), CPU experts (qwen3_moe, mixtral, ...),
 # MLA latent pages (deepseek_v2/v3), sliding window (gemma3_text)
 #: linear attention (Qwen3.5-MoE, Qwen3-Next), attention sinks (gpt-oss) and the sparse-attention indexer
-#: (DeepSeek-V3.2, GLM-5) are refused by name (test below; the indexer in tests/operators/test_deepseek_v32.py)
+#: (DeepSeek-V3.2, GLM-5) and compressed KV (DeepSeek-V4) are refused by name (test below; the indexer in
+#: tests/operators/test_deepseek_v32.py, compressed KV in tests/operators/test_deepseek_v4.py)
 ARCHS = [a for a in TINY_CONFIGS if a not in ("qwen3_5_moe_text", "qwen3_next", "gpt_oss", "deepseek_v32",
-                                              "glm_moe_dsa")]
+                                              "glm_moe_dsa", "deepseek_v4")]
 TOL = 1e-4
 
 

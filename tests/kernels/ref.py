@@ -14,11 +14,15 @@ def act_fn(name: str, g: np.ndarray, u: np.ndarray, alpha: float = 1.702, limit:
         gc = np.minimum(g, limit)
         uc = np.clip(u, -limit, limit)
         return (uc + 1) * gc / (1 + np.exp(-alpha * gc))
+    if name == "clamp_silu":
+        gc = np.minimum(g, limit)
+        return gc / (1 + np.exp(-gc)) * np.clip(u, -limit, limit)
     raise ValueError(name)
 
 
-def moe_ref(x, ids, w, G, U, D, act="silu"):
-    """x [T,H], ids [T,k], w [T,k], G/U [E,I,H], D [E,H,I] (float) -> [T,H] float64."""
+def moe_ref(x, ids, w, G, U, D, act="silu", limit=7.0, clamped=None):
+    """x [T,H], ids [T,k], w [T,k], G/U [E,I,H], D [E,H,I] (float) -> [T,H] float64.
+    ``clamped`` (a list) receives the fraction of gate pre-activations above ``limit``."""
     x = x.astype(np.float64)
     out = np.zeros_like(x)
     for e in np.unique(ids):
@@ -26,7 +30,10 @@ def moe_ref(x, ids, w, G, U, D, act="silu"):
             continue
         t, j = np.nonzero(ids == e)
         xe = x[t]
-        h = act_fn(act, xe @ G[e].T.astype(np.float64), xe @ U[e].T.astype(np.float64))
+        g = xe @ G[e].T.astype(np.float64)
+        if clamped is not None:
+            clamped.append(float(np.mean(g > limit)))
+        h = act_fn(act, g, xe @ U[e].T.astype(np.float64), limit=limit)
         y = h @ D[e].T.astype(np.float64)
         np.add.at(out, t, y * w[t, j][:, None])
     return out

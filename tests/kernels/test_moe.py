@@ -80,13 +80,13 @@ def pool():
     return K.cpu_infer(2)
 
 
-def run_case(pool, backend, t, shape, T, act="silu", skew=False, x_bf16=False):
+def run_case(pool, backend, t, shape, T, act="silu", skew=False, x_bf16=False, limit=7.0, clamped=None):
     H, I, (gr, gd), (ur, ud), (dr, dd) = layer(t, shape)
-    moe = K.MoEKernel(pool, backend, E, H, I, gr, ur, dr, t, t, t, activation=act)
+    moe = K.MoEKernel(pool, backend, E, H, I, gr, ur, dr, t, t, t, activation=act, limit=limit)
     rng = np.random.default_rng(T)
     x = rng.standard_normal((T, H)).astype(np.float32)
     ids, w = routing(T, rng, skew)
-    ref = moe_ref(x, ids, w, gd, ud, dd, act)
+    ref = moe_ref(x, ids, w, gd, ud, dd, act, limit=limit, clamped=clamped)
     if x_bf16:
         xt = torch.from_numpy(x).to(torch.bfloat16)
         ref = moe_ref(xt.float().numpy(), ids, w, gd, ud, dd, act)
@@ -118,9 +118,20 @@ def test_packed_backends(pool, backend, t, T):
         assert err < tol(backend, t), f"{backend} H320_I96 T={T}: rel err {err:.3g}"
 
 
-@pytest.mark.parametrize("act", ["silu", "gelu_tanh", "clamp_swiglu"])
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh", "clamp_swiglu", "clamp_silu"])
 def test_activations(pool, act):
-    assert run_case(pool, "llamafile", QT.F32, "H320_I96", 5, act=act) < 1e-4
+    """The clamped activations with a limit that some gate pre-activations exceed (the clamps bite)."""
+    clamped = []
+    limit = 0.5 if act.startswith("clamp_") else 7.0
+    assert run_case(pool, "llamafile", QT.F32, "H320_I96", 5, act=act, limit=limit, clamped=clamped) < 1e-4
+    if act.startswith("clamp_"):
+        assert 0.05 < np.mean(clamped) < 0.95
+
+
+@pytest.mark.parametrize("backend,t", [("AMXInt8", QT.BF16), ("AMXBF16", QT.BF16)])
+def test_clamp_silu_packed(pool, backend, t):
+    """The packed backends apply the same gated activation after their own gate/up products."""
+    assert run_case(pool, backend, t, "H256_I512", 7, act="clamp_silu", limit=0.5) < tol(backend, t)
 
 
 @pytest.mark.parametrize("backend,t", [("llamafile", QT.Q4_K), ("llamafile", QT.Q8_0), ("AMXInt8", QT.BF16)])

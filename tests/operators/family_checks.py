@@ -1,5 +1,6 @@
-"""What the family tests (gpt-oss, Qwen3-Next, DeepSeek-V3.2 / GLM-5) share: the expert-backend swaps of a
-shipped ``-cpu`` rule file, prompt ids, and the error measure their tolerances are stated in."""
+"""What the family tests (gpt-oss, Qwen3-Next, DeepSeek-V3.2 / GLM-5, DeepSeek-V4) share: the
+expert-backend swaps of a shipped ``-cpu`` rule file, prompt ids, the error measure their
+tolerances are stated in, the engine-vs-transformers greedy check and the server's fallback."""
 
 from __future__ import annotations
 
@@ -22,3 +23,34 @@ def prompt_ids(n: int = 12, seed: int = 0) -> torch.Tensor:
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     """max |got - ref| relative to max |ref|."""
     return (got - ref).abs().max().item() / ref.abs().max().item()
+
+
+def generator_greedy(model, hf, model_dir, chunk_size: int, min_prompt: int, new_tokens: int = 16):
+    """(ours, transformers') greedy continuations of one chat prompt: ours through the project's
+    engine with prefill in ``chunk_size`` chunks (the state a family keeps in its cache must carry
+    across them), transformers' through ``generate``."""
+    from transformers import AutoTokenizer
+
+    from ktransformers.generation import Generator, SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    gen = Generator(model, tok, chunk_size=chunk_size)
+    gen.eos_ids = set()
+    ids = gen.apply_chat_template([{"role": "user", "content": "Hello there, how are you today?"}])
+    assert len(ids) > min_prompt
+    ours = [e.token_id for e in gen.stream(ids, SamplingParams(max_new_tokens=new_tokens))][:-1]
+    ref = hf.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                      pad_token_id=0)[0, len(ids):].tolist()
+    return ours, ref
+
+
+def assert_server_serves_one_at_a_time(model_dir, caplog, reason: str) -> None:
+    """The server falls back from continuous batching to one request at a time, saying why."""
+    from ktransformers.server.engine import Engine
+    from ktransformers.server.main import build_engine, parse_settings
+
+    with caplog.at_level("WARNING", logger="ktransformers.server"):
+        engine = build_engine(parse_settings(["--model_path", str(model_dir), "--cache_lens", "512"]))
+    assert type(engine) is Engine and engine.max_context == 512
+    assert "continuous batching is not available for this model" in caplog.text
+    assert reason in caplog.text

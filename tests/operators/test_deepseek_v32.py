@@ -25,9 +25,10 @@ bf16 model (choices replayed)    6.1e-3              4.8e-3
 
 GGUF: llama.cpp's ``deepseek32`` / ``glm-dsa`` (the ``deepseek2`` MLA names and keys plus the
 indexer's ``indexer.*`` tensors and ``attention.indexer.*`` keys; GLM-5's per-layer indexer types),
-written by this project's converter: F32 4.7e-7 / 3.9e-7; Q8_0 through the shipped rules vs the HF
-model on the dequantized file, mean / median per-position max / max abs: 0.013 / 0.021 / 0.21 and
-0.004 / 0.014 / 0.018.
+written by this project's converter exactly as llama.cpp's own converter writes them (its F32
+files in tests/fixtures/llamacpp, whose logits tests/weights/test_llamacpp_fixtures.py checks):
+F32 4.7e-7 / 3.9e-7; Q8_0 through the shipped rules vs the HF model on the dequantized file, mean /
+median per-position max / max abs: 0.013 / 0.021 / 0.21 and 0.004 / 0.014 / 0.018.
 """
 
 from __future__ import annotations
@@ -267,6 +268,64 @@ def test_gguf_from_our_converter(arch, gguf_arch, tiny_model_dir, tmp_path):
         diff = (load_model(q8, allow_unmatched=False)(ids).logits - deq).abs()[0]
     # the kernels quantize activations to 8 bits: llama.cpp's own bar (as tests/generation/test_families.py)
     assert diff.mean() <= 0.05 and diff.max(1).values.median() <= 0.2 and diff.max() <= 0.75
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
+def test_converter_writes_llama_cpps_file(arch, tmp_path):
+    """The HF model read back from llama.cpp's own file (tests/fixtures/llamacpp, F32), converted by
+    ours: the same tensor names, types, shapes and values, and the same model metadata."""
+    import gguf
+    import numpy as np
+
+    from ktransformers.convert import convert
+    from ktransformers.weights.gguf_source import GGUFSource
+
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / f"{arch}.gguf"
+    _hf_on(GGUFSource(fixture)).save_pretrained(tmp_path / "hf")
+    out = convert(tmp_path / "hf", tmp_path / "ours.gguf", "F32", "F32", "F32", tokenizer=False)
+    ours, theirs = gguf.GGUFReader(out), gguf.GGUFReader(fixture)
+
+    def layout(r):
+        return {t.name: (t.tensor_type.name, tuple(int(d) for d in t.shape)) for t in r.tensors}
+
+    def model_keys(r):  # but the writer's own (general.*) and the vocabulary
+        return {f.name: f.contents() for f in r.fields.values()
+                if not f.name.startswith(("GGUF.", "general.", "tokenizer."))}
+
+    assert layout(ours) == layout(theirs)
+    assert model_keys(ours) == model_keys(theirs)
+    ref = {t.name: np.array(t.data) for t in theirs.tensors}
+    for t in ours.tensors:
+        np.testing.assert_array_equal(np.array(t.data), ref[t.name], err_msg=t.name)
+
+
+def test_softmax_router_in_the_file_is_named(tmp_path):
+    """A ``deepseek32`` file saying softmax routing (``expert_gating_func`` 1): the model only routes
+    with sigmoid, so one error naming the key, not a model that silently routes otherwise."""
+    import gguf
+    import numpy as np
+
+    from ktransformers.errors import WeightError
+    from ktransformers.weights.gguf_source import GGUFSource
+
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "deepseek_v32.gguf"
+    reader = gguf.GGUFReader(fixture)
+    out = tmp_path / "softmax.gguf"
+    w = gguf.GGUFWriter(out, arch="deepseek32")
+    for f in reader.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        value = 1 if f.name == "deepseek32.expert_gating_func" else f.contents()
+        w.add_key_value(f.name, value, f.types[0], sub_type=sub)
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(WeightError, match=r"'deepseek32\.expert_gating_func' is 1; .* sigmoid"):
+        GGUFSource(out).config()
 
 
 LLAMA_CPP = Path(os.environ.get("KT_LLAMA_CPP_DIR", "/nonexistent"))  # a llama.cpp source tree (its gguf-py)

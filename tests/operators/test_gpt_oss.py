@@ -23,7 +23,7 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from ktransformers import load_model
 from ktransformers.errors import WeightError
@@ -35,14 +35,7 @@ ARCH = "gpt_oss"
 CPU_RULES = RULES_DIR / "GptOss-cpu.yaml"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(one_torch_thread):
-    yield
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_model_dir):
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir(ARCH), dtype=torch.float32).eval()
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # hf: the shared fixture (conftest.py)
 
 
 def test_load_model_picks_the_gpt_oss_rules(tiny_model_dir):

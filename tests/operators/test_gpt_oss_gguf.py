@@ -21,7 +21,6 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from ktransformers import load_model
 from ktransformers.optimize_rules import RULES_DIR
@@ -38,14 +37,7 @@ CONFIG_KEYS = ("num_hidden_layers", "hidden_size", "head_dim", "num_attention_he
                "intermediate_size", "attention_bias", "vocab_size")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(one_torch_thread):
-    yield
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_model_dir):
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir(ARCH), dtype=torch.float32).eval()
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # hf: the shared fixture (conftest.py)
 
 
 def _split_experts(ex) -> dict[str, torch.Tensor]:

@@ -16,20 +16,19 @@ bf16 model (llamafile)        7.1e-3 vs transformers in bf16 (test_parity's 2e-2
                               own bf16 run is 17 % off its fp32 run on this random DeltaNet layer
 ============================  ======================================================
 
-GGUF: llama.cpp's ``qwen3next`` stores the DeltaNet projections split and reordered
-(``attn_qkv`` / ``attn_gate``, ``ssm_a = -exp(A_log)``, norms as ``w + 1``); not read here yet.
+GGUF (llama.cpp's ``qwen3next``: the DeltaNet projections split and reordered, ``ssm_a =
+-exp(A_log)``, norms as ``w + 1``): tests/operators/test_qwen3_next_gguf.py.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ktransformers import load_model
 from ktransformers.optimize_rules import RULES_DIR, default_rule_file
 
-from .family_checks import BACKEND_SWAPS, prompt_ids, rel_err
+from .family_checks import BACKEND_SWAPS, assert_server_serves_one_at_a_time, generator_greedy, prompt_ids, rel_err
 
 ARCH = "qwen3_next"
 CPU_RULES = RULES_DIR / "Qwen3Next-cpu.yaml"
@@ -40,14 +39,7 @@ BACKENDS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(one_torch_thread):
-    yield
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_model_dir):
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir(ARCH), dtype=torch.float32).eval()
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # hf: the shared fixture (conftest.py)
 
 
 def test_load_model_picks_the_qwen3_next_rules(tiny_model_dir):
@@ -126,17 +118,8 @@ def test_generator_carries_the_linear_attention_state(tiny_model_dir, hf):
     """The project's engine (chunked prefill of 5 tokens, then decode): the DeltaNet recurrent and
     conv state carries across the prefill chunks and the decode steps in the cache, the tokens equal
     transformers' greedy ones."""
-    from ktransformers.generation import Generator, SamplingParams
-
     d = tiny_model_dir(ARCH)
-    tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
-    gen = Generator(load_model(d, model_path=d), tok, chunk_size=5)
-    gen.eos_ids = set()
-    ids = gen.apply_chat_template([{"role": "user", "content": "Hello there, how are you today?"}])
-    assert len(ids) > 3 * 5
-    ours = [e.token_id for e in gen.stream(ids, SamplingParams(max_new_tokens=16))][:-1]
-    ref = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=None,
-                      pad_token_id=0)[0, len(ids):].tolist()
+    ours, ref = generator_greedy(load_model(d, model_path=d), hf, d, 5, min_prompt=3 * 5)
     assert ours == ref
 
 
@@ -151,15 +134,7 @@ def test_continuous_batching_refuses_it_by_name(tiny_model_dir):
 
 
 def test_server_falls_back_to_one_request_at_a_time(tiny_model_dir, caplog):
-    from ktransformers.server.engine import Engine
-    from ktransformers.server.main import build_engine, parse_settings
-
-    d = tiny_model_dir(ARCH)
-    with caplog.at_level("WARNING", logger="ktransformers.server"):
-        engine = build_engine(parse_settings(["--model_path", str(d), "--cache_lens", "512"]))
-    assert type(engine) is Engine and engine.max_context == 512
-    assert "continuous batching is not available for this model" in caplog.text
-    assert "linear-attention" in caplog.text
+    assert_server_serves_one_at_a_time(tiny_model_dir(ARCH), caplog, "linear-attention")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CPU+GPU rule files)")

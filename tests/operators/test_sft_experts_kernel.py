@@ -2,7 +2,9 @@
 same weights dequantized by gguf-py (an independent dequantizer).
 
 Tolerances, max |error| relative to the largest reference value, per backend/type:
-llamafile F32 and BF16 weights 1e-5 (same math in another order; measured <= 8e-7); llamafile
+llamafile F32 and BF16 weights 1e-5 (same math in another order; measured <= 8e-7), BF16 1e-2
+where the tier's BF16 kernel takes bf16 activations (AVX512-BF16: each forward input rounded to
+bf16; measured 2.7e-3); llamafile
 Q8_0 / Q4_K 3e-2 (the forward products take int8-quantized activations on the avx2 tier and up,
 as for inference; the backward's products are fp32; measured <= 1.3e-2, and <= 8e-7 on the
 scalar tier, which computes on fp32 activations); AMXBF16 1e-2 (weights repacked to bf16;
@@ -29,7 +31,8 @@ from .sft_reference import experts_reference, rel_err, silu_glu
 
 E, H, I, T, TOPK, R = 4, 256, 256, 24, 2, 4
 SCALE = 2.0
-CASES = {("llamafile", "F32"): 1e-5, ("llamafile", "BF16"): 1e-5, ("llamafile", "Q8_0"): 3e-2,
+CASES = {("llamafile", "F32"): 1e-5, ("llamafile", "BF16"): 1e-2 if K.activation_format("BF16") == "bf16" else 1e-5,
+         ("llamafile", "Q8_0"): 3e-2,
          ("llamafile", "Q4_K"): 3e-2, ("AMXBF16", "F32"): 1e-2, ("AMXInt8", "F32"): 4e-2}
 
 
@@ -117,12 +120,19 @@ def _clamp_swiglu(alpha, limit):
     return glu
 
 
-@pytest.mark.parametrize("act", ["gelu_tanh", "clamp_swiglu"])
+def _clamp_silu(limit):
+    def glu(g, u):
+        return torch.nn.functional.silu(g.clamp(max=limit)) * u.clamp(-limit, limit)
+    return glu
+
+
+@pytest.mark.parametrize("act", ["gelu_tanh", "clamp_swiglu", "clamp_silu"])
 def test_other_activations(act):
-    """GELU(tanh) (Gemma-style) and gpt-oss's clamped SwiGLU; limit 0.5 so that the clamps bite."""
+    """GELU(tanh) (Gemma-style), gpt-oss's clamped SwiGLU and DeepSeek-V4's clamped SiLU; limit 0.5
+    so that the clamps bite."""
     kw = {"activation": act} if act == "gelu_tanh" else {"activation": act, "alpha": 1.702, "limit": 0.5}
-    glu = (lambda g, u: torch.nn.functional.gelu(g, approximate="tanh") * u) if act == "gelu_tanh" \
-        else _clamp_swiglu(1.702, 0.5)
+    glu = {"gelu_tanh": lambda g, u: torch.nn.functional.gelu(g, approximate="tanh") * u,
+           "clamp_swiglu": _clamp_swiglu(1.702, 0.5), "clamp_silu": _clamp_silu(0.5)}[act]
     out, dx, dw, grads, (gu, dn) = _kernel_run("llamafile", "F32", **kw)
     ref_out, ref_dx, ref_dw, ref_grads = _oracle(gu, dn, glu=glu)
     for got, ref in [(out, ref_out), (dx, ref_dx), (dw, ref_dw)] + [(g, ref_grads[n]) for n, g in grads.items()]:

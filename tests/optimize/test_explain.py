@@ -17,7 +17,7 @@ FAMILY_ARCH = {
     "Qwen3Moe": "qwen3_moe", "Qwen2Moe": "qwen2_moe", "Mixtral": "mixtral", "DeepSeek-V3": "deepseek_v3",
     "Kimi-K2": "deepseek_v3", "Moonlight": "deepseek_v3", "DeepSeek-V2": "deepseek_v2", "Dense": "llama",
     "Glm4Moe": "glm4_moe", "Qwen3_5Moe": "qwen3_5_moe_text", "Qwen3Next": "qwen3_next",
-    "DeepseekV32": "deepseek_v32", "GlmMoeDsa": "glm_moe_dsa",
+    "DeepseekV32": "deepseek_v32", "GlmMoeDsa": "glm_moe_dsa", "DeepSeek-V4": "deepseek_v4",
     "MiniMaxM2": "minimax_m2", "GptOss": "gpt_oss",
 }
 

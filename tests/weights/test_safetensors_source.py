@@ -17,20 +17,45 @@ def _experts(E=3, I=4, H=5):
     return g, u, d
 
 
-def test_per_expert_keys_stack(tmp_path):
-    g, u, d = _experts()
+def _save_per_expert(path, g, u, d):
+    """A checkpoint with per-expert keys, as save_pretrained writes them."""
     sd = {}
-    for e in range(3):
+    for e in range(g.shape[0]):
         sd[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"] = g[e]
         sd[f"model.layers.0.mlp.experts.{e}.up_proj.weight"] = u[e]
         sd[f"model.layers.0.mlp.experts.{e}.down_proj.weight"] = d[e]
-    save_file(sd, tmp_path / "m.safetensors")
+    save_file(sd, path)
+
+
+def test_per_expert_keys_stack(tmp_path):
+    g, u, d = _experts()
+    _save_per_expert(tmp_path / "m.safetensors", g, u, d)
     src = open_weights(tmp_path)
     b = "model.layers.0.mlp.experts"
     assert torch.equal(src.tensor(f"{b}.gate_up_proj"), torch.cat([g, u], dim=1))
     assert torch.equal(src.tensor(f"{b}.down_proj"), d)
     assert src.shape(f"{b}.gate_up_proj") == (3, 8, 5)
     assert torch.equal(src.tensor(f"{b}.up_proj")[2], u[2])
+
+
+def test_per_expert_bf16_read_into_place(tmp_path):
+    """Stacked per-expert tensors are read straight into the stack (bf16 as stored, or converted),
+    equal to what was saved."""
+    g, u, d = (t.to(torch.bfloat16) for t in _experts(E=4, I=32, H=64))
+    _save_per_expert(tmp_path / "m.safetensors", g, u, d)
+    src = open_weights(tmp_path)
+    b = "model.layers.0.mlp.experts"
+    gu = src.tensor(f"{b}.gate_up_proj")
+    assert gu.dtype == torch.bfloat16 and torch.equal(gu, torch.cat([g, u], dim=1))
+    assert torch.equal(src.tensor(f"{b}.down_proj", dtype=torch.float32), d.float())
+    assert torch.equal(src.tensor(f"{b}.gate_proj"), g)
+    src.close()
+    # a file cut short is refused at open, naming the file and the tensor past its end
+    data = (tmp_path / "m.safetensors").read_bytes()
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / "m.safetensors").write_bytes(data[:-100])
+    with pytest.raises(WeightError, match=r"m\.safetensors.*(tensor '.*' has data offsets|not a readable)"):
+        open_weights(tmp_path / "cut")
 
 
 def test_fused_layout_splits(tmp_path):
