@@ -87,6 +87,12 @@ PYBIND11_MODULE(KT_EXT_NAME, m) {
   m.def("isa_tier", [] { return std::string(kt::tier_name(kt::active_tier())); },
         "ISA tier in force (best supported, or lowered by KT_ISA)");
   m.def("best_isa_tier", [] { return std::string(kt::tier_name(kt::best_supported_tier())); });
+  m.def("supported_isa_tiers", [] {
+    py::list out;
+    for (int t = 0; t <= static_cast<int>(kt::IsaTier::AMX); ++t)
+      if (kt::tier_supported(static_cast<kt::IsaTier>(t))) out.append(std::string(kt::tier_name(static_cast<kt::IsaTier>(t))));
+    return out;
+  }, "every tier KT_ISA may name on this CPU, lowest first");
   m.def("kernel_table", [] { return std::string(kernels().name); }, "name of the dispatched kernel table");
   m.def("kernel_rows", [] {
     const KernelTable& t = kernels();
@@ -110,7 +116,7 @@ PYBIND11_MODULE(KT_EXT_NAME, m) {
   m.def("cpu_features", [] {
     const auto& f = kt::cpu_features();
     py::dict d;
-    d["avx2"] = f.avx2; d["fma"] = f.fma; d["f16c"] = f.f16c;
+    d["avx2"] = f.avx2; d["fma"] = f.fma; d["f16c"] = f.f16c; d["avx_vnni"] = f.avx_vnni;
     d["avx512f"] = f.avx512f; d["avx512bw"] = f.avx512bw; d["avx512vl"] = f.avx512vl;
     d["avx512vnni"] = f.avx512vnni; d["avx512bf16"] = f.avx512bf16;
     d["amx_tile"] = f.amx_tile; d["amx_int8"] = f.amx_int8; d["amx_bf16"] = f.amx_bf16;

@@ -3,6 +3,7 @@
 #include <cpuid.h>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 #if defined(__linux__)
@@ -51,6 +52,7 @@ CpuFeatures detect() {
   f.amx_tile = tile_ok && (d & (1u << 24));
   f.amx_int8 = tile_ok && (d & (1u << 25));
   __cpuid_count(7, 1, a, b, c, d);
+  f.avx_vnni = ymm_ok && (a & (1u << 4));
   f.avx512bf16 = zmm_ok && (a & (1u << 5));
   if (f.amx_tile) f.amx_os_enabled = request_amx_permission();
   return f;
@@ -60,10 +62,11 @@ IsaTier parse_tier(const char* s) {
   std::string v(s);
   if (v == "scalar") return IsaTier::Scalar;
   if (v == "avx2") return IsaTier::AVX2;
+  if (v == "avxvnni") return IsaTier::AVXVNNI;
   if (v == "avx512") return IsaTier::AVX512;
   if (v == "avx512bf16") return IsaTier::AVX512BF16;
   if (v == "amx") return IsaTier::AMX;
-  throw std::invalid_argument("KT_ISA='" + v + "' is not one of scalar, avx2, avx512, avx512bf16, amx");
+  throw std::invalid_argument("KT_ISA='" + v + "' is not one of scalar, avx2, avxvnni, avx512, avx512bf16, amx");
 }
 
 }  // namespace
@@ -73,15 +76,26 @@ const CpuFeatures& cpu_features() {
   return f;
 }
 
-IsaTier best_supported_tier() {
+bool tier_supported(IsaTier t) {
   const auto& f = cpu_features();
   const bool avx2 = f.avx2 && f.fma && f.f16c;
   const bool avx512 = avx2 && f.avx512f && f.avx512bw && f.avx512vl;
-  if (avx512 && f.avx512bf16 && f.avx512vnni && f.amx_tile && f.amx_int8 && f.amx_bf16 && f.amx_os_enabled)
-    return IsaTier::AMX;
-  if (avx512 && f.avx512bf16 && f.avx512vnni) return IsaTier::AVX512BF16;
-  if (avx512) return IsaTier::AVX512;
-  if (avx2) return IsaTier::AVX2;
+  const bool bf16 = avx512 && f.avx512bf16 && f.avx512vnni;
+  switch (t) {
+    case IsaTier::Scalar: return true;
+    case IsaTier::AVX2: return avx2;
+    case IsaTier::AVXVNNI: return avx2 && f.avx_vnni;
+    case IsaTier::AVX512: return avx512;
+    case IsaTier::AVX512BF16: return bf16;
+    case IsaTier::AMX: return bf16 && f.amx_tile && f.amx_int8 && f.amx_bf16 && f.amx_os_enabled;
+  }
+  return false;
+}
+
+IsaTier best_supported_tier() {
+  // (an AVX-512 CPU with AVX-VNNI still gets its AVX-512 tiers: avxvnni is reached by KT_ISA)
+  for (IsaTier t : {IsaTier::AMX, IsaTier::AVX512BF16, IsaTier::AVX512, IsaTier::AVXVNNI, IsaTier::AVX2})
+    if (tier_supported(t)) return t;
   return IsaTier::Scalar;
 }
 
@@ -91,9 +105,13 @@ IsaTier active_tier() {
     const char* env = std::getenv("KT_ISA");
     if (!env || !*env) return best;
     IsaTier want = parse_tier(env);
-    if (static_cast<int>(want) > static_cast<int>(best))
+    if (!tier_supported(want)) {
+      std::string have;
+      for (int t = 0; t <= static_cast<int>(IsaTier::AMX); ++t)
+        if (tier_supported(static_cast<IsaTier>(t))) have += std::string(have.empty() ? "" : ", ") + tier_name(static_cast<IsaTier>(t));
       throw std::runtime_error(std::string("KT_ISA=") + env + " asks for more than this CPU supports (best: " +
-                               tier_name(best) + ")");
+                               tier_name(best) + "; supported: " + have + ")");
+    }
     return want;
   }();
   return t;
@@ -103,6 +121,7 @@ const char* tier_name(IsaTier t) {
   switch (t) {
     case IsaTier::Scalar: return "scalar";
     case IsaTier::AVX2: return "avx2";
+    case IsaTier::AVXVNNI: return "avxvnni";
     case IsaTier::AVX512: return "avx512";
     case IsaTier::AVX512BF16: return "avx512bf16";
     case IsaTier::AMX: return "amx";

@@ -36,6 +36,7 @@ KernelTable make_table() {
   switch (active_tier()) {
     case IsaTier::Scalar: return *kernel_table_scalar();
     case IsaTier::AVX2: return *kernel_table_avx2();
+    case IsaTier::AVXVNNI: return *kernel_table_avxvnni();
     case IsaTier::AVX512: return *kernel_table_avx512();
     case IsaTier::AVX512BF16: return *kernel_table_avx512bf16();
     case IsaTier::AMX: {

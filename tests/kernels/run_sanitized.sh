@@ -6,6 +6,7 @@
 #   tests/kernels/run_sanitized.sh            # quick grid (KT_TEST_QUICK=1)
 #   tests/kernels/run_sanitized.sh -k Q4_K    # extra pytest arguments are passed through
 #   KT_TEST_QUICK=0 tests/kernels/run_sanitized.sh   # full grid (slow)
+#   KT_ISA=avxvnni tests/kernels/run_sanitized.sh    # on one forced tier (test_isa.py runs the others)
 #
 # How it works: CMake writes the sanitized cpuinfer_ext*.so into build/sanitize/pkg/ktransformers/,
 # next to symlinks to every other file of the ktransformers package; PYTHONPATH puts that shadow

@@ -18,7 +18,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import QUICK
+from conftest import QUICK, int_kernel_suffix
 from ref import rel_err
 
 import ktransformers.cpuinfer_ext as ext
@@ -28,7 +28,6 @@ from ktransformers.weights.ggml_types import ggml_type_info
 
 ROOT = Path(__file__).resolve().parents[2]
 IQ_TYPES = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S")
-ORDER = ["scalar", "avx2", "avx512", "avx512bf16", "amx"]
 
 
 def iq_blocks(name: str, n_blocks: int, rng: np.random.Generator, scale: float = 0.05) -> np.ndarray:
@@ -85,7 +84,8 @@ def test_kernel_table_rows():
         if tier == "scalar":
             assert (decode, prefill, act) == ("generic", "generic", "f32"), (name, rows[name])
         else:  # every tier with AVX2 runs the 256-bit integer kernels
-            assert (decode, prefill, act) == (f"{name.lower()}_avx2", f"{name.lower()}_avx2_t8", "q8_256"), rows[name]
+            k = name.lower() + int_kernel_suffix(tier)
+            assert (decode, prefill, act) == (k, f"{k}_t8", "q8_256"), rows[name]
 
 
 @pytest.mark.parametrize("name", IQ_TYPES)

@@ -8,13 +8,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
+from conftest import TIERS
 from quant_ref import ALL_TYPES, block_elems, make_weights
 from ref import rel_err
 
 import ktransformers.cpuinfer_ext as ext
 import ktransformers.kernels as K
 
-ORDER = ["scalar", "avx2", "avx512", "avx512bf16", "amx"]
 ACT = {"f32", "bf16", "q8_32", "q8_256"}
 
 
@@ -29,7 +29,7 @@ def test_every_type_has_a_row():
 def test_no_generic_fallback_from_avx2_on():
     tier = K.isa_tier()
     rows = ext.kernel_rows()
-    if ORDER.index(tier) < ORDER.index("avx2"):
+    if TIERS.index(tier) < TIERS.index("avx2"):
         # the baseline tier has no SIMD kernels: everything is the generic path, and says so
         assert all(rows[t.name][:2] == ("generic", "generic") for t in ALL_TYPES), rows
         return
