@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import QUICK
+from conftest import QUICK, int_kernel_suffix
 from gguf import GGMLQuantizationType as QT
 from quant_ref import make_weights
 from ref import moe_ref, rel_err
@@ -142,6 +142,9 @@ def test_memory_and_kernel_names(pool):
         assert dec.startswith("i4") and pre.startswith("i4") and act == "q8_32", rows[b]
     if K.isa_tier() in ("avx512bf16", "amx"):
         assert "vnni512" in rows["AMXInt4"][0]
+    if K.isa_tier() in ("avx2", "avxvnni"):  # the packed int8 / int4 kernels share the tier's dot helpers
+        sfx = int_kernel_suffix(K.isa_tier())
+        assert rows["AMXInt8"][0] == "i8" + sfx and rows["AMXInt4"][0] == "i4" + sfx, rows
 
 
 def test_bf16_io_and_torch_weights(pool):
