@@ -10,6 +10,7 @@ experts are a fixed function of the token id) gets the ids the decoder layer pas
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -30,7 +31,7 @@ class KMoEBlock(BaseInjectedModule):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         router = self._modules.get("gate") or self._modules.get("router")
-        if _takes_input_ids(router):
+        if _takes_input_ids(type(router)):
             if input_ids is None:
                 raise ValueError(f"{self.key}: {type(router).__name__} routes by token id and got no input_ids "
                                  f"(call the model with input_ids, not inputs_embeds)")
@@ -63,8 +64,10 @@ class KMoEBlock(BaseInjectedModule):
         return None
 
 
-def _takes_input_ids(router) -> bool:
-    fn = getattr(type(router), "forward", None)
+@functools.lru_cache(maxsize=None)
+def _takes_input_ids(router_cls: type) -> bool:
+    """Whether the router class's forward takes ``input_ids`` (asked once per class, not per token)."""
+    fn = getattr(router_cls, "forward", None)
     try:
         return "input_ids" in inspect.signature(fn).parameters
     except (TypeError, ValueError):
