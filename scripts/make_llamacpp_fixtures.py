@@ -25,6 +25,14 @@ DeepSeek-V3.2 and GLM-5 are written ``--outtype f32`` as well, so their indexers
 choices see the HF model's fp32 scores on every tier (the JSON records the smallest margin at the
 top-k boundary, far above the loader's error).
 
+DeepSeek-V4 (``--outtype f32``): llama.cpp's converter reads only the released checkpoint layout
+(``layers.N.attn.wq_a.weight``, ``hc_attn_fn``, per-expert ``ffn.experts.E.w1`` ..., the config's
+``compress_ratios`` / ``num_hash_layers``), and always writes the routed experts MXFP4 from the
+release's packed FP4 codes + E8M0 group scales.  So the tiny model's experts are rounded onto the
+MXFP4 grid first (its logits are those of the rounded model) and the folder is rewritten in the
+release layout (``_release_checkpoint``: names inverse to transformers' own ``deepseek_v4`` weight
+renaming, experts packed as the release packs them); the converter itself is unchanged.
+
 The tests never run this script or need llama.cpp; they read the committed files.
 """
 
@@ -40,10 +48,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "tests" / "fixtures" / "llamacpp"
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "deepseek_v2", "llama", "qwen2", "qwen3",
-         "gemma3_text", "qwen3_next", "deepseek_v32", "glm_moe_dsa")
+         "gemma3_text", "qwen3_next", "deepseek_v32", "glm_moe_dsa", "deepseek_v4")
 TOKEN_IDS = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 257, 200, 17]
 #: output type and further converter options per architecture (see the module docstring)
-OUTTYPE = {"qwen3_next": "f32", "deepseek_v32": "f32", "glm_moe_dsa": "f32"}
+OUTTYPE = {"qwen3_next": "f32", "deepseek_v32": "f32", "glm_moe_dsa": "f32", "deepseek_v4": "f32"}
 EXTRA_ARGS = {"qwen3_next": ["--no-mtp"]}
 EXTRA_CONFIG = {"deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"},
                 "deepseek_v2": {"scoring_func": "softmax"},
@@ -106,7 +114,10 @@ def make_hf(arch: str, folder: Path) -> None:
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(b.to(torch.bfloat16).float())
-    model.save_pretrained(folder)
+    if arch == "deepseek_v4":
+        _release_checkpoint(model, folder)
+    else:
+        model.save_pretrained(folder)
     _llamacpp_tokenizer(arch, folder)
     cfg = json.loads((folder / "config.json").read_text())
     cfg.update(EXTRA_CONFIG.get(arch, {}))
@@ -114,13 +125,101 @@ def make_hf(arch: str, folder: Path) -> None:
     with _indexer_scores(model) as scores, torch.no_grad():
         logits = model(torch.tensor([TOKEN_IDS])).logits[0].float()
     tok = __import__("transformers").AutoTokenizer.from_pretrained(folder)
-    extra = {"indexer_min_margin": _min_topk_margin(scores)} if scores else {}
+    margin = _min_topk_margin(scores)
+    extra = {"indexer_min_margin": margin} if margin is not None else {}
     (OUT / f"{arch}.json").write_text(json.dumps({
         "arch": arch, "token_ids": TOKEN_IDS, "hf_logits": [[round(float(x), 7) for x in row] for row in logits],
         "tokenizer_probe": {"text": "Hello <|im_start|>world", "ids": tok.encode("Hello <|im_start|>world")},
         "made_by": f"llama.cpp convert_hf_to_gguf.py --outtype {OUTTYPE.get(arch, 'bf16')} "
                    "(scripts/make_llamacpp_fixtures.py)", **extra,
     }))
+
+
+#: DeepSeek-V4 leaves, transformers' name -> the release's (inverse of transformers' weight renaming)
+_DSV4_RELEASE = {
+    "self_attn.sinks": "attn.attn_sink", "self_attn.q_a_proj.weight": "attn.wq_a.weight",
+    "self_attn.q_a_norm.weight": "attn.q_norm.weight", "self_attn.q_b_proj.weight": "attn.wq_b.weight",
+    "self_attn.kv_proj.weight": "attn.wkv.weight", "self_attn.kv_norm.weight": "attn.kv_norm.weight",
+    "self_attn.o_a_proj.weight": "attn.wo_a.weight", "self_attn.o_b_proj.weight": "attn.wo_b.weight",
+    "self_attn.compressor.position_bias": "attn.compressor.ape",
+    "self_attn.compressor.kv_proj.weight": "attn.compressor.wkv.weight",
+    "self_attn.compressor.gate_proj.weight": "attn.compressor.wgate.weight",
+    "self_attn.compressor.kv_norm.weight": "attn.compressor.norm.weight",
+    "self_attn.compressor.indexer.position_bias": "attn.indexer.compressor.ape",
+    "self_attn.compressor.indexer.kv_proj.weight": "attn.indexer.compressor.wkv.weight",
+    "self_attn.compressor.indexer.gate_proj.weight": "attn.indexer.compressor.wgate.weight",
+    "self_attn.compressor.indexer.kv_norm.weight": "attn.indexer.compressor.norm.weight",
+    "self_attn.compressor.indexer.q_b_proj.weight": "attn.indexer.wq_b.weight",
+    "self_attn.compressor.indexer.scorer.weights_proj.weight": "attn.indexer.weights_proj.weight",
+    "mlp.gate.weight": "ffn.gate.weight", "mlp.gate.e_score_correction_bias": "ffn.gate.bias",
+    "mlp.gate.tid2eid": "ffn.gate.tid2eid",
+    "mlp.shared_experts.gate_proj.weight": "ffn.shared_experts.w1.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn.shared_experts.w2.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn.shared_experts.w3.weight",
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "attn_hc.fn": "hc_attn_fn", "attn_hc.base": "hc_attn_base", "attn_hc.scale": "hc_attn_scale",
+    "ffn_hc.fn": "hc_ffn_fn", "ffn_hc.base": "hc_ffn_base", "ffn_hc.scale": "hc_ffn_scale",
+}
+_DSV4_RELEASE_TOP = {"model.embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
+                     "model.norm.weight": "norm.weight", "model.hc_head.hc_fn": "hc_head_fn",
+                     "model.hc_head.hc_base": "hc_head_base", "model.hc_head.hc_scale": "hc_head_scale"}
+_FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _mxfp4_round(w):
+    """``w`` [..., cols] rounded onto the MXFP4 grid: (the rounded values, the release's packed uint8
+    codes [..., cols / 2] with element 2i in the low nibble, its E8M0 scales [..., cols / 32])."""
+    import torch
+
+    g = w.float().reshape(*w.shape[:-1], -1, 32)
+    amax = g.abs().amax(-1, keepdim=True).clamp_min(2.0 ** -100)
+    e = torch.ceil(torch.log2(amax / 6.0))  # every |value| / 2^e <= 6
+    x = g / torch.exp2(e)
+    grid = torch.tensor(_FP4)
+    code = (x.abs().unsqueeze(-1) - grid).abs().argmin(-1)
+    code = code | ((x < 0) & (code > 0)).to(code.dtype) << 3
+    val = grid[code & 7] * torch.where(code >= 8, -1.0, 1.0) * torch.exp2(e)
+    c = code.reshape(*w.shape[:-1], -1).to(torch.uint8)
+    packed = c[..., 0::2] | (c[..., 1::2] << 4)
+    return val.reshape(w.shape), packed, (e.squeeze(-1) + 127).to(torch.uint8)
+
+
+def _release_checkpoint(model, folder: Path) -> None:
+    """Rewrite the tiny DeepSeek-V4 in the released checkpoint's layout (see the module docstring);
+    its routed experts are first rounded onto the MXFP4 grid, in place."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = model.config
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if "rotary_emb" in name:
+                continue
+            if name in _DSV4_RELEASE_TOP:
+                out[_DSV4_RELEASE_TOP[name]] = t.contiguous()
+                continue
+            layer, leaf = name.removeprefix("model.layers.").split(".", 1)
+            if leaf in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
+                val, packed, scale = _mxfp4_round(t)
+                t.copy_(val)
+                i = cfg.moe_intermediate_size
+                parts = ({"w1": (packed[:, :i], scale[:, :i]), "w3": (packed[:, i:], scale[:, i:])}
+                         if leaf.endswith("gate_up_proj") else {"w2": (packed, scale)})
+                for w, (p, s) in parts.items():
+                    for e in range(t.shape[0]):
+                        out[f"layers.{layer}.ffn.experts.{e}.{w}.weight"] = p[e].contiguous()
+                        out[f"layers.{layer}.ffn.experts.{e}.{w}.scale"] = s[e].contiguous()
+                continue
+            out[f"layers.{layer}.{_DSV4_RELEASE[leaf]}"] = t.contiguous()
+    model.config.save_pretrained(folder)
+    save_file(out, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    raw = json.loads((folder / "config.json").read_text())
+    rates = cfg.compress_rates
+    raw.update(architectures=["DeepseekV4ForCausalLM"], qk_rope_head_dim=cfg.qk_rope_head_dim,
+               num_hash_layers=cfg.mlp_layer_types.count("hash_moe"),
+               compress_ratios=[rates.get(t, 0) for t in cfg.layer_types])
+    (folder / "config.json").write_text(json.dumps(raw, indent=2))
 
 
 @contextlib.contextmanager
@@ -156,9 +255,10 @@ def _indexer_scores(model):
         indexer.forward = forward
 
 
-def _min_topk_margin(scores) -> float:
+def _min_topk_margin(scores) -> float | None:
     """Smallest gap between the k-th and (k+1)-th causal key score of any query, relative to that
-    query's largest |score|: how far the fixture's key choices are from flipping."""
+    query's largest |score|: how far the fixture's key choices are from flipping (None: no query
+    had more than k keys to choose from)."""
     import torch
 
     gaps = []
@@ -167,7 +267,7 @@ def _min_topk_margin(scores) -> float:
             v = row[torch.isfinite(row)].sort(descending=True).values
             if v.numel() > k:
                 gaps.append(float((v[k - 1] - v[k]) / v.abs().max()))
-    return round(min(gaps), 6)
+    return round(min(gaps), 6) if gaps else None
 
 
 def main(argv: list[str]) -> int:

@@ -21,6 +21,9 @@ glm4moe        Glm4MoeConfig (``block_count`` counts the NextN/MTP layers llama.
                model has ``block_count - nextn_predict_layers``)
 minimax-m2     MiniMaxM2Config
 gpt-oss        GptOssConfig (sliding / full layers alternate from layer 0; yarn without truncation)
+deepseek4      DeepseekV4Config (``attention.compress_ratios`` per layer: 0 sliding, otherwise
+               compressed-sparse where the layer has indexer tensors, heavily-compressed where
+               not; layers with an ``ffn_gate_tid2eid`` table are ``hash_moe``; one swiglu clamp)
 qwen3next      Qwen3NextConfig (``attention.recurrent_layers`` or ``full_attention_interval`` give
                the layer types, ``ssm.*`` the DeltaNet sizes; layers without a router are
                ``mlp_only_layers``; ``block_count`` counts the MTP layers llama.cpp keeps)
@@ -267,6 +270,8 @@ def config_from_metadata(
         cfg = _gpt_oss_config(md, kw, tensor_shapes, expert_ffn)
     elif arch == "qwen3next":
         cfg = _qwen3next_config(md, kw, tensor_shapes, expert_ffn)
+    elif arch == "deepseek4":
+        cfg = _deepseek4_config(md, kw, tensor_shapes, expert_ffn)
     elif arch == "gemma3":
         head_dim = int(key_len or 256)
         # llama.cpp scales queries by 1/sqrt(head_dim), except 27B (62 layers): 1/sqrt(hidden/heads)
@@ -292,7 +297,7 @@ def config_from_metadata(
         raise WeightError(
             f"{where}: GGUF architecture '{arch}' is not supported "
             "(supported: llama, mixtral-style llama, qwen2, qwen3, qwen2moe, qwen3moe, deepseek2, deepseek32, glm-dsa, gemma3, glm4moe, minimax-m2, "
-            "gpt-oss, qwen3next)"
+            "gpt-oss, qwen3next, deepseek4)"
         )
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
@@ -320,7 +325,79 @@ _ARCH_CLASS = {
     "MiniMaxM2Config": "MiniMaxM2ForCausalLM",
     "GptOssConfig": "GptOssForCausalLM",
     "Qwen3NextConfig": "Qwen3NextForCausalLM",
+    "DeepseekV4Config": "DeepseekV4ForCausalLM",
 }
+
+
+def _deepseek4_config(md: _Meta, kw: dict, tensor_shapes, expert_ffn):
+    """DeepseekV4Config: attention kind per layer from the compress ratios and the tensors,
+    hyper-connections, hash-routed layers, sqrt-softplus routing (the only one llama.cpp loads)."""
+    import transformers as tf
+
+    n_layers = kw["num_hidden_layers"]
+    where, A = md.where, md.arch
+    if (func := md.get("expert_gating_func")) not in (None, 4):
+        raise WeightError(f"{where}: '{A}.expert_gating_func' is {func}; DeepSeek-V4 routes with sqrtsoftplus (4)")
+    ratios = md.m.get(f"{A}.attention.compress_ratios")  # per layer: not collapsed by get()
+    if ratios is None or len(ratios) < n_layers:
+        raise WeightError(f"{where}: '{A}.attention.compress_ratios' needs an entry for each of {n_layers} layers")
+    layer_types, rates = [], {}
+    for i, r in enumerate(int(x) for x in ratios[:n_layers]):
+        if r == 0:
+            layer_types.append("sliding_attention")
+            continue
+        kind = ("compressed_sparse_attention" if f"blk.{i}.indexer.attn_q_b.weight" in tensor_shapes
+                else "heavily_compressed_attention")
+        if rates.setdefault(kind, r) != r:
+            raise WeightError(f"{where}: '{A}.attention.compress_ratios' gives {kind} layers ratios "
+                              f"{rates[kind]} and {r}; the config holds one per kind")
+        layer_types.append(kind)
+    hashed = [f"blk.{i}.ffn_gate_tid2eid.weight" in tensor_shapes for i in range(n_layers)]
+    n_hash = int(md.get("hash_layer_count", 0) or 0)
+    if hashed != [i < n_hash for i in range(n_layers)]:
+        raise WeightError(f"{where}: '{A}.hash_layer_count' is {n_hash} but the layers with an ffn_gate_tid2eid "
+                          f"table are {[i for i, h in enumerate(hashed) if h]}")
+    clamps = set()
+    for key in ("swiglu_clamp_exp", "swiglu_clamp_shexp"):
+        v = md.m.get(f"{A}.{key}")
+        if v is not None:
+            clamps.update(float(x) for x in (v if isinstance(v, (list, tuple)) else [v])[:n_layers])
+    if len(clamps) > 1:
+        raise WeightError(f"{where}: '{A}.swiglu_clamp_exp' / '_shexp' hold several values {sorted(clamps)}; "
+                          "the config has one swiglu_limit")
+    head_dim = int(md.need("attention.key_length"))
+    rope = _rope_parameters(md, float(md.get("rope.freq_base", 10000.0)))
+    kw.update(
+        head_dim=head_dim,
+        rope_theta=rope.pop("rope_theta"),
+        rope_parameters=rope if rope["rope_type"] != "default" else None,
+        partial_rotary_factor=int(md.need("rope.dimension_count")) / head_dim,
+        compress_rope_theta=float(md.need("attention.compress_rope_freq_base")),
+        q_lora_rank=int(md.need("attention.q_lora_rank")),
+        o_lora_rank=int(md.need("attention.output_lora_rank")),
+        o_groups=int(md.need("attention.output_group_count")),
+        sliding_window=int(md.need("attention.sliding_window")),
+        layer_types=layer_types,
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128, **rates},
+        mlp_layer_types=["hash_moe" if h else "moe" for h in hashed],
+        index_n_heads=int(md.need("attention.indexer.head_count")),
+        index_head_dim=int(md.need("attention.indexer.key_length")),
+        index_topk=int(md.need("attention.indexer.top_k")),
+        hc_mult=int(md.need("hyper_connection.count")),
+        hc_sinkhorn_iters=int(md.need("hyper_connection.sinkhorn_iterations")),
+        hc_eps=float(md.need("hyper_connection.epsilon")),
+        n_routed_experts=int(md.need("expert_count")),
+        num_experts_per_tok=int(md.need("expert_used_count")),
+        moe_intermediate_size=expert_ffn(),
+        n_shared_experts=int(md.get("expert_shared_count", 1) or 1),
+        routed_scaling_factor=float(md.get("expert_weights_scale", 1.0) or 1.0),
+        norm_topk_prob=bool(md.get("expert_weights_norm", True)),
+        scoring_func="sqrtsoftplus",
+        num_nextn_predict_layers=0,  # llama.cpp keeps the MTP block in a file of its own
+    )
+    if clamps:
+        kw["swiglu_limit"] = clamps.pop()
+    return tf.DeepseekV4Config(**kw)
 
 
 def _qwen3next_config(md: _Meta, kw: dict, tensor_shapes, expert_ffn):

@@ -15,6 +15,9 @@ What a mapping alone cannot express is described by :class:`Transform` flags tha
 * ``deepseek2`` split MLA: ``attn_k_b [H, nope, kv_lora]`` + ``attn_v_b [H, v, kv_lora]`` (torch
   order) rebuild HF ``kv_b_proj.weight [H*(nope+v), kv_lora]``: per head ``cat(k_b[h].T, v_b[h])``.
 * Tied output: no ``output.weight`` -> ``lm_head.weight`` is ``token_embd.weight``.
+* ``deepseek4``: no value transform; the hash router's ``ffn_gate_tid2eid`` table is stored I32
+  (HF int64), llama.cpp drops the hash layers' unused correction bias, and its converter writes
+  the routed experts MXFP4 (what the release ships).
 * ``gpt-oss``: the experts' biases are stored per projection (``ffn_{gate,up,down}_exps.bias``) and
   served as ``model.layers.N.mlp.experts.{gate,up,down}_proj_bias`` (``[E, I]`` / ``[E, H]``, the
   stacked layout; the model's ``gate_up_proj_bias`` interleaves gate and up: ``ExpertsLayout``).
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 
 #: architectures the source and the converter handle (GGUF ``general.architecture`` values)
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "deepseek2", "deepseek32", "glm-dsa", "gemma3",
-                   "glm4moe", "minimax-m2", "gpt-oss", "qwen3next")
+                   "glm4moe", "minimax-m2", "gpt-oss", "qwen3next", "deepseek4")
 #: DeepSeek MLA architectures (split ``attn_k_b`` / ``attn_v_b``, the ``deepseek2`` metadata keys)
 MLA_ARCHS = ("deepseek2", "deepseek32", "glm-dsa")
 #: MLA with the sparse-attention indexer (``indexer.*`` tensors, ``attention.indexer.*`` keys)
@@ -55,8 +58,8 @@ MODEL_TYPE_TO_ARCH = {
 
 #: transformers ``model_type`` -> why the converter does not write it (llama.cpp has the architecture)
 NOT_WRITTEN = {
-    "deepseek_v4": "llama.cpp's deepseek4 layout (hyper-connection, compressor, indexer and hash-router "
-                   "tensors, their metadata keys) is neither written nor read here yet; load the safetensors",
+    "deepseek_v4": "llama.cpp's deepseek4 layout is read here but not written yet (it needs MXFP4 routed "
+                   "experts and the I32 hash-router tables); use llama.cpp's convert_hf_to_gguf.py or the safetensors",
 }
 
 # (gguf leaf without .weight/.bias, hf leaf without .weight/.bias)
@@ -130,8 +133,32 @@ _QWEN3NEXT_BLOCK = _ATTENTION + _DENSE_MLP + [
     ("ssm_out", "linear_attn.out_proj"),
 ] + _shexp("mlp.shared_expert")
 
+# DeepSeek-V4: low-rank query and grouped low-rank output, one shared KV head, the compressor of
+# compressed layers and the indexer (with its own compressor) of compressed-sparse ones
+_DEEPSEEK4_BLOCK = [
+    ("attn_norm", "input_layernorm"),
+    ("ffn_norm", "post_attention_layernorm"),
+    ("attn_q_a", "self_attn.q_a_proj"),
+    ("attn_q_a_norm", "self_attn.q_a_norm"),
+    ("attn_q_b", "self_attn.q_b_proj"),
+    ("attn_kv", "self_attn.kv_proj"),
+    ("attn_kv_a_norm", "self_attn.kv_norm"),
+    ("attn_output_a", "self_attn.o_a_proj"),
+    ("attn_output_b", "self_attn.o_b_proj"),
+    ("attn_compressor_kv", "self_attn.compressor.kv_proj"),
+    ("attn_compressor_gate", "self_attn.compressor.gate_proj"),
+    ("attn_compressor_norm", "self_attn.compressor.kv_norm"),
+    ("indexer_compressor_kv", "self_attn.compressor.indexer.kv_proj"),
+    ("indexer_compressor_gate", "self_attn.compressor.indexer.gate_proj"),
+    ("indexer_compressor_norm", "self_attn.compressor.indexer.kv_norm"),
+    ("indexer.attn_q_b", "self_attn.compressor.indexer.q_b_proj"),
+    ("indexer.proj", "self_attn.compressor.indexer.scorer.weights_proj"),
+    ("ffn_gate_inp", "mlp.gate"),
+] + _shexp("mlp.shared_experts")
+
 #: full leaves outside the ``.weight`` / ``.bias`` pattern: gpt-oss's attention sinks (a bare parameter)
-#: and its per-expert biases
+#: and its per-expert biases; DeepSeek-V4's sinks, compressor position biases, hyper-connection
+#: parameters and hash-router table
 _EXTRA_LEAVES = {
     "gpt-oss": {
         "attn_sinks.weight": "self_attn.sinks",
@@ -140,7 +167,16 @@ _EXTRA_LEAVES = {
         "ffn_down_exps.bias": "mlp.experts.down_proj_bias",
     },
     "qwen3next": {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"},
+    "deepseek4": {
+        "attn_sinks.weight": "self_attn.sinks",
+        "attn_compressor_ape.weight": "self_attn.compressor.position_bias",
+        "indexer_compressor_ape.weight": "self_attn.compressor.indexer.position_bias",
+        "ffn_gate_tid2eid.weight": "mlp.gate.tid2eid",
+        **{f"hc_{g}_{p}.weight": f"{g}_hc.{p}" for g in ("attn", "ffn") for p in ("fn", "base", "scale")},
+    },
 }
+#: top-level tensors beyond token_embd / output_norm / output (DeepSeek-V4's hyper-connection head)
+_EXTRA_TOP = {"deepseek4": [(f"output_hc_{p}.weight", f"model.hc_head.hc_{p}") for p in ("fn", "base", "scale")]}
 
 _BLOCK_TABLES = {
     "llama": _COMMON_BLOCK,
@@ -156,6 +192,7 @@ _BLOCK_TABLES = {
     "minimax-m2": _COMMON_BLOCK,
     "gpt-oss": _GPT_OSS_BLOCK,
     "qwen3next": _QWEN3NEXT_BLOCK,
+    "deepseek4": _DEEPSEEK4_BLOCK,
 }
 
 _TOP = [
@@ -210,8 +247,9 @@ class NameMap:
         g2h.update(_EXTRA_LEAVES.get(self.arch, {}))
         object.__setattr__(self, "_g2h", g2h)
         object.__setattr__(self, "_h2g", {h: g for g, h in g2h.items()})
-        object.__setattr__(self, "_top_g2h", dict(_TOP))
-        object.__setattr__(self, "_top_h2g", {h: g for g, h in _TOP})
+        top = _TOP + _EXTRA_TOP.get(self.arch, [])
+        object.__setattr__(self, "_top_g2h", dict(top))
+        object.__setattr__(self, "_top_h2g", {h: g for g, h in top})
 
     def gguf_to_hf(self, name: str) -> str | None:
         return _translate(name, self._top_g2h, _BLK_RE, self._g2h, "model.layers.{layer}.{leaf}",

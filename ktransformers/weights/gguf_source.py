@@ -317,6 +317,24 @@ class _ALog(_Plain):
         return torch.float32
 
 
+class _IntTable(_Plain):
+    """An integer table (DeepSeek-V4's hash router ``ffn_gate_tid2eid``: llama.cpp stores I32, the
+    HF buffer is int64); served as integers whatever float dtype a caller asks for."""
+
+    _NP = {"I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64}
+
+    def load(self, src, dtype, device):
+        t = src._tensors[self.parts[0]]
+        if t.type.name not in self._NP:
+            raise WeightError(f"{t.file}: tensor '{t.name}' has ggml type {t.type.name}; an integer table "
+                              "is stored I8 / I16 / I32 / I64")
+        v = torch.from_numpy(t.data.view(self._NP[t.type.name]).astype(np.int64)).reshape(self.shape)
+        return v.to(device) if device is not None else v
+
+    def natural_dtype(self, src):
+        return torch.int64
+
+
 class _FusedQKVZ(_Entry):
     """qwen3next gated DeltaNet: ``attn_qkv`` + ``attn_gate`` rebuild HF's ``in_proj_qkvz`` (rows
     regrouped per key head; whole rows, so quantized bytes are served reordered, not requantized)."""
@@ -501,6 +519,8 @@ class GGUFSource(WeightSource):
                 self._entries[hf] = _OffsetNorm([gname], t.shape)
             elif arch == "qwen3next" and gname.endswith(".ssm_a"):
                 self._entries[hf] = _ALog([gname], t.shape)
+            elif t.type.name in _IntTable._NP:
+                self._entries[hf] = _IntTable([gname], t.shape)
             else:
                 self._entries[hf] = _Plain([gname], gn.hf_shape(gname, t.shape))
         for virt, experts in per_expert.items():

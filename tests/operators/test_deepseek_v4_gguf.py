@@ -1,0 +1,83 @@
+"""DeepSeek-V4 from GGUF: llama.cpp's ``deepseek4`` names (hyper-connection, compressor, indexer and
+hash-router tensors), its metadata keys -> DeepseekV4Config, the I32 hash table and MXFP4 experts.
+
+``tests/fixtures/llamacpp/deepseek_v4.gguf`` (llama.cpp's converter, F32 with its always-MXFP4
+routed experts, from a release-layout checkpoint of the tiny model: scripts/make_llamacpp_fixtures.py)
+is the reference; tests/weights/test_llamacpp_fixtures.py checks its HF logits through the reader
+and the shipped rules.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from ktransformers import load_model
+from ktransformers.errors import WeightError
+from ktransformers.optimize_rules import RULES_DIR
+from ktransformers.weights.gguf_config import config_from_metadata
+from ktransformers.weights.gguf_source import GGUFSource
+
+from .family_checks import rel_err
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURE = ROOT / "tests" / "fixtures" / "llamacpp" / "deepseek_v4.gguf"
+REF = json.loads(FIXTURE.with_suffix(".json").read_text())
+
+
+def test_config_from_llama_cpps_metadata():
+    """Layer kinds from ``compress_ratios`` and the indexer tensors, hash layers from the tables."""
+    cfg = GGUFSource(FIXTURE).config()
+    assert cfg.layer_types == ["heavily_compressed_attention", "compressed_sparse_attention",
+                               "heavily_compressed_attention"]
+    assert cfg.compress_rates == {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}
+    assert cfg.mlp_layer_types == ["hash_moe", "moe", "moe"]
+    assert (cfg.hc_mult, cfg.o_groups, cfg.o_lora_rank, cfg.swiglu_limit, cfg.qk_rope_head_dim) == (2, 2, 32, 0.5, 4)
+    assert cfg.rope_parameters["compress"]["rope_theta"] == 160000.0
+    assert cfg.scoring_func == "sqrtsoftplus" and cfg.num_nextn_predict_layers == 0
+
+
+def test_hash_table_and_mxfp4_experts():
+    src = GGUFSource(FIXTURE)
+    tid = src.tensor("model.layers.0.mlp.gate.tid2eid")
+    assert tid.dtype == torch.int64 and tid.shape == (320, 2) and 0 <= int(tid.min()) and int(tid.max()) < 8
+    assert src.raw("model.layers.1.mlp.experts.gate_proj").type.name == "MXFP4"
+
+
+def test_experts_dequantized_through_load_model():
+    """The shipped rules with the routed experts on KExpertsTorch (dequantized MXFP4): the HF logits
+    within 1e-4 (KExpertsCPU's 8-bit activations are the fixture test's looser bound)."""
+    rules = (RULES_DIR / "DeepSeek-V4-cpu.yaml").read_text()
+    rules, n = re.subn(r"generate_op: KExpertsCPU\n\s*backend: [^\n]*", "generate_op: KExpertsTorch", rules)
+    assert n == 1
+    model = load_model(FIXTURE, rules=rules, device="cpu")
+    with torch.no_grad():
+        got = model(torch.tensor([REF["token_ids"]])).logits[0].float()
+    assert rel_err(got, torch.tensor(REF["hf_logits"])) <= 1e-4
+
+
+def _meta_and_shapes():
+    r = gguf.GGUFReader(FIXTURE)
+    meta = {f.name: f.contents() for f in r.fields.values() if not f.name.startswith("GGUF.")}
+    shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in r.tensors}
+    return meta, shapes
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("deepseek4.hash_layer_count", 2, "'deepseek4.hash_layer_count' is 2"),
+    ("deepseek4.attention.compress_ratios", [8, 4], "needs an entry for each of 3 layers"),
+    ("deepseek4.attention.compress_ratios", [8, 4, 16], "ratios 8 and 16"),
+    ("deepseek4.swiglu_clamp_exp", [0.5, 0.5, 7.0], "several values"),
+    ("deepseek4.expert_gating_func", 2, "routes with sqrtsoftplus"),
+])
+def test_bad_metadata_is_named(key, value, message):
+    meta, shapes = _meta_and_shapes()
+    meta[key] = value
+    with pytest.raises(WeightError, match=re.escape(message)):
+        config_from_metadata(meta, shapes, where="f.gguf")
