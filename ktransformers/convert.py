@@ -6,11 +6,13 @@
 Architectures: llama (and Mixtral, written as llama.cpp does: ``llama`` arch with ``ffn_*_exps``),
 qwen2, qwen3, qwen2_moe, qwen3_moe, deepseek_v2, deepseek_v3 (split MLA ``attn_k_b``/``attn_v_b``
 like current llama.cpp), gemma3 (text), qwen3_next (as llama.cpp's converter with ``--no-mtp``:
-the MTP block is not part of the transformers model).
+the MTP block is not part of the transformers model), deepseek_v4 (``deepseek4``: the hash
+router's ``tid2eid`` tables I32; llama.cpp's converter writes the routed experts MXFP4, which
+``--experts MXFP4`` matches).
 
 Type policy, like llama-quantize's: routed experts ``--experts``; attention projections
 ``--attention``; ``token_embd`` ``--embeddings``; ``output`` ``--output-type``; everything else 2-D
-``--default``; 1-D tensors (norms, biases), the router ``ffn_gate_inp`` and ``exp_probs_b`` stay
+``--default`` (MXFP4 through gguf-py's quantizer); 1-D tensors (norms, biases), the router ``ffn_gate_inp`` and ``exp_probs_b`` stay
 ``--norms`` (F32).  Rows that are not a multiple of a 256-value block fall back like
 llama-quantize: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, Q2_K / Q3_K -> Q4_0, IQ4_XS -> IQ4_NL;
 rows not a multiple of 32 -> F16.
@@ -294,7 +296,8 @@ class Checkpoint:
     """Lazy float32 tensors of an HF safetensors folder, by canonical transformers 5 names.
 
     Accepts per-expert keys (``experts.E.gate_proj.weight``), fused/stacked keys
-    (``experts.gate_up_proj``) and Mixtral's original ``block_sparse_moe.experts.E.w1/w2/w3``.
+    (``experts.gate_up_proj``), Mixtral's original ``block_sparse_moe.experts.E.w1/w2/w3`` and
+    DeepSeek-V4's release names (what its ``save_pretrained`` writes; the safetensors source's renamer).
     ``light=True`` reads them as numpy arrays without importing torch (:class:`_NumpyFiles`).
     """
 
@@ -306,6 +309,12 @@ class Checkpoint:
         self.files = _NumpyFiles(files) if light else _TorchFiles(files)
         self._where = self.files.where
         self.keys = set(self._where)
+        rename = None
+        if not light:  # the safetensors source imports torch
+            from .weights.safetensors_source import _release_renamer
+
+            rename = _release_renamer(list(self._where))
+        self._renamed = {rename(k): k for k in self._where} if rename else {}
 
     def _alias(self, name: str) -> str | None:
         if name in self._where:
@@ -314,7 +323,12 @@ class Checkpoint:
         alt = re.sub(r"\.experts\.(\d+)\.gate_proj\.", r".experts.\1.w1.", alt)
         alt = re.sub(r"\.experts\.(\d+)\.down_proj\.", r".experts.\1.w2.", alt)
         alt = re.sub(r"\.experts\.(\d+)\.up_proj\.", r".experts.\1.w3.", alt)
-        return alt if alt in self._where else None
+        if alt in self._where:
+            return alt
+        for n in (name, alt.replace(".block_sparse_moe.", ".mlp.")):
+            if n in self._renamed:
+                return self._renamed[n]
+        return None
 
     def has(self, name: str) -> bool:
         return self._alias(name) is not None
@@ -397,6 +411,8 @@ def metadata_for(config, arch: str, tensor_names: Iterable[str]) -> dict[str, tu
     rp = getattr(c, "rope_parameters", None) or {}
     if A == "gemma3":
         rp = rp.get("full_attention", rp)
+    if A == "deepseek4":  # the main rope's base; scaling (if any) is the compressed layers'
+        rp = {**rp.get("compress", {}), "rope_theta": rp.get("main", {}).get("rope_theta", c.rope_theta)}
     md[f"{A}.rope.freq_base"] = ("f32", float(rp.get("rope_theta", 10000.0)))
     rtype = rp.get("rope_type", "default")
     if rtype in ("linear", "yarn"):
@@ -466,6 +482,9 @@ def metadata_for(config, arch: str, tensor_names: Iterable[str]) -> dict[str, tu
         md.update(gn.minimax_m2_metadata(c, head_dim))
     if A == "qwen3next":
         md.update(gn.qwen3next_metadata(c, head_dim))
+    if A == "deepseek4":
+        del md[f"{A}.feed_forward_length"]
+        md.update(gn.deepseek4_metadata(c, head_dim))
     return md
 
 
@@ -535,6 +554,11 @@ def plan(config, ckpt: Checkpoint, policy: TypePolicy, params=None) -> tuple[str
         gname = nmap.hf_to_gguf(hf)
         if gname is None:
             raise ConfigError(f"{ckpt.path}: no GGUF name for parameter '{hf}' of a {arch} model")
+        if arch == "deepseek4" and gname.endswith(".ffn_gate_tid2eid.weight"):  # the hash router's table: I32
+            src = ck_name(hf)
+            outs.append(_Out(gname, tuple(shape), "I32", lambda src=src: np.ascontiguousarray(
+                np.asarray(ckpt.get(src)), dtype=np.int32).reshape(-1).view(np.uint8)))
+            continue
         src = ck_name(hf)
         if arch == "llama" and re.search(r"\.attn_(q|k)\.(weight|bias)$", gname):
             kv = n_head if ".attn_q." in gname else n_kv

@@ -54,13 +54,11 @@ MODEL_TYPE_TO_ARCH = {
     "glm4_moe": "glm4moe",
     "minimax_m2": "minimax-m2",
     "qwen3_next": "qwen3next",
+    "deepseek_v4": "deepseek4",
 }  # gpt_oss: read only (its experts' layout is not the converter's yet)
 
 #: transformers ``model_type`` -> why the converter does not write it (llama.cpp has the architecture)
-NOT_WRITTEN = {
-    "deepseek_v4": "llama.cpp's deepseek4 layout is read here but not written yet (it needs MXFP4 routed "
-                   "experts and the I32 hash-router tables); use llama.cpp's convert_hf_to_gguf.py or the safetensors",
-}
+NOT_WRITTEN: dict[str, str] = {}
 
 # (gguf leaf without .weight/.bias, hf leaf without .weight/.bias)
 _ATTENTION = [
@@ -344,6 +342,43 @@ def qwen3next_metadata(c, head_dim: int) -> dict[str, tuple[str, object]]:
         f"{A}.ssm.inner_size": ("u32", c.linear_value_head_dim * c.linear_num_value_heads),
         f"{A}.attention.recurrent_layers": ("arr", [t == "linear_attention" for t in c.layer_types]),
         f"{A}.full_attention_interval": ("u32", int(getattr(c, "full_attention_interval", None) or 4)),
+    }
+
+
+def deepseek4_metadata(c, head_dim: int) -> dict[str, tuple[str, object]]:
+    """The ``deepseek4.*`` keys llama.cpp's converter writes beyond the common ones (compress
+    ratios per layer, hyper-connection sizes, hash layers, per-layer swiglu clamps, the indexer,
+    the grouped low-rank output); no ``feed_forward_length``."""
+    A = "deepseek4"
+    n = c.num_hidden_layers
+    rates = c.compress_rates or {}
+    return {
+        f"{A}.attention.key_length": ("u32", head_dim),
+        f"{A}.attention.value_length": ("u32", head_dim),
+        f"{A}.rope.dimension_count": ("u32", c.qk_rope_head_dim),
+        f"{A}.attention.q_lora_rank": ("u32", c.q_lora_rank),
+        f"{A}.attention.sliding_window": ("u32", c.sliding_window),
+        f"{A}.expert_count": ("u32", c.n_routed_experts),
+        f"{A}.expert_used_count": ("u32", c.num_experts_per_tok),
+        f"{A}.expert_gating_func": ("u32", 4),  # sqrtsoftplus, the only one llama.cpp loads
+        f"{A}.expert_feed_forward_length": ("u32", c.moe_intermediate_size),
+        f"{A}.expert_shared_count": ("u32", c.n_shared_experts),
+        f"{A}.expert_weights_scale": ("f32", float(c.routed_scaling_factor)),
+        f"{A}.expert_weights_norm": ("bool", bool(c.norm_topk_prob)),
+        f"{A}.swiglu_clamp_exp": ("f32arr", [float(c.swiglu_limit)] * n),
+        f"{A}.swiglu_clamp_shexp": ("f32arr", [float(c.swiglu_limit)] * n),
+        f"{A}.attention.indexer.head_count": ("u32", c.index_n_heads),
+        f"{A}.attention.indexer.key_length": ("u32", c.index_head_dim),
+        f"{A}.attention.indexer.top_k": ("u32", c.index_topk),
+        f"{A}.attention.output_group_count": ("u32", c.o_groups),
+        f"{A}.attention.output_lora_rank": ("u32", c.o_lora_rank),
+        f"{A}.attention.compress_ratios": ("arr", [int(rates.get(t, 0)) for t in c.layer_types]),
+        f"{A}.attention.compress_rope_freq_base": ("f32", float(c.compress_rope_theta)),
+        f"{A}.hyper_connection.count": ("u32", c.hc_mult),
+        f"{A}.hyper_connection.sinkhorn_iterations": ("u32", c.hc_sinkhorn_iters),
+        f"{A}.hyper_connection.epsilon": ("f32", float(c.hc_eps)),
+        f"{A}.hash_layer_count": ("u32", list(c.mlp_layer_types).count("hash_moe")),
+        f"{A}.embedding_length_out": ("u32", c.hidden_size * c.hc_mult),
     }
 
 

@@ -41,7 +41,7 @@ GROUP_MAX_EPS = 1e-15
 
 #: types :func:`quantize` can produce
 QUANTIZABLE = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-               "IQ4_NL", "IQ4_XS")
+               "IQ4_NL", "IQ4_XS", "MXFP4")
 
 
 def _fp16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,8 +23,7 @@ Checkpoints: the release's names (``layers.N.attn.wq_a``, ``ffn.experts.E.w1``, 
 ``model.`` prefix) and the module names both load.  The release's format (FP8 linears, FP4 experts,
 E8M0 ``.scale`` tensors): linears dequantized at load, experts as MXFP4 on the CPU kernels, 2.7e-3
 (avx512 / avx2 tiers, whose MXFP4 products take int8-quantized activations; 4.6e-7 on the scalar
-tier) and KExpertsTorch 4.6e-7 against transformers' model on the weights its own dequantizer gives.  GGUF: llama.cpp has a ``deepseek4`` architecture, which this project neither writes nor reads yet
-(the converter refuses the family by name).
+tier) and KExpertsTorch 4.6e-7 against transformers' model on the weights its own dequantizer gives.  GGUF: llama.cpp's ``deepseek4`` architecture, read and written (tests/operators/test_deepseek_v4_gguf.py).
 """
 
 from __future__ import annotations
@@ -234,14 +233,17 @@ def test_fp8_fp4_release_loads(tiny_model_dir, tmp_path):
     assert src.tensor("model.layers.1.self_attn.q_a_proj.weight").dtype == torch.float32
 
 
-def test_our_converter_refuses_it_by_name(tiny_model_dir, tmp_path):
-    """llama.cpp has a deepseek4 architecture this converter does not write: a one-line refusal, no file."""
+def test_our_converter_writes_it(tiny_model_dir, hf, tmp_path):
+    """Our converter on the save_pretrained folder (the release's names): llama.cpp's deepseek4 layout
+    (tests/operators/test_deepseek_v4_gguf.py holds it to llama.cpp's own file), loaded by the
+    shipped rules in F32 within 1e-4 of transformers."""
     from ktransformers.convert import convert
-    from ktransformers.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"cannot convert model_type 'deepseek_v4': llama\.cpp's deepseek4 layout"):
-        convert(tiny_model_dir(ARCH), tmp_path / "x.gguf", "F32", "F32", "F32")
-    assert not (tmp_path / "x.gguf").exists()
+    out = convert(tiny_model_dir(ARCH), tmp_path / "f32.gguf", "F32", "F32", "F32", tokenizer=False)
+    model = load_model(out, model_path=tiny_model_dir(ARCH), allow_unmatched=False)
+    ids = prompt_ids(24, seed=4)
+    with torch.no_grad():
+        assert rel_err(model(ids).logits, hf(ids).logits) <= 1e-4
 
 
 @pytest.mark.parametrize("chunk", [5, 64])

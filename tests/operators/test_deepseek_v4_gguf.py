@@ -1,5 +1,6 @@
 """DeepSeek-V4 from GGUF: llama.cpp's ``deepseek4`` names (hyper-connection, compressor, indexer and
-hash-router tensors), its metadata keys -> DeepseekV4Config, the I32 hash table and MXFP4 experts.
+hash-router tensors), its metadata keys -> DeepseekV4Config, the I32 hash table and MXFP4 experts;
+our converter writes the same file.
 
 ``tests/fixtures/llamacpp/deepseek_v4.gguf`` (llama.cpp's converter, F32 with its always-MXFP4
 routed experts, from a release-layout checkpoint of the tiny model: scripts/make_llamacpp_fixtures.py)
@@ -81,3 +82,45 @@ def test_bad_metadata_is_named(key, value, message):
     meta[key] = value
     with pytest.raises(WeightError, match=re.escape(message)):
         config_from_metadata(meta, shapes, where="f.gguf")
+
+
+def _tensors(path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    return {t.name: (t.tensor_type.name, tuple(int(d) for d in t.shape)) for t in gguf.GGUFReader(path).tensors}
+
+
+def _model_keys(path) -> dict:
+    """Metadata but the writer's own (general.*) and the vocabulary."""
+    return {f.name: f.contents() for f in gguf.GGUFReader(path).fields.values()
+            if not f.name.startswith(("GGUF.", "general.", "tokenizer."))}
+
+
+def test_converter_writes_llama_cpps_file(tmp_path):
+    """The HF model read back from llama.cpp's file, converted by ours (experts MXFP4, the rest F32):
+    the same tensor names, types, shapes, model metadata (ours adds ``vocab_size``) and values (MXFP4
+    compared dequantized: one value has several scale / code spellings)."""
+    from transformers import AutoModelForCausalLM
+
+    from ktransformers.convert import convert
+    from ktransformers.weights.dequant import dequantize
+
+    src = GGUFSource(FIXTURE)
+    model = AutoModelForCausalLM.from_config(src.config()).eval()
+    model.load_state_dict({k: src.tensor(k, dtype=v.dtype) for k, v in model.state_dict().items()}, strict=True)
+    model.save_pretrained(tmp_path / "hf")
+    out = convert(tmp_path / "hf", tmp_path / "ours.gguf", "MXFP4", "F32", "F32", tokenizer=False)
+    assert _tensors(out) == _tensors(FIXTURE)
+    mine, ref = _model_keys(out), _model_keys(FIXTURE)
+    assert set(mine) - set(ref) == {"deepseek4.vocab_size"} and set(ref) <= set(mine)
+    types = {p: {f.name: [t.name for t in f.types] for f in gguf.GGUFReader(p).fields.values()} for p in (out, FIXTURE)}
+    for k, v in ref.items():
+        assert mine[k] == pytest.approx(v), k
+        assert types[out][k] == types[FIXTURE][k], k  # value types too (llama.cpp's loader reads u32 / f32 arrays)
+    theirs = {t.name: t for t in gguf.GGUFReader(FIXTURE).tensors}
+    for t in gguf.GGUFReader(out).tensors:
+        r = theirs[t.name]
+        if t.tensor_type.name == "MXFP4":
+            shape = tuple(int(d) for d in reversed(t.shape))
+            a, b = (dequantize(np.array(x.data).reshape(-1), "MXFP4", shape) for x in (t, r))
+            assert torch.equal(a, b), t.name
+        else:
+            np.testing.assert_array_equal(np.array(t.data), np.array(r.data), err_msg=t.name)
