@@ -31,7 +31,9 @@ DeepSeek-V4 (``--outtype f32``): llama.cpp's converter reads only the released c
 release's packed FP4 codes + E8M0 group scales.  So the tiny model's experts are rounded onto the
 MXFP4 grid first (its logits are those of the rounded model) and the folder is rewritten in the
 release layout (``_release_checkpoint``: names inverse to transformers' own ``deepseek_v4`` weight
-renaming, experts packed as the release packs them); the converter itself is unchanged.
+renaming, experts packed as the release packs them; ``save_pretrained``'s reverse renaming is not
+that layout: it keeps ``model.``, ``embed_tokens`` and ``hc_head.*`` and writes ``attn.kv_norm`` as
+``attn.norm``); the converter itself is unchanged.
 
 The tests never run this script or need llama.cpp; they read the committed files.
 """
