@@ -84,6 +84,15 @@ def test_bad_metadata_is_named(key, value, message):
         config_from_metadata(meta, shapes, where="f.gguf")
 
 
+def _hf_on(src: GGUFSource):
+    """The unmodified transformers model on a GGUF file's weights (the hash tables as int64)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(src.config()).eval()
+    model.load_state_dict({k: src.tensor(k, dtype=v.dtype) for k, v in model.state_dict().items()}, strict=True)
+    return model
+
+
 def _tensors(path) -> dict[str, tuple[str, tuple[int, ...]]]:
     return {t.name: (t.tensor_type.name, tuple(int(d) for d in t.shape)) for t in gguf.GGUFReader(path).tensors}
 
@@ -98,14 +107,10 @@ def test_converter_writes_llama_cpps_file(tmp_path):
     """The HF model read back from llama.cpp's file, converted by ours (experts MXFP4, the rest F32):
     the same tensor names, types, shapes, model metadata (ours adds ``vocab_size``) and values (MXFP4
     compared dequantized: one value has several scale / code spellings)."""
-    from transformers import AutoModelForCausalLM
-
     from ktransformers.convert import convert
     from ktransformers.weights.dequant import dequantize
 
-    src = GGUFSource(FIXTURE)
-    model = AutoModelForCausalLM.from_config(src.config()).eval()
-    model.load_state_dict({k: src.tensor(k, dtype=v.dtype) for k, v in model.state_dict().items()}, strict=True)
+    model = _hf_on(GGUFSource(FIXTURE))
     model.save_pretrained(tmp_path / "hf")
     out = convert(tmp_path / "hf", tmp_path / "ours.gguf", "MXFP4", "F32", "F32", tokenizer=False)
     assert _tensors(out) == _tensors(FIXTURE)
@@ -124,3 +129,34 @@ def test_converter_writes_llama_cpps_file(tmp_path):
             assert torch.equal(a, b), t.name
         else:
             np.testing.assert_array_equal(np.array(t.data), np.array(r.data), err_msg=t.name)
+
+
+#: what a deepseek4 file must give back
+CONFIG_KEYS = ("num_hidden_layers", "hidden_size", "head_dim", "num_attention_heads", "num_key_value_heads",
+               "q_lora_rank", "o_lora_rank", "o_groups", "sliding_window", "layer_types", "compress_rates",
+               "mlp_layer_types", "rope_parameters", "qk_rope_head_dim", "hc_mult", "hc_sinkhorn_iters", "hc_eps",
+               "index_n_heads", "index_head_dim", "index_topk", "n_routed_experts", "num_experts_per_tok",
+               "moe_intermediate_size", "n_shared_experts", "routed_scaling_factor", "norm_topk_prob",
+               "swiglu_limit", "scoring_func", "vocab_size", "tie_word_embeddings")
+
+
+def test_round_trip_with_sliding_layers_and_yarn(tmp_path):
+    """A config beyond the fixture's (a sliding-window layer, two hash layers, yarn on the compressed
+    layers): our file gives the same config back and the HF logits within 1e-4."""
+    from ktransformers.convert import convert
+    from ktransformers.util.tiny_models import write_tiny_model
+
+    hf = write_tiny_model("deepseek_v4", tmp_path / "hf", seed=5, num_hidden_layers=4,
+                          layer_types=["sliding_attention", "heavily_compressed_attention",
+                                       "compressed_sparse_attention", "heavily_compressed_attention"],
+                          mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+                          rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+    out = convert(tmp_path / "hf", tmp_path / "f32.gguf", "F32", "F32", "F32", tokenizer=False)
+    src = GGUFSource(out)
+    got = src.config()
+    for k in CONFIG_KEYS:
+        want = getattr(hf.config, k)
+        assert getattr(got, k) == (pytest.approx(want, rel=1e-6) if isinstance(want, float) else want), k
+    ids = torch.tensor([list(range(3, 60, 3))])
+    with torch.no_grad():
+        assert rel_err(_hf_on(src)(ids).logits, hf.eval()(ids).logits) <= 1e-4
