@@ -167,7 +167,7 @@ class BatchDecodeStep:
         for lt in self.layer_types:
             cos, sin = self._rope(x[None], pos_t, lt)
             rope[lt] = (cos.reshape(n, -1).float().contiguous(), sin.reshape(n, -1).float().contiguous())
-        xp, hp, ap, mp = x.data_ptr(), h.data_ptr(), a.data_ptr(), m.data_ptr()
+        xp, hp, ap = x.data_ptr(), h.data_ptr(), a.data_ptr()
         first = self.layers[0]
         ops.rms_norm(xp, first.in_norm[2], hp, n, H, 0, first.in_norm[1])
         n_layers = len(self.layers)

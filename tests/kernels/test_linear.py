@@ -62,7 +62,6 @@ def test_linear(pool, backend, t, n_in, n_out, T):
 
 
 def test_linear_bf16_io_and_submit(pool):
-    rng = np.random.default_rng(0)
     w = torch.randn(48, 256) * 0.1
     lin = K.LinearKernel(pool, "llamafile", 256, 48, w, "F32")
     x = torch.randn(5, 256).to(torch.bfloat16)

@@ -54,3 +54,28 @@ def assert_server_serves_one_at_a_time(model_dir, caplog, reason: str) -> None:
     assert type(engine) is Engine and engine.max_context == 512
     assert "continuous batching is not available for this model" in caplog.text
     assert reason in caplog.text
+
+
+def hf_on_gguf(src):
+    """The unmodified transformers model on a GGUF source's weights, dequantized (each tensor in
+    the model's own dtype: fp32, and DeepSeek-V4's int64 hash tables)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(src.config()).eval()
+    model.load_state_dict({k: src.tensor(k, dtype=v.dtype) for k, v in model.state_dict().items()}, strict=True)
+    return model
+
+
+def gguf_tensors(path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> (type, shape) of every tensor of a GGUF file: what two writers must agree on."""
+    import gguf
+
+    return {t.name: (t.tensor_type.name, tuple(int(d) for d in t.shape)) for t in gguf.GGUFReader(path).tensors}
+
+
+def gguf_model_keys(path) -> dict:
+    """A GGUF file's metadata but the writer's own (general.*) and the vocabulary."""
+    import gguf
+
+    return {f.name: f.contents() for f in gguf.GGUFReader(path).fields.values()
+            if not f.name.startswith(("GGUF.", "general.", "tokenizer."))}

@@ -7,7 +7,6 @@ import textwrap
 import pytest
 
 from ktransformers.errors import RuleError
-from ktransformers.operators import compat
 from ktransformers.operators.linear import LINEAR_OPS, KLinearTorch
 from ktransformers.optimize import build_model, parse_rules, plan_model
 from ktransformers.optimize.explain import alias_lines, explain_plan, format_explanation

@@ -24,8 +24,9 @@ def _rules(backend: str, linear_op: str = "KLinearTorch") -> str:
     return text.replace("generate_op: KLinearCPU", f"generate_op: {linear_op}")
 
 
-@pytest.mark.parametrize("backend", list(TOL))
-def test_whole_model_with_cpu_experts(backend, tiny_model_dir):
+def _model_and_logits(backend: str, tiny_model_dir):
+    """(our tiny Qwen3-MoE with the experts on ``backend``, transformers' model, a prompt, our
+    logits, transformers')."""
     d = tiny_model_dir("qwen3_moe")
     model = load_model(d, model_path=d, rules=_rules(backend), allow_unmatched=False)
     op = model.model.layers[0].mlp.experts.generate_op
@@ -33,8 +34,12 @@ def test_whole_model_with_cpu_experts(backend, tiny_model_dir):
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
     ids = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        ref = hf(ids).logits
-        got = model(ids).logits
+        return model, hf, ids, model(ids).logits, hf(ids).logits
+
+
+@pytest.mark.parametrize("backend", list(TOL))
+def test_whole_model_with_cpu_experts(backend, tiny_model_dir):
+    model, hf, ids, got, ref = _model_and_logits(backend, tiny_model_dir)
     assert (got - ref).abs().max().item() <= TOL[backend] * ref.abs().max().item()
     if backend == "llamafile":
         a = model.generate(ids[:, :4], max_new_tokens=16, do_sample=False)
@@ -115,15 +120,7 @@ def test_whole_model_with_int4_experts(backend, tiny_model_dir):
     over three prompts; AMXInt8 0.4-0.7 %): bound 15 %.  Greedy tokens: the argmax at each of the
     40 positions (the fp32 model's prefix, so one flip does not cascade) matches the fp32 model's
     at >= 85 % of them (measured 90-100 %)."""
-    d = tiny_model_dir("qwen3_moe")
-    model = load_model(d, model_path=d, rules=_rules(backend), allow_unmatched=False)
-    op = model.model.layers[0].mlp.experts.generate_op
-    assert op.name == "KExpertsCPU" and op.backend == backend
-    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
-    ids = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        ref = hf(ids).logits
-        got = model(ids).logits
+    model, hf, ids, got, ref = _model_and_logits(backend, tiny_model_dir)
     assert (got - ref).abs().max().item() <= 0.15 * ref.abs().max().item()
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.85
     out = model.generate(ids[:, :4], max_new_tokens=8, do_sample=False)

@@ -25,7 +25,7 @@ from ktransformers.optimize_rules import RULES_DIR
 from ktransformers.weights.gguf_config import config_from_metadata
 from ktransformers.weights.gguf_source import GGUFSource
 
-from .family_checks import rel_err
+from .family_checks import gguf_model_keys, gguf_tensors, hf_on_gguf, rel_err
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "llamacpp" / "deepseek_v4.gguf"
@@ -84,25 +84,6 @@ def test_bad_metadata_is_named(key, value, message):
         config_from_metadata(meta, shapes, where="f.gguf")
 
 
-def _hf_on(src: GGUFSource):
-    """The unmodified transformers model on a GGUF file's weights (the hash tables as int64)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_config(src.config()).eval()
-    model.load_state_dict({k: src.tensor(k, dtype=v.dtype) for k, v in model.state_dict().items()}, strict=True)
-    return model
-
-
-def _tensors(path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    return {t.name: (t.tensor_type.name, tuple(int(d) for d in t.shape)) for t in gguf.GGUFReader(path).tensors}
-
-
-def _model_keys(path) -> dict:
-    """Metadata but the writer's own (general.*) and the vocabulary."""
-    return {f.name: f.contents() for f in gguf.GGUFReader(path).fields.values()
-            if not f.name.startswith(("GGUF.", "general.", "tokenizer."))}
-
-
 def test_converter_writes_llama_cpps_file(tmp_path):
     """The HF model read back from llama.cpp's file, converted by ours (experts MXFP4, the rest F32):
     the same tensor names, types, shapes, model metadata (ours adds ``vocab_size``) and values (MXFP4
@@ -110,11 +91,11 @@ def test_converter_writes_llama_cpps_file(tmp_path):
     from ktransformers.convert import convert
     from ktransformers.weights.dequant import dequantize
 
-    model = _hf_on(GGUFSource(FIXTURE))
+    model = hf_on_gguf(GGUFSource(FIXTURE))
     model.save_pretrained(tmp_path / "hf")
     out = convert(tmp_path / "hf", tmp_path / "ours.gguf", "MXFP4", "F32", "F32", tokenizer=False)
-    assert _tensors(out) == _tensors(FIXTURE)
-    mine, ref = _model_keys(out), _model_keys(FIXTURE)
+    assert gguf_tensors(out) == gguf_tensors(FIXTURE)
+    mine, ref = gguf_model_keys(out), gguf_model_keys(FIXTURE)
     assert set(mine) - set(ref) == {"deepseek4.vocab_size"} and set(ref) <= set(mine)
     types = {p: {f.name: [t.name for t in f.types] for f in gguf.GGUFReader(p).fields.values()} for p in (out, FIXTURE)}
     for k, v in ref.items():
@@ -159,4 +140,4 @@ def test_round_trip_with_sliding_layers_and_yarn(tmp_path):
         assert getattr(got, k) == (pytest.approx(want, rel=1e-6) if isinstance(want, float) else want), k
     ids = torch.tensor([list(range(3, 60, 3))])
     with torch.no_grad():
-        assert rel_err(_hf_on(src)(ids).logits, hf.eval()(ids).logits) <= 1e-4
+        assert rel_err(hf_on_gguf(src)(ids).logits, hf.eval()(ids).logits) <= 1e-4

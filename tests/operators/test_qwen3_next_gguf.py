@@ -33,7 +33,6 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from ktransformers import load_model
 from ktransformers.convert import convert
@@ -41,7 +40,7 @@ from ktransformers.util.tiny_models import write_tiny_model
 from ktransformers.weights.dequant import dequantize
 from ktransformers.weights.gguf_source import GGUFSource
 
-from .family_checks import prompt_ids, rel_err
+from .family_checks import gguf_model_keys, gguf_tensors, hf_on_gguf, prompt_ids, rel_err
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "llamacpp" / "qwen3_next.gguf"
@@ -57,28 +56,11 @@ CONFIG_KEYS = ("num_hidden_layers", "hidden_size", "head_dim", "num_attention_he
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # hf: the shared fixture (conftest.py)
 
 
-def _hf_on(src: GGUFSource):
-    """The unmodified transformers model on a GGUF file's dequantized weights."""
-    model = AutoModelForCausalLM.from_config(src.config()).eval()
-    model.load_state_dict({k: src.tensor(k, dtype=torch.float32) for k in model.state_dict()}, strict=True)
-    return model
-
-
-def _tensors(path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    return {t.name: (t.tensor_type.name, tuple(int(d) for d in t.shape)) for t in gguf.GGUFReader(path).tensors}
-
-
-def _model_keys(path) -> dict:
-    """Metadata but the writer's own (general.*) and the vocabulary."""
-    return {f.name: f.contents() for f in gguf.GGUFReader(path).fields.values()
-            if not f.name.startswith(("GGUF.", "general.", "tokenizer."))}
-
-
 def _assert_same_layout(ours, theirs):
     """Tensor names, ggml types and shapes equal; llama.cpp's model keys all written with its values
     (ours adds ``vocab_size``)."""
-    assert _tensors(ours) == _tensors(theirs)
-    mine, ref = _model_keys(ours), _model_keys(theirs)
+    assert gguf_tensors(ours) == gguf_tensors(theirs)
+    mine, ref = gguf_model_keys(ours), gguf_model_keys(theirs)
     assert set(ref) <= set(mine) and set(mine) - set(ref) == {"qwen3next.vocab_size"}
     for k, v in ref.items():
         assert mine[k] == pytest.approx(v) if isinstance(v, float) else mine[k] == v, k
@@ -88,7 +70,7 @@ def test_converter_writes_llama_cpps_file(tmp_path):
     """The HF model read back from llama.cpp's file, converted by ours: the same file (names, types,
     shapes, model metadata; values equal up to the float rounding of -exp(log(-a)) and (w - 1) + 1)."""
     src = GGUFSource(FIXTURE)
-    model = _hf_on(src)
+    model = hf_on_gguf(src)
     assert model.config.mlp_only_layers == [] and model.config.layer_types[0] == "linear_attention"
     model.save_pretrained(tmp_path / "hf")
     out = convert(tmp_path / "hf", tmp_path / "ours.gguf", "F32", "F32", "F32", tokenizer=False)
@@ -129,7 +111,7 @@ def test_f16_and_q8_0_through_the_shipped_rules(tiny_model_dir, tmp_path):
         assert torch.equal(dequantize(raw.data, raw.type, raw.shape), src.tensor(name))
         with torch.no_grad():
             got = load_model(path, allow_unmatched=False)(ids).logits
-            ref = _hf_on(src)(ids).logits
+            ref = hf_on_gguf(src)(ids).logits
         if qtype == "F16":
             assert rel_err(got, ref) <= 1e-4
         else:
@@ -148,7 +130,7 @@ def test_halves_of_different_types(tiny_model_dir, tmp_path):
     assert src.raw(name) is None and src.ggml_type(name) is None
     ids = prompt_ids()
     with torch.no_grad():
-        dev = (load_model(path, allow_unmatched=False)(ids).logits - _hf_on(src)(ids).logits).abs()[0]
+        dev = (load_model(path, allow_unmatched=False)(ids).logits - hf_on_gguf(src)(ids).logits).abs()[0]
     assert dev.mean() <= 0.08 and dev.max(1).values.median() <= 0.2 and dev.max() <= 0.75
 
 
@@ -227,4 +209,4 @@ def test_same_file_as_llama_cpp_converter_f16(tmp_path):
     src = GGUFSource(theirs)
     ids = prompt_ids()
     with torch.no_grad():
-        assert rel_err(load_model(theirs, allow_unmatched=False)(ids).logits, _hf_on(src)(ids).logits) <= 1e-4
+        assert rel_err(load_model(theirs, allow_unmatched=False)(ids).logits, hf_on_gguf(src)(ids).logits) <= 1e-4

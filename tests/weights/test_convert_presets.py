@@ -3,7 +3,6 @@ torch reference; a tokenizer goes into the file."""
 
 from __future__ import annotations
 
-import json
 import time
 
 import numpy as np
