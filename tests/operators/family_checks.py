@@ -79,3 +79,20 @@ def gguf_model_keys(path) -> dict:
 
     return {f.name: f.contents() for f in gguf.GGUFReader(path).fields.values()
             if not f.name.startswith(("GGUF.", "general.", "tokenizer."))}
+
+
+def model_with_backend(model_dir, rules_path, swap: tuple[str, str]):
+    """Our model on a shipped ``-cpu`` rule file with the routed experts' op or backend swapped
+    (``swap``: text to replace, its replacement; an empty pair keeps the file), every experts module
+    checked to run the op asked for."""
+    from ktransformers import load_model
+
+    old, new = swap
+    rules = rules_path.read_text()
+    assert old in rules
+    model = load_model(model_dir, model_path=model_dir, rules=rules.replace(old, new) if old else rules,
+                       allow_unmatched=False)
+    want = "KExpertsTorch" if "KExpertsTorch" in new else "KExpertsCPU"
+    assert all(layer.mlp.experts.generate_op.name == want
+               for layer in model.model.layers if hasattr(layer.mlp, "experts"))
+    return model

@@ -35,7 +35,8 @@ from transformers import AutoModelForCausalLM
 from ktransformers import load_model
 from ktransformers.optimize_rules import RULES_DIR, default_rule_file
 
-from .family_checks import BACKEND_SWAPS, assert_server_serves_one_at_a_time, generator_greedy, prompt_ids, rel_err
+from .family_checks import (BACKEND_SWAPS, assert_server_serves_one_at_a_time, generator_greedy, model_with_backend,
+                            prompt_ids, rel_err)
 
 ARCH = "deepseek_v4"
 CPU_RULES = RULES_DIR / "DeepSeek-V4-cpu.yaml"
@@ -109,12 +110,7 @@ def test_hash_routed_block_gets_the_token_ids(hf, ours):
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_expert_backends(backend, tiny_model_dir, hf):
     old, new, tol = BACKENDS[backend]
-    rules = CPU_RULES.read_text()
-    assert old in rules
-    d = tiny_model_dir(ARCH)
-    model = load_model(d, model_path=d, rules=rules.replace(old, new) if old else rules, allow_unmatched=False)
-    want = "KExpertsTorch" if backend == "KExpertsTorch" else "KExpertsCPU"
-    assert all(layer.mlp.experts.generate_op.name == want for layer in model.model.layers)
+    model = model_with_backend(tiny_model_dir(ARCH), CPU_RULES, (old, new))
     ids = prompt_ids(24, seed=3)
     with torch.no_grad():
         assert rel_err(model(ids).logits, hf(ids).logits) <= tol

@@ -28,7 +28,8 @@ import torch
 from ktransformers import load_model
 from ktransformers.optimize_rules import RULES_DIR, default_rule_file
 
-from .family_checks import BACKEND_SWAPS, assert_server_serves_one_at_a_time, generator_greedy, prompt_ids, rel_err
+from .family_checks import (BACKEND_SWAPS, assert_server_serves_one_at_a_time, generator_greedy, model_with_backend,
+                            prompt_ids, rel_err)
 
 ARCH = "qwen3_next"
 CPU_RULES = RULES_DIR / "Qwen3Next-cpu.yaml"
@@ -92,13 +93,7 @@ def test_gated_shared_expert_in_the_block(tiny_model_dir, hf):
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_expert_backends(backend, tiny_model_dir, hf):
     old, new, tol = BACKENDS[backend]
-    rules = CPU_RULES.read_text()
-    assert old in rules
-    d = tiny_model_dir(ARCH)
-    model = load_model(d, model_path=d, rules=rules.replace(old, new) if old else rules, allow_unmatched=False)
-    want = "KExpertsTorch" if backend == "KExpertsTorch" else "KExpertsCPU"
-    assert all(layer.mlp.experts.generate_op.name == want
-               for layer in model.model.layers if hasattr(layer.mlp, "experts"))
+    model = model_with_backend(tiny_model_dir(ARCH), CPU_RULES, (old, new))
     ids = prompt_ids(24, seed=3)
     with torch.no_grad():
         got, ref = model(ids).logits[0], hf(ids).logits[0]
