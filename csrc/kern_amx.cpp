@@ -23,6 +23,15 @@ struct alignas(64) TileCfg {
   uint8_t rows[16];
 };
 
+// Tile loads, stores and the config load as asm with real memory operands: GCC 12's intrinsics
+// declare no memory access for tileloadd/tilestored and only 8 bytes for ldtilecfg, so the
+// compiler may drop or reorder the stores that fill a tile config or a gathered A buffer.
+inline void tile_loadconfig(const TileCfg& c) { __asm__ volatile("ldtilecfg %0" ::"m"(c) : "memory"); }
+#define KT_TILE_LOADD(t, base, stride) \
+  __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(base), "r"(static_cast<long>(stride)) : "memory")
+#define KT_TILE_STORED(t, base, stride) \
+  __asm__ volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"(base), "r"(static_cast<long>(stride)) : "memory")
+
 void config_tiles(int m) {
   TileCfg c;
   std::memset(&c, 0, sizeof(c));
@@ -33,7 +42,7 @@ void config_tiles(int m) {
   c.colsb[1] = 64;
   c.rows[2] = static_cast<uint8_t>(m);  // C: m x 16 x 4 bytes
   c.colsb[2] = 64;
-  _tile_loadconfig(&c);
+  tile_loadconfig(c);
 }
 
 // Activation rows are not contiguous (one pointer per token): gather up to 16 rows of 64 bytes.
@@ -59,11 +68,11 @@ void gemm_i8_amx(const GemmArgs& g) {
         for (int c = 0; c < kI8Group / 64; ++c) {
           const size_t k0 = static_cast<size_t>(grp) * kI8Group + 64 * c;
           gather_a(g.A + t0, m, k0, abuf);
-          _tile_loadd(0, abuf, 64);
-          _tile_loadd(1, P + k0 * 16, 64);
+          KT_TILE_LOADD(0, abuf, 64);
+          KT_TILE_LOADD(1, P + k0 * 16, 64);
           _tile_dpbssd(2, 0, 1);
         }
-        _tile_stored(2, cbuf, 64);
+        KT_TILE_STORED(2, cbuf, 64);
         for (int t = 0; t < m; ++t) {
           const float* d = reinterpret_cast<const float*>(g.A[t0 + t] + g.Kpad);
           for (int r = 0; r < 16; ++r) acc[t][r] += cbuf[16 * t + r] * d[grp];
@@ -91,11 +100,11 @@ void gemm_bf16_amx(const GemmArgs& g) {
       _tile_zero(2);
       for (int k0 = 0; k0 < g.Kpad; k0 += 32) {  // 32 bf16 = 64 bytes per tile row
         gather_a(g.A + t0, m, 2 * static_cast<size_t>(k0), abuf);
-        _tile_loadd(0, abuf, 64);
-        _tile_loadd(1, P + static_cast<size_t>(k0) * 2 * 16, 64);
+        KT_TILE_LOADD(0, abuf, 64);
+        KT_TILE_LOADD(1, P + static_cast<size_t>(k0) * 2 * 16, 64);
         _tile_dpbf16ps(2, 0, 1);
       }
-      _tile_stored(2, cbuf, 64);
+      KT_TILE_STORED(2, cbuf, 64);
       const int r0 = p * kPanelRows;
       const int nrow = g.nr - r0 < 16 ? g.nr - r0 : 16;
       for (int t = 0; t < m; ++t)
