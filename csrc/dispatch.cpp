@@ -40,14 +40,14 @@ KernelTable make_table() {
     case IsaTier::AVX512: return *kernel_table_avx512();
     case IsaTier::AVX512BF16: return *kernel_table_avx512bf16();
     case IsaTier::AMX: {
-      KernelTable t = *kernel_table_avx512bf16();  // same activation formats and packed layouts
+      // the avx512bf16 table with tile kernels for calls of many tokens: same activation formats
+      // and packed layouts, few-token calls go on to that table's kernels (kern_amx.cpp)
+      KernelTable t = *kernel_table_avx512bf16();
       t.name = "amx";
-      t.packed_i8 = amx_gemm_i8();
-      t.packed_i8_act = ActFmt::I8_G128;  // tdpbssd: signed activations
-      t.packed_bf16 = amx_gemm_bf16();
-      t.packed_bf16_act = ActFmt::BF16;   // tdpbf16ps: bf16 activations
-      t.packed_decode[0] = t.packed_prefill[0] = "i8_amx";
-      t.packed_decode[1] = t.packed_prefill[1] = "bf16_amx";
+      t.packed_i8 = amx_gemm_i8(t.packed_i8);
+      t.packed_bf16 = amx_gemm_bf16(t.packed_bf16);
+      t.packed_prefill[0] = "i8_amx_2x2";
+      t.packed_prefill[1] = "bf16_amx_2x2";
       return t;
     }
   }

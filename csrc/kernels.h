@@ -119,7 +119,8 @@ const KernelTable* kernel_table_avxvnni();
 const KernelTable* kernel_table_avx512();
 const KernelTable* kernel_table_avx512bf16();
 // AMX overrides (kern_amx.cpp); never called unless active_tier() == AMX.
-GemmFn amx_gemm_i8();
-GemmFn amx_gemm_bf16();
+// Each takes the avx512bf16 kernel for the same layout, which serves calls with few tokens.
+GemmFn amx_gemm_i8(GemmFn vnni);
+GemmFn amx_gemm_bf16(GemmFn vnni);
 
 }  // namespace kt

@@ -61,6 +61,21 @@ def test_linear(pool, backend, t, n_in, n_out, T):
     assert err < tol(backend, t), f"{backend} {t.name} {n_in}x{n_out} T={T}: rel err {err:.3g}"
 
 
+# Token counts around the packed kernels' blocking: AMX tiles take 16 tokens each, two at a
+# time (2 = the smallest tile call, 20 = a full and a partial tile, 45 = a second block of 13),
+# the VNNI-512 tiles 4 tokens; 40 and 33 rows end on a lone, partial panel.
+@pytest.mark.parametrize("T", (2, 20, 45))
+@pytest.mark.parametrize("n_in,n_out", [(512, 40), (96, 33)])
+@pytest.mark.parametrize("backend", ["AMXInt8", "AMXBF16"])
+def test_packed_token_blocks(pool, backend, n_in, n_out, T):
+    rng = np.random.default_rng(T + n_out)
+    raw, deq = make_weights(QT.F32, (n_out, n_in), rng)
+    lin = K.LinearKernel(pool, backend, n_in, n_out, raw, QT.F32)
+    x = rng.standard_normal((T, n_in)).astype(np.float32)
+    err = rel_err(lin.forward(x), x.astype(np.float64) @ deq.T.astype(np.float64))
+    assert err < tol(backend, QT.F32), f"{backend} {n_in}x{n_out} T={T}: rel err {err:.3g}"
+
+
 def test_linear_bf16_io_and_submit(pool):
     w = torch.randn(48, 256) * 0.1
     lin = K.LinearKernel(pool, "llamafile", 256, 48, w, "F32")
