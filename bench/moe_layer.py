@@ -4,8 +4,9 @@ Prints, side by side for Qwen3-30B-A3B (H2048 I768 E128 k8) and DeepSeek-V2-Lite
 (H2048 I1408 E64 k6), decode T=1 and prefill T=128/512, 1 and 2 threads:
   * this project: llamafile Q4_K, Q8_0, BF16; AMXInt8; AMXInt4; AMXInt4_1; AMXBF16 (ktransformers.kernels)
   * a naive torch per-expert loop (bf16), the usual baseline
-  * kt-kernel (PyPI) when importable: its AMXInt4_MOE / AMXInt4_1_MOE (rows kt:AMXInt4, kt:AMXInt4_1,
-    quantised online from the same bf16 weights); llama.cpp: a note
+  * kt-kernel (PyPI) when importable: its AMXInt8_MOE / AMXBF16_MOE / AMXInt4_MOE / AMXInt4_1_MOE
+    (rows kt:AMXInt8 ..., quantised online from the same bf16 weights), and at the end each of our
+    packed rows as a speed ratio over kt-kernel's row of the same backend; llama.cpp: a note
 Per row: median ms (>= 20 timed calls, random routing with a fixed seed, a different routing
 per call), effective weight GB/s (bytes of the experts hit / time; int4 counts its fp16 scales
 (and mins) too: 0.5625 / 0.625 bytes per weight), GFLOP/s (2*3*H*I*T*k / time),
@@ -176,7 +177,7 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--variants", default="torch,Q4_K,Q8_0,BF16,AMXInt8,AMXInt4,AMXInt4_1,AMXBF16",
                     help="torch first: the other rows report their speed-up over it; also Q4_0, Q5_K, Q6_K; "
-                         "kt:AMXInt4 and kt:AMXInt4_1 are appended when kt_kernel is importable")
+                         "kt:AMXInt8, kt:AMXBF16, kt:AMXInt4 and kt:AMXInt4_1 are appended when kt_kernel is importable")
     ap.add_argument("--reps", type=int, default=20, help="timed calls per row (median)")
     ap.add_argument("--quick", action="store_true",
                     help="defaults become: qwen3, T=1,128, 1 thread, Q4_K,Q8_0,BF16,AMXInt8,AMXInt4,AMXInt4_1,AMXBF16, "
@@ -209,7 +210,7 @@ def main() -> None:
     try:
         __import__("kt_kernel")
         if "--variants" not in {a.split("=")[0] for a in sys.argv[1:]}:
-            variants += ["kt:AMXInt4", "kt:AMXInt4_1"]
+            variants += [f"kt:{b}" for b in PACKED if b in variants]
     except ImportError:
         print("note: kt_kernel not importable here: its rows skipped (numbers in shared/notes/peer-bench.md)")
         variants = [v for v in variants if not v.startswith("kt:")]
@@ -222,6 +223,7 @@ def main() -> None:
     if args.quick:
         print(f"python call overhead (tiny layer, T=1, 1 thread): {call_overhead_us():.1f} us per forward")
     rows = []
+    timed: dict = {}  # (shape, variant, threads, T) -> ms
     hdr = (f"{'shape':17s} {'variant':14s} {'thr':>3s} {'T':>4s} {'ms':>9s} {'GB/s':>6s} {'GFLOP/s':>8s} "
            f"{'%DRAM':>6s} {'%peak':>6s} {'vs torch':>8s}  kernel")
     print(hdr)
@@ -294,12 +296,19 @@ def main() -> None:
                             f"{100 * gbs / bw:5.0f}% {pk} {ratio:7.2f}x  {kernel_label(var, (gt, ut, dt), T)}")
                     print(line, flush=True)
                     rows.append(line)
+                    timed[(sname, var, th, T)] = ms
                 if moe is not None and var in PACKED:
                     print(f"  ({var} load+repack {load_s:.1f} s, {moe.packed_bytes / 1e9:.2f} GB)")
                 del moe
             del g, u, d
             gc.collect()
     print("\n" + hdr + "\n" + "\n".join(rows))
+    pairs = [(key, ms, timed[(key[0], "kt:" + key[1], *key[2:])]) for key, ms in timed.items()
+             if (key[0], "kt:" + key[1], *key[2:]) in timed]
+    if pairs:
+        print("\nours / kt-kernel, same backend (speed ratio: kt ms / our ms; > 1 = we are faster)")
+        for (sname, var, th, T), ms, kt_ms in pairs:
+            print(f"{sname:17s} {var:10s} thr {th} T {T:4d}: ours {ms:9.3f} ms, kt {kt_ms:9.3f} ms, {kt_ms / ms:5.2f}x")
 
 
 if __name__ == "__main__":
