@@ -79,6 +79,17 @@ uint8_t* scratch(size_t bytes) {
 }
 
 inline int kmin(int a, int b) { return a < b ? a : b; }
+inline int kmax(int a, int b) { return a > b ? a : b; }
+#include "tiles.inc"
+
+// Prefetch (into L2) the next panel pair of this matrix, spread over `steps` k steps: the tiles
+// stream the weights from DRAM once per token block, like decode.
+inline Prefetcher next_panels(const GemmArgs& g, int p, size_t panel_bytes, int steps) {
+  const int avail = (kmax(g.nr, g.nr_avail) + kPanelRows - 1) / kPanelRows;
+  const int n = kmin(2, avail - (p + 2));
+  if (n <= 0) return Prefetcher(nullptr, 0, 0);
+  return Prefetcher(g.W + static_cast<size_t>(p + 2) * panel_bytes, n * panel_bytes, steps, true);
+}
 
 // Scale the stored int32 tile C[a][b] (m tokens x 16 rows) into acc[a*16 + t][b].
 inline void accum_i8(const int32_t* cbuf, int m, const int32_t* corr, const float* const* ad, int grp,
@@ -102,6 +113,7 @@ void i8_block(const GemmArgs& g, const uint8_t* abuf, const float* const* ad, in
   const uint8_t* a0 = abuf;
   const uint8_t* a1 = abuf + static_cast<size_t>(16) * Kpad;
   alignas(64) int32_t cbuf[4][16 * 16];
+  const Prefetcher pref = next_panels(g, p, panel_bytes, Kpad / 64);
   for (int grp = 0; grp < ng; ++grp) {
     _tile_zero(4);
     if (TWO_B) _tile_zero(5);
@@ -109,6 +121,7 @@ void i8_block(const GemmArgs& g, const uint8_t* abuf, const float* const* ad, in
     if (TWO_A && TWO_B) _tile_zero(7);
     for (int c = 0; c < kI8Group / 64; ++c) {
       const size_t k0 = static_cast<size_t>(grp) * kI8Group + 64 * c;
+      pref.at(static_cast<int>(k0 / 64));
       KT_TILE_LOADD(2, P0 + k0 * 16, 64);
       KT_TILE_LOADD(0, a0 + k0, Kpad);
       _tile_dpbusd(4, 0, 2);
@@ -188,8 +201,10 @@ void bf16_block(const GemmArgs& g, const uint8_t* abuf, int m0, int m1, int p, _
   if (TWO_B) _tile_zero(5);
   if (TWO_A) _tile_zero(6);
   if (TWO_A && TWO_B) _tile_zero(7);
+  const Prefetcher pref = next_panels(g, p, panel_bytes, Kpad / 32);
   for (int k0 = 0; k0 < Kpad; k0 += 32) {  // 32 bf16 = 64 bytes per tile row
     const size_t off = static_cast<size_t>(k0) * 2;
+    pref.at(k0 / 32);
     KT_TILE_LOADD(2, P0 + off * 16, 64);
     KT_TILE_LOADD(0, a0 + off, lda);
     _tile_dpbf16ps(4, 0, 2);
