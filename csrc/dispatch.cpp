@@ -48,6 +48,7 @@ KernelTable make_table() {
       t.packed_bf16 = amx_gemm_bf16(t.packed_bf16);
       t.packed_prefill[0] = "i8_amx_2x2";
       t.packed_prefill[1] = "bf16_amx_2x2";
+      amx_llamafile_prefill(t);
       return t;
     }
   }

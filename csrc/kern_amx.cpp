@@ -14,7 +14,10 @@
 
 #include <cstdint>
 #include <cstring>
+#include <array>
 #include <memory>
+#include <string>
+#include <utility>
 
 #include "kernels.h"
 
@@ -267,6 +270,189 @@ void gemm_bf16_amx(const GemmArgs& g) {
   _tile_release();
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Llamafile types, prefill: the weight rows of a call are dequantised once (the tier's
+// dequant_row) and rounded to bf16, row-major, so they load straight into A tiles; the
+// activations, decoded from their int8 / bf16 rows, are laid out once per call as bf16 B tiles
+// (k pairs x 16 tokens).  C tiles hold 16 rows x 16 tokens and are transposed on the way out.
+// Worth it once a call has enough tokens to amortise the dequantisation, which costs per weight
+// what the type's dequant_row costs: the per-type minimum below is where bench/linear.py
+// measured the tiles faster than the tier's integer kernels (2048x2048, 2 threads); types not
+// listed (the 32-element block types' panel kernels, IQ4_XS, most IQ grid types) stay on those.
+// ---------------------------------------------------------------------------------------------
+constexpr std::pair<int, int> kAmxLfMinTokens[] = {
+    {GGML_BF16, 32}, {GGML_Q4_K, 64}, {GGML_Q5_K, 64}, {GGML_Q2_K, 64}, {GGML_Q3_K, 128},
+    {GGML_Q6_K, 128}, {GGML_Q8_0, 256}, {GGML_IQ2_XXS, 256},
+};
+
+GemmFn g_lf_base[kMaxGgmlType] = {};
+int g_lf_min[kMaxGgmlType] = {};
+ActFmt g_lf_act[kMaxGgmlType] = {};
+void (*g_dequant_row)(int, const void*, float*, int64_t) = nullptr;
+
+// 16x16 32-bit transpose of r[0..15] in place.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {  // 128-bit lanes: rows i, i+4, i+8, i+12 hold lane blocks
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+}
+
+inline void store_bf16(uint16_t* y, __m512 lo, __m512 hi) {  // 32 floats -> 32 bf16
+  const __m512bh v = _mm512_cvtne2ps_pbh(hi, lo);
+  _mm512_storeu_si512(y, reinterpret_cast<const __m512i&>(v));
+}
+
+// One activation row (format f, K elements, natural order out) -> bf16 y[K].
+void act_row_bf16(ActFmt f, const uint8_t* row, int K, uint16_t* y) {
+  if (f == ActFmt::BF16) {
+    std::memcpy(y, row, 2 * static_cast<size_t>(K));
+    return;
+  }
+  const int8_t* qs = reinterpret_cast<const int8_t*>(row);
+  const float* d = reinterpret_cast<const float*>(row + K);
+  for (int k = 0; k < K; k += 32) {
+    // Q8_256 on this tier: each 128 stores its 32-element sub-blocks as 0, 2, 1, 3
+    int src = k;
+    if (f == ActFmt::Q8_256) {
+      const int j = (k / 32) & 3;
+      src = (k & ~127) + 32 * (j == 1 ? 2 : j == 2 ? 1 : j);
+    }
+    const __m512 s = _mm512_set1_ps(f == ActFmt::Q8_32 ? d[k / 32] : d[k / 256]);
+    const __m128i* q = reinterpret_cast<const __m128i*>(qs + src);
+    const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), s);
+    const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), s);
+    store_bf16(y + k, lo, hi);
+  }
+}
+
+void gemm_lf_amx(const GemmArgs& g, int type) {
+  const int K = g.K;
+  const ActFmt af = g_lf_act[type];
+  const int ntb = (g.nt + 15) / 16;  // token blocks of 16 (zero padded)
+  const size_t kp = K / 2;           // u32 units (bf16 pairs) per row
+  const size_t bblk = kp * 16 * 4;   // bytes of one token block's B layout
+  const size_t rows_bytes = 2 * 16 * static_cast<size_t>(K) * 2;  // 2 row tiles x 16 rows, bf16
+  uint8_t* base = scratch(ntb * bblk + rows_bytes + 16 * static_cast<size_t>(K) * 2 + 4 * static_cast<size_t>(K));
+  uint8_t* B = base;                                    // [ntb][K/2][16] u32
+  uint16_t* Aw = reinterpret_cast<uint16_t*>(base + ntb * bblk);  // [32][K] bf16 weight rows
+  uint16_t* arow = Aw + 32 * static_cast<size_t>(K);    // [16][K] bf16 activation rows
+  float* frow = reinterpret_cast<float*>(arow + 16 * static_cast<size_t>(K));  // [K] fp32
+  // activations -> B tiles
+  for (int tb = 0; tb < ntb; ++tb) {
+    for (int t = 0; t < 16; ++t) {
+      const int tt = 16 * tb + t;
+      if (tt < g.nt) act_row_bf16(af, g.A[tt], K, arow + t * static_cast<size_t>(K));
+      else std::memset(arow + t * static_cast<size_t>(K), 0, 2 * static_cast<size_t>(K));
+    }
+    uint32_t* Bt = reinterpret_cast<uint32_t*>(B + tb * bblk);
+    const uint32_t* a32 = reinterpret_cast<const uint32_t*>(arow);
+    for (size_t u = 0; u < kp; u += 16) {  // K % 32 == 0: whole 16-unit columns
+      __m512i r[16];
+      for (int t = 0; t < 16; ++t) r[t] = _mm512_loadu_si512(a32 + t * kp + u);
+      transpose16(r);  // r[i] = unit u + i of tokens 0..15
+      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(Bt + (u + i) * 16, r[i]);
+    }
+  }
+  TileCfg c;
+  std::memset(&c, 0, sizeof(c));
+  c.palette_id = 1;
+  for (int i = 0; i < 8; ++i) {
+    c.rows[i] = 16;
+    c.colsb[i] = 64;
+  }
+  tile_loadconfig(c);
+  const size_t lda = 2 * static_cast<size_t>(K);
+  alignas(64) float cbuf[16 * 16];
+  for (int r0 = 0; r0 < g.nr; r0 += 32) {
+    const int nrows = kmin(32, g.nr - r0);
+    for (int r = 0; r < 32; ++r) {
+      uint16_t* y = Aw + r * static_cast<size_t>(K);
+      if (r >= nrows) {
+        std::memset(y, 0, lda);
+        continue;
+      }
+      g_dequant_row(type, g.W + static_cast<size_t>(r0 + r) * g.w_row_bytes, frow, K);
+      for (int k = 0; k < K; k += 32) store_bf16(y + k, _mm512_loadu_ps(frow + k), _mm512_loadu_ps(frow + k + 16));
+    }
+    const bool two_a = nrows > 16;
+    for (int tb = 0; tb < ntb; tb += 2) {
+      const bool two_b = tb + 1 < ntb;
+      const uint8_t* B0 = B + tb * bblk;
+      const uint8_t* B1 = B0 + bblk;
+      _tile_zero(4);
+      _tile_zero(5);
+      _tile_zero(6);
+      _tile_zero(7);
+      for (int k0 = 0; k0 < K; k0 += 32) {
+        const size_t boff = static_cast<size_t>(k0 / 2) * 64;
+        KT_TILE_LOADD(0, Aw + k0, lda);
+        KT_TILE_LOADD(2, B0 + boff, 64);
+        _tile_dpbf16ps(4, 0, 2);
+        if (two_b) {
+          KT_TILE_LOADD(3, B1 + boff, 64);
+          _tile_dpbf16ps(5, 0, 3);
+        }
+        if (two_a) {
+          KT_TILE_LOADD(1, Aw + 16 * static_cast<size_t>(K) + k0, lda);
+          _tile_dpbf16ps(6, 1, 2);
+          if (two_b) _tile_dpbf16ps(7, 1, 3);
+        }
+      }
+      for (int i = 0; i < 4; ++i) {
+        const int a = i / 2, b = i % 2;
+        if ((a && !two_a) || (b && !two_b)) continue;
+        switch (i) {
+          case 0: KT_TILE_STORED(4, cbuf, 64); break;
+          case 1: KT_TILE_STORED(5, cbuf, 64); break;
+          case 2: KT_TILE_STORED(6, cbuf, 64); break;
+          default: KT_TILE_STORED(7, cbuf, 64); break;
+        }
+        __m512i v[16];  // cbuf[row][token] -> v[token][row]
+        for (int r = 0; r < 16; ++r) v[r] = _mm512_load_si512(cbuf + 16 * r);
+        transpose16(v);
+        const int rr = r0 + 16 * a, nr = kmin(16, g.nr - rr);
+        if (nr <= 0) continue;
+        const __mmask16 mk = static_cast<__mmask16>((1u << nr) - 1);
+        const int t0 = 16 * (tb + b);
+        for (int t = 0; t < 16 && t0 + t < g.nt; ++t)
+          _mm512_mask_storeu_ps(g.C + static_cast<size_t>(t0 + t) * g.ldc + rr, mk, _mm512_castsi512_ps(v[t]));
+      }
+    }
+  }
+  _tile_release();
+}
+
+template <int T>
+void lf_amx(const GemmArgs& g) {
+  if (g.nt < g_lf_min[T]) return g_lf_base[T](g);
+  gemm_lf_amx(g, T);
+}
+template <int... T>
+constexpr std::array<GemmFn, sizeof...(T)> lf_amx_table(std::integer_sequence<int, T...>) {
+  return {lf_amx<T>...};
+}
+
 }  // namespace
 
 GemmFn amx_gemm_i8(GemmFn vnni) {
@@ -276,6 +462,22 @@ GemmFn amx_gemm_i8(GemmFn vnni) {
 GemmFn amx_gemm_bf16(GemmFn vnni) {
   g_bf16_vnni = vnni;
   return gemm_bf16_amx;
+}
+
+void amx_llamafile_prefill(KernelTable& t) {
+  static constexpr auto wrappers = lf_amx_table(std::make_integer_sequence<int, kMaxGgmlType>());
+  static std::string names[kMaxGgmlType];
+  g_dequant_row = t.dequant_row;
+  for (const auto& [ty, min_tokens] : kAmxLfMinTokens) {
+    const ActFmt f = t.lf_act[ty];
+    if (!t.lf_gemm[ty] || (f != ActFmt::Q8_32 && f != ActFmt::Q8_256 && f != ActFmt::BF16)) continue;
+    g_lf_min[ty] = min_tokens;
+    g_lf_base[ty] = t.lf_gemm[ty];
+    g_lf_act[ty] = f;
+    t.lf_gemm[ty] = wrappers[ty];
+    names[ty] = std::string("amx_bf16_dq (T>=") + std::to_string(min_tokens) + "; else " + t.lf_prefill[ty] + ")";
+    t.lf_prefill[ty] = names[ty].c_str();
+  }
 }
 
 }  // namespace kt

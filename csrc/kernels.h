@@ -122,5 +122,7 @@ const KernelTable* kernel_table_avx512bf16();
 // Each takes the avx512bf16 kernel for the same layout, which serves calls with few tokens.
 GemmFn amx_gemm_i8(GemmFn vnni);
 GemmFn amx_gemm_bf16(GemmFn vnni);
+// Prefill of the llamafile types with AMX bf16 tiles (from a few dozen tokens per call).
+void amx_llamafile_prefill(KernelTable& t);
 
 }  // namespace kt

@@ -76,6 +76,19 @@ def test_packed_token_blocks(pool, backend, n_in, n_out, T):
     assert err < tol(backend, QT.F32), f"{backend} {n_in}x{n_out} T={T}: rel err {err:.3g}"
 
 
+# Llamafile prefill on the AMX tier (tiles over dequantised bf16 rows from a per-type token count,
+# see kern_amx.cpp): odd token blocks of 16, a partial last one, row groups of 32 ending partial.
+@pytest.mark.parametrize("t,T", [(QT.BF16, 45), (QT.Q4_K, 70), (QT.Q6_K, 150), (QT.Q2_K, 97)])
+def test_llamafile_prefill_token_blocks(pool, t, T):
+    n_in, n_out = 512, 40
+    rng = np.random.default_rng(T)
+    raw, deq = make_weights(t, (n_out, n_in), rng)
+    lin = K.LinearKernel(pool, "llamafile", n_in, n_out, raw, t)
+    x = rng.standard_normal((T, n_in)).astype(np.float32)
+    err = rel_err(lin.forward(x), x.astype(np.float64) @ deq.T.astype(np.float64))
+    assert err < tol("llamafile", t), f"{t.name} T={T}: rel err {err:.3g}"
+
+
 def test_linear_bf16_io_and_submit(pool):
     w = torch.randn(48, 256) * 0.1
     lin = K.LinearKernel(pool, "llamafile", 256, 48, w, "F32")
