@@ -74,55 +74,114 @@ void glu_backward(Activation act, const float* g, const float* u, const float* d
   }
 }
 
-// C[t][c] += sum_r coef[t][r] * W_e[r, c0 + c] for c < nc, t < nt: the transposed product of one
-// column slice of matrix e.  Llamafile rows are dequantised one block-aligned slice at a time,
-// packed panels 16 rows x nc at a time, into buf (>= 16 * nc floats).
+// C[t][c] += sum_r coef[t][r] * W_e[r, c0 + c] for c < nc, t < nt: the fp32 transposed product
+// of one column slice of matrix e, 16 rows at a time (slice_rows into buf, >= 16 * nc floats;
+// fp32 rows are read in place).  The exact path for fp32 / fp16 weights (see gemm_transposed).
 void transposed_product(const KernelTable& kt, const ProjWeights& p, int e, int c0, int nc, const float* const* coef,
-                        float* const* C, int nt, float* buf) {
+                        float* const* C, int nt, float* buf);
+
+// Rows [r0, r0 + nrow) (nrow <= 16, within one panel for the packed layouts) of matrix e,
+// columns [c0, c0 + nc), dequantised to fp32: buf[r * nc + c].
+void slice_rows(const KernelTable& kt, const ProjWeights& p, int e, int c0, int nc, int r0, int nrow, float* buf) {
   if (p.backend == Backend::Llamafile) {
     const TypeInfo& ti = type_info(p.src_type);
     const uint8_t* W = p.base + e * p.mat_bytes + static_cast<size_t>(c0 / ti.block_elems) * ti.block_bytes;
-    for (int r = 0; r < p.rows; ++r) {
-      const uint8_t* src = W + static_cast<size_t>(r) * p.row_bytes;
-      const float* wr = buf;
-      if (p.src_type == GGML_F32)
-        wr = reinterpret_cast<const float*>(src);
-      else
-        kt.dequant_row(p.src_type, src, buf, nc);
-      for (int t = 0; t < nt; ++t) {
-        const float a = coef[t][r];
-        if (a != 0.f) kt.axpy(a, wr, C[t], nc);
-      }
-    }
+    for (int r = 0; r < nrow; ++r) kt.dequant_row(p.src_type, W + static_cast<size_t>(r0 + r) * p.row_bytes, buf + r * nc, nc);
     return;
   }
   const int panels = p.rows_pad / kPanelRows;
   const size_t panel_bytes = p.mat_bytes / panels;
-  const bool i8 = p.backend == Backend::AMXInt8;
-  for (int pn = 0; pn < panels; ++pn) {
-    const uint8_t* P = p.base + e * p.mat_bytes + pn * panel_bytes;
-    const int nrow = std::min(kPanelRows, p.rows - pn * kPanelRows);
-    if (i8) {  // int8 at P[64*(k/4) + 4*r + k%4], times the row scale
-      const float* sc = p.scales + static_cast<size_t>(e) * p.rows_pad + pn * kPanelRows;
-      for (int c = 0; c < nc; ++c) {
-        const int kk = c0 + c;
-        const int8_t* q = reinterpret_cast<const int8_t*>(P + 64 * static_cast<size_t>(kk / 4) + kk % 4);
-        for (int r = 0; r < nrow; ++r) buf[r * nc + c] = static_cast<float>(q[4 * r]) * sc[r];
-      }
-    } else {  // bf16 at Q[32*(k/2) + 2*r + k%2]
-      const uint16_t* Q = reinterpret_cast<const uint16_t*>(P);
-      for (int c = 0; c < nc; ++c) {
-        const int kk = c0 + c;
-        const uint16_t* q = Q + 32 * static_cast<size_t>(kk / 2) + kk % 2;
-        for (int r = 0; r < nrow; ++r) buf[r * nc + c] = bf16_to_f32(q[2 * r]);
+  const int pn = r0 / kPanelRows, rr = r0 % kPanelRows;
+  const uint8_t* P = p.base + e * p.mat_bytes + pn * panel_bytes;
+  if (p.backend == Backend::AMXInt8) {  // int8 at P[64*(k/4) + 4*r + k%4], times the row scale
+    const float* sc = p.scales + static_cast<size_t>(e) * p.rows_pad + r0;
+    for (int c = 0; c < nc; ++c) {
+      const int kk = c0 + c;
+      const int8_t* q = reinterpret_cast<const int8_t*>(P + 64 * static_cast<size_t>(kk / 4) + kk % 4) + 4 * rr;
+      for (int r = 0; r < nrow; ++r) buf[r * nc + c] = static_cast<float>(q[4 * r]) * sc[r];
+    }
+  } else {  // bf16 at Q[32*(k/2) + 2*r + k%2]
+    const uint16_t* Q = reinterpret_cast<const uint16_t*>(P);
+    for (int c = 0; c < nc; ++c) {
+      const int kk = c0 + c;
+      const uint16_t* q = Q + 32 * static_cast<size_t>(kk / 2) + kk % 2 + 2 * rr;
+      for (int r = 0; r < nrow; ++r) buf[r * nc + c] = bf16_to_f32(q[2 * r]);
+    }
+  }
+}
+
+void transposed_product(const KernelTable& kt, const ProjWeights& p, int e, int c0, int nc, const float* const* coef,
+                        float* const* C, int nt, float* buf) {
+  const bool f32 = p.backend == Backend::Llamafile && p.src_type == GGML_F32;
+  const uint8_t* W32 = f32 ? p.base + e * p.mat_bytes + 4 * static_cast<size_t>(c0) : nullptr;
+  for (int r0 = 0; r0 < p.rows; r0 += kPanelRows) {
+    const int nrow = std::min(kPanelRows, p.rows - r0);
+    if (!f32) slice_rows(kt, p, e, c0, nc, r0, nrow, buf);
+    for (int r = 0; r < nrow; ++r) {
+      const float* wr = f32 ? reinterpret_cast<const float*>(W32 + static_cast<size_t>(r0 + r) * p.row_bytes) : buf + r * nc;
+      for (int t = 0; t < nt; ++t) {
+        const float a = coef[t][r0 + r];
+        if (a != 0.f) kt.axpy(a, wr, C[t], nc);
       }
     }
-    for (int r = 0; r < nrow; ++r)
-      for (int t = 0; t < nt; ++t) {
-        const float a = coef[t][pn * kPanelRows + r];
-        if (a != 0.f) kt.axpy(a, buf + r * nc, C[t], nc);
-      }
   }
+}
+
+// The transposed product as one GEMM of the tier's packed-bf16 kernel (AMX tiles where present):
+// columns [c0, c0 + nc) of the matrices in mats (their rows stacked: R rows in all) become a
+// packed-bf16 matrix of nc rows x R (rounded to bf16: the weights of every backward type but
+// fp32/fp16, which keep the exact product above), and C[t][c] = sum_r A_t[r] W[r][c0 + c] for the
+// nt activation rows A (format kt.packed_bf16_act, R padded to Kpad) is written, not added.
+struct TransposedGemm {
+  const ProjWeights* mats[2];
+  int nmat, R, Kpad;
+};
+
+void transposed_gemm(const KernelTable& kt, const TransposedGemm& tg, int e, int c0, int nc, const uint8_t* const* A,
+                     int nt, float* C, size_t ldc, uint8_t* pack, float* buf) {
+  const int npan = (nc + kPanelRows - 1) / kPanelRows;
+  const size_t panel_units = static_cast<size_t>(kPanelRows) * (tg.Kpad / 2);  // u32 (bf16 pairs) per panel
+  uint32_t* dst = reinterpret_cast<uint32_t*>(pack);
+  if (nc % kPanelRows || tg.R % kBf16KAlign) std::memset(dst, 0, npan * panel_units * 4);
+  uint16_t* b16 = reinterpret_cast<uint16_t*>(buf + kPanelRows * static_cast<size_t>(nc));
+  uint32_t* units = reinterpret_cast<uint32_t*>(b16 + kPanelRows * static_cast<size_t>(nc));
+  int rbase = 0;
+  for (int m = 0; m < tg.nmat; ++m) {
+    const ProjWeights& p = *tg.mats[m];
+    for (int r0 = 0; r0 < p.rows; r0 += kPanelRows) {
+      const int nrow = std::min(kPanelRows, p.rows - r0);
+      slice_rows(kt, p, e, c0, nc, r0, nrow, buf);
+      kt.f32_to_bf16_row(buf, b16, nrow * nc);
+      for (int r = 0; r < nrow; r += 2) {  // rows r, r + 1 -> one k pair of every column
+        const uint16_t* x0 = b16 + static_cast<size_t>(r) * nc;
+        const uint16_t* x1 = r + 1 < nrow ? x0 + nc : nullptr;
+        for (int c = 0; c < nc; ++c) units[c] = x0[c] | (x1 ? static_cast<uint32_t>(x1[c]) << 16 : 0u);
+        const size_t kp = static_cast<size_t>(rbase + r0 + r) / 2;
+        for (int pc = 0; pc < npan; ++pc)
+          std::memcpy(dst + pc * panel_units + kp * kPanelRows, units + pc * kPanelRows,
+                      4 * static_cast<size_t>(std::min(kPanelRows, nc - pc * kPanelRows)));
+      }
+    }
+    rbase += p.rows;
+  }
+  GemmArgs g;
+  g.K = tg.R;
+  g.Kpad = tg.Kpad;
+  g.W = pack;
+  g.nr = nc;
+  g.nr_avail = nc;
+  g.A = A;
+  g.nt = nt;
+  g.C = C;
+  g.ldc = ldc;
+  g.tmp = buf;
+  kt.packed_bf16(g);
+}
+
+// Whether the backward's transposed products go through transposed_gemm: every source but the
+// fp32 / fp16 llamafile types (their product stays exact fp32).
+bool gemm_transposed(const ProjWeights& p) {
+  return p.backend != Backend::Llamafile || (p.src_type != GGML_F32 && p.src_type != GGML_F16);
 }
 
 struct Task { int e, c0, t0; };
@@ -138,9 +197,10 @@ size_t MoETrain::scratch_bytes() {
   Scratch& s = shared_scratch();
   std::lock_guard<std::mutex> lock(s.mu);
   size_t n = 0;
-  for (const AlignedBuf* b : {&s.xg, &s.xu, &s.gu, &s.h, &s.hq, &s.y, &s.a_gu, &s.a_d, &s.bd, &s.b_gu, &s.g1})
+  for (const AlignedBuf* b : {&s.xg, &s.xu, &s.gu, &s.h, &s.hq, &s.y, &s.a_gu, &s.a_d, &s.bd, &s.b_gu, &s.g1, &s.ta})
     n += b->size();
   for (const AlignedBuf& b : s.thr) n += b.size();
+  for (const AlignedBuf& b : s.tpack) n += b.size();
   return n;
 }
 
@@ -426,11 +486,41 @@ void MoETrain::backward(ThreadPool& pool, int T, int k, const float* x, const in
         for (int c0 = 0; c0 < cols; c0 += kColBlock) tasks.push_back({e, c0, t0});
   };
   col_tasks(I);
+  const TransposedGemm tg_d{{&pd, nullptr}, 1, H, (H + kBf16KAlign - 1) / kBf16KAlign * kBf16KAlign};
+  const TransposedGemm tg_gu{{&pg, &pu}, 2, 2 * I, (2 * I + kBf16KAlign - 1) / kBf16KAlign * kBf16KAlign};
+  const bool gemm_d = gemm_transposed(pd) && H % 2 == 0;
+  const bool gemm_gu = gemm_transposed(pg) && gemm_transposed(pu) && I % 2 == 0;
+  const ActFmt tfmt = kt.packed_bf16_act;
+  // per thread: the packed slice, then the fp32 / bf16 rows it is built from
+  const size_t pack_bytes = static_cast<size_t>(kColBlock) * std::max(tg_d.Kpad, tg_gu.Kpad) * 2;
+  if (gemm_d || gemm_gu) {
+    const size_t aux = static_cast<size_t>(kPanelRows) * kColBlock * (4 + 2) + 4 * kColBlock + 64;
+    if (static_cast<int>(s_.tpack.size()) < nth) s_.tpack = std::vector<AlignedBuf>(nth);
+    for (int i = 0; i < nth; ++i) s_.tpack[i].ensure(pack_bytes + aux);
+  }
+  auto pack_buf = [&](int tid) { return static_cast<uint8_t*>(s_.tpack[tid].data()); };
+  auto aux_buf = [&](int tid) { return reinterpret_cast<float*>(pack_buf(tid) + pack_bytes); };
+  // activation rows for the GEMM path: dout per token (step 2), dgu per pair (step 5)
+  const size_t sa_d = act_row_bytes(tfmt, tg_d.Kpad), sa_gu = act_row_bytes(tfmt, tg_gu.Kpad);
+  uint8_t* ta = (gemm_d || gemm_gu)
+                    ? static_cast<uint8_t*>(s_.ta.ensure(std::max(sa_d * T, sa_gu * std::max(P, 1))))
+                    : nullptr;
+  if (gemm_d)
+    pool.parallel_for(chunks(T), [&](int task, int) {
+      for (int t = task * kChunk; t < std::min(T, (task + 1) * kChunk); ++t)
+        kt.quantize_act(tfmt, dout + static_cast<size_t>(t) * H, H, tg_d.Kpad, ta + sa_d * t);
+    });
   pool.parallel_for(static_cast<int>(tasks.size()), [&](int ti, int tid) {
     const Task tk = tasks[ti];
     const int nt = std::min(kTokBlock, rt.counts[tk.e] - tk.t0);
     const int nc = std::min(kColBlock, I - tk.c0);
     const int p0 = rt.offsets[tk.e] + tk.t0;
+    if (gemm_d) {
+      const uint8_t* A[kTokBlock];
+      for (int t = 0; t < nt; ++t) A[t] = ta + sa_d * tok_of(p0 + t);
+      transposed_gemm(kt, tg_d, tk.e, tk.c0, nc, A, nt, gy + static_cast<size_t>(p0) * I + tk.c0, I, pack_buf(tid), aux_buf(tid));
+      return;
+    }
     const float* coef[kTokBlock];
     float* C[kTokBlock];
     for (int t = 0; t < nt; ++t) {
@@ -482,6 +572,11 @@ void MoETrain::backward(ThreadPool& pool, int T, int k, const float* x, const in
   float* dxp = gy;
   std::memset(dxp, 0, sizeof(float) * P * static_cast<size_t>(H));
   col_tasks(H);
+  if (gemm_gu)
+    pool.parallel_for(chunks(P), [&](int task, int) {
+      for (int p = task * kChunk; p < std::min(P, (task + 1) * kChunk); ++p)
+        kt.quantize_act(tfmt, dgu + static_cast<size_t>(p) * 2 * I, 2 * I, tg_gu.Kpad, ta + sa_gu * p);
+    });
   pool.parallel_for(static_cast<int>(tasks.size()), [&](int ti, int tid) {
     const Task tk = tasks[ti];
     const int nt = std::min(kTokBlock, rt.counts[tk.e] - tk.t0);
@@ -495,9 +590,15 @@ void MoETrain::backward(ThreadPool& pool, int T, int k, const float* x, const in
       cu[t] = cg[t] + I;
       C[t] = dxp + static_cast<size_t>(p0 + t) * H + tk.c0;
     }
-    float* buf = thread_buf(tid) + 2 * kTile;
-    transposed_product(kt, pg, tk.e, tk.c0, nc, cg, C, nt, buf);
-    transposed_product(kt, pu, tk.e, tk.c0, nc, cu, C, nt, buf);
+    if (gemm_gu) {
+      const uint8_t* A[kTokBlock];
+      for (int t = 0; t < nt; ++t) A[t] = ta + sa_gu * (p0 + t);
+      transposed_gemm(kt, tg_gu, tk.e, tk.c0, nc, A, nt, C[0], H, pack_buf(tid), aux_buf(tid));
+    } else {
+      float* buf = thread_buf(tid) + 2 * kTile;
+      transposed_product(kt, pg, tk.e, tk.c0, nc, cg, C, nt, buf);
+      transposed_product(kt, pu, tk.e, tk.c0, nc, cu, C, nt, buf);
+    }
     if (b_gu) {
       const float* A = l.A_gu + static_cast<size_t>(tk.e) * rg * H + tk.c0;
       for (int t = 0; t < nt; ++t) {

@@ -11,9 +11,10 @@
 // B_d [E, H, r_d]; a null A means no LoRA on that projection.
 //
 // The backward gives d x, d w and the four LoRA gradients.  Products with the transposed base
-// weights (W^T g) dequantise one block-aligned column slice of one row (llamafile types) or of
-// one 16-row panel (packed AMXInt8 / AMXBF16) at a time into a per-thread buffer; no full
-// copy of a base weight is ever made.  Saved activations: the pre-activations gu per
+// weights (W^T g) take a column slice of the weight (of gate and up stacked, for d x) per task,
+// dequantised 16 rows at a time and repacked as a bf16 matrix of the slice's columns, and run
+// the tier's packed-bf16 GEMM on it (AMX tiles where present); fp32 / fp16 weights keep an exact
+// fp32 product.  No full copy of a base weight is ever made.  Saved activations: the pre-activations gu per
 // (token, slot), T*k*2I floats, or nothing when the backward recomputes them.
 #pragma once
 #include <cstdint>
@@ -72,8 +73,8 @@ class MoETrain {
   // the memory is that of the largest call, not one copy per layer.
   struct Scratch {
     std::mutex mu;
-    AlignedBuf xg, xu, gu, h, hq, y, a_gu, a_d, bd, b_gu, g1;
-    std::vector<AlignedBuf> thr;
+    AlignedBuf xg, xu, gu, h, hq, y, a_gu, a_d, bd, b_gu, g1, ta;
+    std::vector<AlignedBuf> thr, tpack;  // tpack: transposed weight slices (packed bf16) per thread
   };
   static Scratch& shared_scratch();
   float* thread_buf(int tid) { return static_cast<float*>(s_.thr[tid].data()); }
