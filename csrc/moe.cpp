@@ -121,10 +121,13 @@ void MoE::forward(ThreadPool& pool, int T, int k, const void* x, DType xdt, cons
   for (int e = 0; e < E; ++e) active += counts_[e] > 0;
   pp.mark(0);
 
-  // Per-thread scratch: gate + up tiles (64 x kTokBlock each) and a dequant row.
+  // Per-thread scratch: gate + up tiles (64 x kTokBlock each), then the GEMM scratch (large
+  // enough for the prefill paths that unpack a weight panel once per token block), which the
+  // x row conversion and the weighted sum reuse in their own phases.
   const int Kmax = std::max({gate_.Kpad, up_.Kpad, down_.Kpad, H, I});
   const size_t tile = 64 * kTokBlock;
-  const size_t thr_floats = 2 * tile + Kmax + 64 + Kmax;  // + x row conversion
+  const size_t gemm_tmp = std::max(sizeof(float) * (2 * static_cast<size_t>(Kmax) + 64), kGemmPrefillTmp(Kmax));
+  const size_t thr_floats = 2 * tile + (gemm_tmp + sizeof(float) - 1) / sizeof(float);
   if (static_cast<int>(thr_.size()) < nth) thr_ = std::vector<AlignedBuf>(nth);
   for (int i = 0; i < nth; ++i) thr_[i].ensure(thr_floats * sizeof(float));
   auto thr = [&](int tid) { return static_cast<float*>(thr_[tid].data()); };
@@ -175,11 +178,11 @@ void MoE::forward(ThreadPool& pool, int T, int k, const void* x, DType xdt, cons
     float* G = thr(tid);
     float* U = G + tile;
     GemmArgs g;
-    g.A = Ag; g.nt = nt; g.C = G; g.ldc = nr; g.tmp = U + tile;
+    g.A = Ag; g.nt = nt; g.C = G; g.ldc = nr; g.tmp = U + tile; g.tmp_bytes = gemm_tmp;
     gate_.setup(g, tk.e, tk.r0, nr);
     gate_.gemm(g);
     GemmArgs u;
-    u.A = Au; u.nt = nt; u.C = U; u.ldc = nr; u.tmp = U + tile;
+    u.A = Au; u.nt = nt; u.C = U; u.ldc = nr; u.tmp = U + tile; u.tmp_bytes = gemm_tmp;
     up_.setup(u, tk.e, tk.r0, nr);
     up_.gemm(u);
     if (cfg_.gate_bias || cfg_.up_bias) add_row_bias(G, U, nt, nr, cfg_.gate_bias, cfg_.up_bias, static_cast<size_t>(tk.e) * I + tk.r0);
@@ -213,6 +216,7 @@ void MoE::forward(ThreadPool& pool, int T, int k, const void* x, DType xdt, cons
     for (int t = 0; t < nt; ++t) A[t] = hq + sd * (p0 + t);
     GemmArgs g;
     g.A = A; g.nt = nt; g.C = ybuf + static_cast<size_t>(p0) * H + tk.r0; g.ldc = H; g.tmp = thr(tid) + 2 * tile;
+    g.tmp_bytes = gemm_tmp;
     down_.setup(g, tk.e, tk.r0, nr);
     down_.gemm(g);
   });
