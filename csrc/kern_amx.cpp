@@ -12,10 +12,11 @@
 //   BF16: activations are rounded to bf16 while they are gathered; tdpbf16ps over the whole K.
 #include <immintrin.h>
 
-#include <cstdint>
-#include <cstring>
 #include <array>
-#include <memory>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <new>
 #include <string>
 #include <utility>
 
@@ -70,15 +71,61 @@ void config_tiles(int m0, int m1) {
   tile_loadconfig(c);
 }
 
-// Per-thread buffer for the gathered activation rows of one 32-token block.
-uint8_t* scratch(size_t bytes) {
-  thread_local std::unique_ptr<uint8_t[]> buf;
-  thread_local size_t cap = 0;
-  if (bytes > cap) {
-    buf.reset(new (std::align_val_t(64)) uint8_t[bytes]);
-    cap = bytes;
+// The 2x2 block's accumulators: zero them; one k step (A tiles from a0 / a1 with row stride lda,
+// B tiles b0 / b1 of 16 x 64 bytes; tdpbf16ps or tdpbusd); store accumulator i (C[i / 2][i % 2]).
+inline void zero_2x2(bool two_a, bool two_b) {
+  _tile_zero(4);
+  if (two_b) _tile_zero(5);
+  if (two_a) _tile_zero(6);
+  if (two_a && two_b) _tile_zero(7);
+}
+
+template <bool BF16>
+inline void step_2x2(bool two_a, bool two_b, const void* a0, const void* a1, size_t lda, const void* b0, const void* b1) {
+#define KT_DP(c, a, b)                      \
+  do {                                      \
+    if constexpr (BF16) _tile_dpbf16ps(c, a, b); \
+    else _tile_dpbusd(c, a, b);             \
+  } while (0)
+  KT_TILE_LOADD(2, b0, 64);
+  KT_TILE_LOADD(0, a0, lda);
+  KT_DP(4, 0, 2);
+  if (two_b) {
+    KT_TILE_LOADD(3, b1, 64);
+    KT_DP(5, 0, 3);
   }
-  return buf.get();
+  if (two_a) {
+    KT_TILE_LOADD(1, a1, lda);
+    KT_DP(6, 1, 2);
+    if (two_b) KT_DP(7, 1, 3);
+  }
+#undef KT_DP
+}
+
+inline void store_acc(int i, void* buf) {
+  switch (i) {
+    case 0: KT_TILE_STORED(4, buf, 64); break;
+    case 1: KT_TILE_STORED(5, buf, 64); break;
+    case 2: KT_TILE_STORED(6, buf, 64); break;
+    default: KT_TILE_STORED(7, buf, 64); break;
+  }
+}
+
+// Per-thread scratch of the tile kernels (gathered activation rows, repacked weight rows).
+uint8_t* scratch(size_t bytes) {
+  struct Buf {
+    uint8_t* p = nullptr;
+    size_t cap = 0;
+    ~Buf() { std::free(p); }
+  };
+  thread_local Buf buf;
+  if (bytes > buf.cap) {
+    std::free(buf.p);
+    buf.cap = (bytes + 63) & ~size_t(63);
+    buf.p = static_cast<uint8_t*>(std::aligned_alloc(64, buf.cap));
+    if (!buf.p) throw std::bad_alloc();
+  }
+  return buf.p;
 }
 
 inline int kmin(int a, int b) { return a < b ? a : b; }
@@ -104,10 +151,10 @@ inline void accum_i8(const int32_t* cbuf, int m, const int32_t* corr, const floa
   }
 }
 
-template <bool TWO_A, bool TWO_B>
-void i8_block(const GemmArgs& g, const uint8_t* abuf, const float* const* ad, int m0, int m1, int p,
+void i8_block(const GemmArgs& g, const uint8_t* abuf, const float* const* ad, int m0, int m1, int p, bool two_b,
               __m512 (*acc)[2]) {
   const int Kpad = g.Kpad, ng = Kpad / kI8Group;
+  const bool two_a = m1 > 0;
   const size_t panel_bytes = static_cast<size_t>(kPanelRows) * Kpad;
   const uint8_t* P0 = g.W + p * panel_bytes;
   const uint8_t* P1 = P0 + panel_bytes;
@@ -118,34 +165,18 @@ void i8_block(const GemmArgs& g, const uint8_t* abuf, const float* const* ad, in
   alignas(64) int32_t cbuf[4][16 * 16];
   const Prefetcher pref = next_panels(g, p, panel_bytes, Kpad / 64);
   for (int grp = 0; grp < ng; ++grp) {
-    _tile_zero(4);
-    if (TWO_B) _tile_zero(5);
-    if (TWO_A) _tile_zero(6);
-    if (TWO_A && TWO_B) _tile_zero(7);
+    zero_2x2(two_a, two_b);
     for (int c = 0; c < kI8Group / 64; ++c) {
       const size_t k0 = static_cast<size_t>(grp) * kI8Group + 64 * c;
       pref.at(static_cast<int>(k0 / 64));
-      KT_TILE_LOADD(2, P0 + k0 * 16, 64);
-      KT_TILE_LOADD(0, a0 + k0, Kpad);
-      _tile_dpbusd(4, 0, 2);
-      if (TWO_B) {
-        KT_TILE_LOADD(3, P1 + k0 * 16, 64);
-        _tile_dpbusd(5, 0, 3);
-      }
-      if (TWO_A) {
-        KT_TILE_LOADD(1, a1 + k0, Kpad);
-        _tile_dpbusd(6, 1, 2);
-        if (TWO_B) _tile_dpbusd(7, 1, 3);
-      }
+      step_2x2<false>(two_a, two_b, a0 + k0, a1 + k0, Kpad, P0 + k0 * 16, P1 + k0 * 16);
     }
-    KT_TILE_STORED(4, cbuf[0], 64);
-    if (TWO_B) KT_TILE_STORED(5, cbuf[1], 64);
-    if (TWO_A) KT_TILE_STORED(6, cbuf[2], 64);
-    if (TWO_A && TWO_B) KT_TILE_STORED(7, cbuf[3], 64);
-    accum_i8(cbuf[0], m0, cr0 + grp * kPanelRows, ad, grp, &acc[0][0]);
-    if (TWO_B) accum_i8(cbuf[1], m0, cr1 + grp * kPanelRows, ad, grp, &acc[0][1]);
-    if (TWO_A) accum_i8(cbuf[2], m1, cr0 + grp * kPanelRows, ad + 16, grp, &acc[16][0]);
-    if (TWO_A && TWO_B) accum_i8(cbuf[3], m1, cr1 + grp * kPanelRows, ad + 16, grp, &acc[16][1]);
+    for (int i = 0; i < 4; ++i) {
+      const int a = i / 2, b = i % 2;
+      if ((a && !two_a) || (b && !two_b)) continue;
+      store_acc(i, cbuf[i]);
+      accum_i8(cbuf[i], a ? m1 : m0, (b ? cr1 : cr0) + grp * kPanelRows, ad + 16 * a, grp, &acc[16 * a][b]);
+    }
   }
 }
 
@@ -179,61 +210,34 @@ void gemm_i8_amx(const GemmArgs& g) {
       const bool two_b = p + 1 < np;
       __m512 acc[32][2];
       for (int t = 0; t < m; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
-      if (m1) {
-        if (two_b) i8_block<true, true>(g, abuf, ad, m0, m1, p, acc);
-        else i8_block<true, false>(g, abuf, ad, m0, m1, p, acc);
-      } else {
-        if (two_b) i8_block<false, true>(g, abuf, ad, m0, m1, p, acc);
-        else i8_block<false, false>(g, abuf, ad, m0, m1, p, acc);
-      }
+      i8_block(g, abuf, ad, m0, m1, p, two_b, acc);
       store_out(g, t0, m, p, two_b ? 2 : 1, acc, true);
     }
   }
   _tile_release();
 }
 
-template <bool TWO_A, bool TWO_B>
-void bf16_block(const GemmArgs& g, const uint8_t* abuf, int m0, int m1, int p, __m512 (*acc)[2]) {
+void bf16_block(const GemmArgs& g, const uint8_t* abuf, int m0, int m1, int p, bool two_b, __m512 (*acc)[2]) {
   const int Kpad = g.Kpad;
+  const bool two_a = m1 > 0;
   const size_t panel_bytes = static_cast<size_t>(kPanelRows) * Kpad * 2, lda = 2 * static_cast<size_t>(Kpad);
   const uint8_t* P0 = g.W + p * panel_bytes;
   const uint8_t* P1 = P0 + panel_bytes;
   const uint8_t* a0 = abuf;
   const uint8_t* a1 = abuf + 16 * lda;
-  _tile_zero(4);
-  if (TWO_B) _tile_zero(5);
-  if (TWO_A) _tile_zero(6);
-  if (TWO_A && TWO_B) _tile_zero(7);
+  zero_2x2(two_a, two_b);
   const Prefetcher pref = next_panels(g, p, panel_bytes, Kpad / 32);
   for (int k0 = 0; k0 < Kpad; k0 += 32) {  // 32 bf16 = 64 bytes per tile row
     const size_t off = static_cast<size_t>(k0) * 2;
     pref.at(k0 / 32);
-    KT_TILE_LOADD(2, P0 + off * 16, 64);
-    KT_TILE_LOADD(0, a0 + off, lda);
-    _tile_dpbf16ps(4, 0, 2);
-    if (TWO_B) {
-      KT_TILE_LOADD(3, P1 + off * 16, 64);
-      _tile_dpbf16ps(5, 0, 3);
-    }
-    if (TWO_A) {
-      KT_TILE_LOADD(1, a1 + off, lda);
-      _tile_dpbf16ps(6, 1, 2);
-      if (TWO_B) _tile_dpbf16ps(7, 1, 3);
-    }
+    step_2x2<true>(two_a, two_b, a0 + off, a1 + off, lda, P0 + off * 16, P1 + off * 16);
   }
   alignas(64) float cbuf[16 * 16];
-  const int tiles = (TWO_A ? 2 : 1) * 2;
-  for (int i = 0; i < tiles; ++i) {
+  for (int i = 0; i < 4; ++i) {
     const int a = i / 2, b = i % 2;
-    if (b && !TWO_B) continue;
-    switch (i) {
-      case 0: KT_TILE_STORED(4, cbuf, 64); break;
-      case 1: KT_TILE_STORED(5, cbuf, 64); break;
-      case 2: KT_TILE_STORED(6, cbuf, 64); break;
-      default: KT_TILE_STORED(7, cbuf, 64); break;
-    }
-    const int m = a ? m1 : m0;
-    for (int t = 0; t < m; ++t) acc[16 * a + t][b] = _mm512_load_ps(cbuf + 16 * t);
+    if ((a && !two_a) || (b && !two_b)) continue;
+    store_acc(i, cbuf);
+    for (int t = 0; t < (a ? m1 : m0); ++t) acc[16 * a + t][b] = _mm512_load_ps(cbuf + 16 * t);
   }
 }
 
@@ -257,13 +261,7 @@ void gemm_bf16_amx(const GemmArgs& g) {
     for (int p = 0; p < np; p += 2) {
       const bool two_b = p + 1 < np;
       __m512 acc[32][2];
-      if (m1) {
-        if (two_b) bf16_block<true, true>(g, abuf, m0, m1, p, acc);
-        else bf16_block<true, false>(g, abuf, m0, m1, p, acc);
-      } else {
-        if (two_b) bf16_block<false, true>(g, abuf, m0, m1, p, acc);
-        else bf16_block<false, false>(g, abuf, m0, m1, p, acc);
-      }
+      bf16_block(g, abuf, m0, m1, p, two_b, acc);
       store_out(g, t0, m, p, two_b ? 2 : 1, acc, false);
     }
   }
@@ -400,34 +398,15 @@ void gemm_lf_amx(const GemmArgs& g, int type) {
       const bool two_b = tb + 1 < ntb;
       const uint8_t* B0 = B + tb * bblk;
       const uint8_t* B1 = B0 + bblk;
-      _tile_zero(4);
-      _tile_zero(5);
-      _tile_zero(6);
-      _tile_zero(7);
+      zero_2x2(two_a, two_b);
       for (int k0 = 0; k0 < K; k0 += 32) {
         const size_t boff = static_cast<size_t>(k0 / 2) * 64;
-        KT_TILE_LOADD(0, Aw + k0, lda);
-        KT_TILE_LOADD(2, B0 + boff, 64);
-        _tile_dpbf16ps(4, 0, 2);
-        if (two_b) {
-          KT_TILE_LOADD(3, B1 + boff, 64);
-          _tile_dpbf16ps(5, 0, 3);
-        }
-        if (two_a) {
-          KT_TILE_LOADD(1, Aw + 16 * static_cast<size_t>(K) + k0, lda);
-          _tile_dpbf16ps(6, 1, 2);
-          if (two_b) _tile_dpbf16ps(7, 1, 3);
-        }
+        step_2x2<true>(two_a, two_b, Aw + k0, Aw + 16 * static_cast<size_t>(K) + k0, lda, B0 + boff, B1 + boff);
       }
       for (int i = 0; i < 4; ++i) {
         const int a = i / 2, b = i % 2;
         if ((a && !two_a) || (b && !two_b)) continue;
-        switch (i) {
-          case 0: KT_TILE_STORED(4, cbuf, 64); break;
-          case 1: KT_TILE_STORED(5, cbuf, 64); break;
-          case 2: KT_TILE_STORED(6, cbuf, 64); break;
-          default: KT_TILE_STORED(7, cbuf, 64); break;
-        }
+        store_acc(i, cbuf);
         __m512i v[16];  // cbuf[row][token] -> v[token][row]
         for (int r = 0; r < 16; ++r) v[r] = _mm512_load_si512(cbuf + 16 * r);
         transpose16(v);
