@@ -424,7 +424,7 @@ void gemm_lf_amx(const GemmArgs& g, int type) {
 
 template <int T>
 void lf_amx(const GemmArgs& g) {
-  if (g.nt < g_lf_min[T]) return g_lf_base[T](g);
+  if (g.nt < g_lf_min[T] || g.K % 32) return g_lf_base[T](g);  // tiles take 32 k at a time
   gemm_lf_amx(g, T);
 }
 template <int... T>
