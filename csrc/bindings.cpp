@@ -6,6 +6,8 @@
 
 #include <chrono>
 #include <memory>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "cpu_features.h"
@@ -78,6 +80,34 @@ double probe_peak(CPUInfer& ci, int kind, int64_t iters) {
   return tot / s / 1e9;
 }
 
+// How many times parallel_for ran each of ntasks tasks over reps calls on a fresh pool, and how
+// many tasks each thread ran; task i spins ~(i % 7) us so that the threads' ranges finish at
+// different times and the stealing path runs.  A task whose index is `throw_at` throws.
+std::tuple<std::vector<int>, std::vector<int>, std::string> pool_task_counts(int threads, int ntasks, int reps, int throw_at) {
+  ThreadPool pool(threads);
+  std::vector<std::atomic<int>> runs(std::max(ntasks, 1));
+  std::vector<std::atomic<int>> by_thread(threads);
+  std::string err;
+  for (int r = 0; r < reps; ++r) {
+    try {
+      pool.parallel_for(ntasks, [&](int i, int tid) {
+        const auto t0 = std::chrono::steady_clock::now();
+        while (std::chrono::steady_clock::now() - t0 < std::chrono::microseconds(i % 7)) {
+        }
+        runs[i].fetch_add(1);
+        by_thread[tid].fetch_add(1);
+        if (i == throw_at) throw std::runtime_error("task " + std::to_string(i));
+      });
+    } catch (const std::exception& e) {
+      err = e.what();
+    }
+  }
+  std::vector<int> a(ntasks), b(threads);
+  for (int i = 0; i < ntasks; ++i) a[i] = runs[i].load();
+  for (int i = 0; i < threads; ++i) b[i] = by_thread[i].load();
+  return {a, b, err};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(KT_EXT_NAME, m) {
@@ -93,6 +123,8 @@ PYBIND11_MODULE(KT_EXT_NAME, m) {
       if (kt::tier_supported(static_cast<kt::IsaTier>(t))) out.append(std::string(kt::tier_name(static_cast<kt::IsaTier>(t))));
     return out;
   }, "every tier KT_ISA may name on this CPU, lowest first");
+  m.def("_pool_task_counts", &pool_task_counts, py::arg("threads"), py::arg("ntasks"), py::arg("reps"),
+        py::arg("throw_at") = -1, py::call_guard<py::gil_scoped_release>(), "thread-pool self-check (tests)");
   m.def("kernel_table", [] { return std::string(kernels().name); }, "name of the dispatched kernel table");
   m.def("kernel_rows", [] {
     const KernelTable& t = kernels();

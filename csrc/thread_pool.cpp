@@ -12,11 +12,11 @@ namespace {
 
 thread_local bool tl_in_pool_task = false;
 
-constexpr uint64_t pack(uint32_t gen, uint32_t n, uint32_t next) {
-  return (static_cast<uint64_t>(gen & 0xffff) << 48) | (static_cast<uint64_t>(n & 0xffffff) << 24) | (next & 0xffffff);
+constexpr uint64_t pack(uint32_t gen, uint32_t end, uint32_t next) {
+  return (static_cast<uint64_t>(gen & 0xffff) << 48) | (static_cast<uint64_t>(end & 0xffffff) << 24) | (next & 0xffffff);
 }
 inline uint32_t t_gen(uint64_t v) { return static_cast<uint32_t>(v >> 48); }
-inline uint32_t t_n(uint64_t v) { return static_cast<uint32_t>((v >> 24) & 0xffffff); }
+inline uint32_t t_end(uint64_t v) { return static_cast<uint32_t>((v >> 24) & 0xffffff); }
 inline uint32_t t_next(uint64_t v) { return static_cast<uint32_t>(v & 0xffffff); }
 
 long now_ns() {
@@ -29,6 +29,7 @@ bool ThreadPool::in_pool_task() { return tl_in_pool_task; }
 
 ThreadPool::ThreadPool(int threads) : nthreads_(threads) {
   if (threads < 1 || threads > 1024) throw std::invalid_argument("threads must be in [1, 1024], got " + std::to_string(threads));
+  ranges_.reset(new Range[threads]);
   const char* s = std::getenv("KT_SPIN_US");
   spin_ns_ = (s && *s) ? std::atol(s) * 1000L : 50000L;
   for (int i = 1; i < threads; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
@@ -44,28 +45,34 @@ ThreadPool::~ThreadPool() {
   for (auto& t : workers_) t.join();
 }
 
-bool ThreadPool::run_tickets(uint32_t gen, int tid) {
-  int ran = 0;  // counted into done_ once, when this thread finds no ticket left
-  uint64_t v = ticket_.load(std::memory_order_acquire);
-  for (;;) {
-    if (t_gen(v) != (gen & 0xffff) || t_next(v) >= t_n(v)) break;
-    if (!ticket_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
-    ++ran;
-    const int task = static_cast<int>(t_next(v));
-    try {
-      (*fn_)(task, tid);
-    } catch (...) {
-      std::lock_guard<std::mutex> lk(err_mu_);
-      if (!err_) err_ = std::current_exception();
+bool ThreadPool::run_tasks(uint32_t gen, int tid) {
+  int ran = 0;  // counted into done_ once, when this thread finds no task left
+  for (int j = 0; j < nthreads_; ++j) {
+    const bool own = j == 0;  // own range from the front, the others' from the back
+    std::atomic<uint64_t>& r = ranges_[(tid + j) % nthreads_].v;
+    uint64_t v = r.load(std::memory_order_acquire);
+    for (;;) {
+      if (t_gen(v) != (gen & 0xffff) || t_next(v) >= t_end(v)) break;
+      const uint64_t claimed = own ? v + 1 : v - (uint64_t{1} << 24);
+      if (!r.compare_exchange_weak(v, claimed, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
+      ++ran;
+      const int task = static_cast<int>(own ? t_next(v) : t_end(v) - 1);
+      try {
+        (*fn_)(task, tid);
+      } catch (...) {
+        std::lock_guard<std::mutex> lk(err_mu_);
+        if (!err_) err_ = std::current_exception();
+      }
+      v = r.load(std::memory_order_acquire);
     }
-    v = ticket_.load(std::memory_order_acquire);
   }
   if (ran) done_.fetch_add(ran, std::memory_order_acq_rel);
   return ran > 0;
 }
 
 void ThreadPool::worker_loop(int tid) {
-  uint32_t seen = epoch_.load();
+  uint32_t seen = 0;  // the epoch the pool was made with, not the one when this thread started:
+                      // a pool destroyed before its threads ran would otherwise never wake them
   tl_in_pool_task = true;
   for (;;) {
     uint32_t e = epoch_.load(std::memory_order_acquire);
@@ -77,7 +84,7 @@ void ThreadPool::worker_loop(int tid) {
         if ((++spins & 63) == 0 && now_ns() - t0 > spin_ns_) {
           std::unique_lock<std::mutex> lk(sleep_mu_);
           sleepers_.fetch_add(1);
-          sleep_cv_.wait(lk, [&] { return epoch_.load() != seen; });
+          sleep_cv_.wait(lk, [&] { return stop_.load() || epoch_.load() != seen; });
           sleepers_.fetch_sub(1);
           e = epoch_.load();
           break;
@@ -86,7 +93,7 @@ void ThreadPool::worker_loop(int tid) {
     }
     if (stop_.load()) return;
     seen = e;
-    run_tickets(e, tid);
+    run_tasks(e, tid);
   }
 }
 
@@ -102,14 +109,18 @@ void ThreadPool::parallel_for(int ntasks, const std::function<void(int, int)>& f
   done_.store(0, std::memory_order_relaxed);
   err_ = nullptr;
   const uint32_t gen = epoch_.load() + 1;
-  ticket_.store(pack(gen, static_cast<uint32_t>(ntasks), 0), std::memory_order_release);
+  for (int i = 0; i < nthreads_; ++i) {
+    const auto b = static_cast<uint32_t>(static_cast<int64_t>(ntasks) * i / nthreads_);
+    const auto e = static_cast<uint32_t>(static_cast<int64_t>(ntasks) * (i + 1) / nthreads_);
+    ranges_[i].v.store(pack(gen, e, b), std::memory_order_release);
+  }
   epoch_.store(gen, std::memory_order_seq_cst);
   if (sleepers_.load(std::memory_order_seq_cst) > 0) {
     std::lock_guard<std::mutex> lk(sleep_mu_);
     sleep_cv_.notify_all();
   }
   tl_in_pool_task = true;
-  run_tickets(gen, 0);
+  run_tasks(gen, 0);
   tl_in_pool_task = false;
   while (done_.load(std::memory_order_acquire) < ntasks) _mm_pause();
   fn_ = nullptr;

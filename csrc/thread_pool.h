@@ -3,9 +3,12 @@
 // ThreadPool(n): the thread that calls parallel_for() is worker 0, so n threads means n-1
 // extra OS threads.  Idle workers spin briefly (KT_SPIN_US, default 50 us) and then block on a
 // condition variable, so an idle pool costs no CPU and a busy decode loop does not pay a
-// futex wake-up between the kernel phases of one layer.  Tasks are handed out dynamically from
-// one atomic ticket counter (generation | count | next index packed in 64 bits), which balances
-// skewed work (e.g. one expert receiving most tokens).
+// futex wake-up between the kernel phases of one layer.  The tasks of a call are split into one
+// contiguous range per thread (generation | end | next packed in 64 bits, each on its own cache
+// line): a thread takes its own range from the front, then steals from the back of the others',
+// which balances skewed work (one expert receiving most tokens) while each thread walks
+// adjacent rows, so the rows its kernels prefetch are the ones it reads next (handing tasks out
+// round-robin from one counter gave every prefetch to the other core's cache).
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -13,6 +16,7 @@
 #include <deque>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <type_traits>
@@ -48,15 +52,18 @@ class ThreadPool {
 
  private:
   void worker_loop(int tid);
-  bool run_tickets(uint32_t gen, int tid);
+  bool run_tasks(uint32_t gen, int tid);
 
   int nthreads_;
   std::vector<std::thread> workers_;
   std::mutex run_mu_;                 // one parallel_for at a time
-  // ticket_ (claimed by every task), done_ (added once per thread and call) and epoch_ (what idle
+  // ranges_ (one per thread), done_ (added once per thread and call) and epoch_ (what idle
   // workers spin on) each on a cache line of its own: on one line every claim bounced the line
   // the other thread was reading (decode GEMVs run thousands of tasks per call)
-  alignas(64) std::atomic<uint64_t> ticket_{0};   // gen:16 | n:24 | next:24
+  struct alignas(64) Range {
+    std::atomic<uint64_t> v{0};  // gen:16 | end:24 | next:24
+  };
+  std::unique_ptr<Range[]> ranges_;
   alignas(64) std::atomic<int> done_{0};
   alignas(64) std::atomic<uint32_t> epoch_{0};
   alignas(64) const std::function<void(int, int)>* fn_ = nullptr;
