@@ -10,8 +10,10 @@ Prints, side by side for Qwen3-30B-A3B (H2048 I768 E128 k8) and DeepSeek-V2-Lite
 Per row: median ms (>= 20 timed calls, random routing with a fixed seed, a different routing
 per call), effective weight GB/s (bytes of the experts hit / time; int4 counts its fp16 scales
 (and mins) too: 0.5625 / 0.625 bytes per weight), GFLOP/s (2*3*H*I*T*k / time),
-the fraction of the DRAM read bandwidth and of the compute peak measured at start-up with the
-same thread count (the extension's probes), and the speed-up over the torch loop.
+the DRAM read bandwidth measured with the same threads just before and after the row (the
+mean of the two; a shared host's bandwidth drifts by up to 2x within minutes, so one probe at
+start-up mis-states the fraction) and the row's fraction of it, the fraction of the compute peak
+measured at start-up (the extension's probes), and the speed-up over the torch loop.
 
     .venv/bin/python bench/moe_layer.py                  # everything (~10-20 min on 2 cores)
     .venv/bin/python bench/moe_layer.py --shapes qwen3 --tokens 1 --threads 1 --reps 30
@@ -74,6 +76,11 @@ def routings(T: int, E: int, k: int, n: int, seed: int = 0):
 # --cpu-time: time.process_time (this process's CPU time: comparable between runs on a shared,
 # loaded machine; the GB/s columns are then per CPU second, not wall-clock rates)
 CLOCK = time.perf_counter
+
+
+def read_bw(pool) -> float:
+    """DRAM read GB/s with the pool's threads (best of 3 sums over 256 MiB)."""
+    return pool.probe_read_bw(1 << 28, 3)
 
 
 def time_calls(fn, routes, warmup: int = 3) -> float:
@@ -225,7 +232,7 @@ def main() -> None:
     rows = []
     timed: dict = {}  # (shape, variant, threads, T) -> ms
     hdr = (f"{'shape':17s} {'variant':14s} {'thr':>3s} {'T':>4s} {'ms':>9s} {'GB/s':>6s} {'GFLOP/s':>8s} "
-           f"{'%DRAM':>6s} {'%peak':>6s} {'vs torch':>8s}  kernel")
+           f"{'DRAM':>5s} {'%DRAM':>6s} {'%peak':>6s} {'vs torch':>8s}  kernel")
     print(hdr)
     for sk in args.shapes.split(","):
         sname, H, I, E, k = SHAPES[sk]
@@ -275,7 +282,9 @@ def main() -> None:
                         out = torch.empty(T, H)
                         fn = lambda ids, w: moe.forward(x32, ids, w, out)  # noqa: E731
                         peak_kind = "bf16" if var in ("BF16", "AMXBF16") else "int8"
+                    bw_before = read_bw(pool)
                     ms = time_calls(fn, routes) * 1e3
+                    bw_row = (bw_before + read_bw(pool)) / 2  # the host's bandwidth drifts: probe next to the row
                     hit = np.mean([len(np.unique(ids)) for ids, _ in routes])
                     if var in PACKED or var.startswith("kt:"):
                         bpe = (PACKED_BPE[var.removeprefix("kt:")],) * 3
@@ -286,14 +295,14 @@ def main() -> None:
                     wbytes = hit * I * H * sum(bpe)
                     gbs = wbytes / ms / 1e6
                     gflops = 2 * 3 * H * I * T * k / ms / 1e6
-                    bw, peaks = probes[th]
+                    _, peaks = probes[th]
                     if var == "torch":
                         torch_ms[(th, T)] = ms
                     ratio = torch_ms.get((th, T), float("nan")) / ms
                     peak = peaks[peak_kind]
                     pk = f"{100 * gflops / peak:5.1f}%" if peak > 0 else f"{'n/a':>6s}"
                     line = (f"{sname:17s} {label:14s} {th:3d} {T:4d} {ms:9.3f} {gbs:6.1f} {gflops:8.1f} "
-                            f"{100 * gbs / bw:5.0f}% {pk} {ratio:7.2f}x  {kernel_label(var, (gt, ut, dt), T)}")
+                            f"{bw_row:5.1f} {100 * gbs / bw_row:5.0f}% {pk} {ratio:7.2f}x  {kernel_label(var, (gt, ut, dt), T)}")
                     print(line, flush=True)
                     rows.append(line)
                     timed[(sname, var, th, T)] = ms
