@@ -9,6 +9,8 @@
 #include <stdexcept>
 #include <vector>
 
+#include "cpu_features.h"
+
 namespace py = pybind11;
 
 namespace kt {
@@ -75,8 +77,14 @@ void rope(uintptr_t x, int rows, int d, uintptr_t cos, uintptr_t sin) {
 // (roll != 0: shift every head's entries left by one first and store last, the layout of a full
 // sliding-window layer), add 1 to *len (an int64 counter; 0 = none), then attend the hq query
 // heads (GQA: head i reads kv head i / (hq / hkv)) to the first n entries: out [hq, d].
-void attend(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t keys, uintptr_t values, int hq, int hkv, int d, int cap,
-            int slot, int roll, int n, float scale, uintptr_t len, uintptr_t out) {
+inline void axpy(float* __restrict y, float a, const float* __restrict x, int n) {
+  for (int i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+// (inlined into a baseline and an AVX2+FMA copy below; the tier in force picks one)
+inline __attribute__((always_inline)) void attend_body(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t keys,
+                                                       uintptr_t values, int hq, int hkv, int d, int cap, int slot,
+                                                       int roll, int n, float scale, uintptr_t len, uintptr_t out) {
   float* K = ptr<float>(keys);
   float* V = ptr<float>(values);
   const size_t head = static_cast<size_t>(cap) * d;
@@ -112,12 +120,24 @@ void attend(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t keys, uintptr_t val
     const float inv = 1.0f / sum;
     float* o = ptr<float>(out) + static_cast<size_t>(hi) * d;
     std::memset(o, 0, sizeof(float) * d);
-    for (int j = 0; j < n; ++j) {
-      const float pj = p[j] * inv;
-      const float* vr = vh + static_cast<size_t>(j) * d;
-      for (int i = 0; i < d; ++i) o[i] += pj * vr[i];
-    }
+    for (int j = 0; j < n; ++j) axpy(o, p[j] * inv, vh + static_cast<size_t>(j) * d, d);
   }
+}
+
+void attend_base(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t keys, uintptr_t values, int hq, int hkv, int d,
+                 int cap, int slot, int roll, int n, float scale, uintptr_t len, uintptr_t out) {
+  attend_body(q, k, v, keys, values, hq, hkv, d, cap, slot, roll, n, scale, len, out);
+}
+__attribute__((target("avx2,fma"))) void attend_avx2(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t keys,
+                                                     uintptr_t values, int hq, int hkv, int d, int cap, int slot,
+                                                     int roll, int n, float scale, uintptr_t len, uintptr_t out) {
+  attend_body(q, k, v, keys, values, hq, hkv, d, cap, slot, roll, n, scale, len, out);
+}
+
+void attend(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t keys, uintptr_t values, int hq, int hkv, int d, int cap,
+            int slot, int roll, int n, float scale, uintptr_t len, uintptr_t out) {
+  static const bool wide = active_tier() >= IsaTier::AVX2 && cpu_features().fma;
+  (wide ? attend_avx2 : attend_base)(q, k, v, keys, values, hq, hkv, d, cap, slot, roll, n, scale, len, out);
 }
 
 // The softmax-top-k router of transformers' Qwen2/3-MoE for one token: p = softmax(logits[E]),
