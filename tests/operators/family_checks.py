@@ -113,6 +113,31 @@ def assert_converter_rewrites(fixture, tmp_path, ours_only: tuple[str, ...] = ()
     return model
 
 
+def assert_f16_as_llama_cpps(llama_cpp, model_dir, tmp_path, ours_only: tuple[str, ...] = ()) -> None:
+    """llama.cpp's converter (tests/llama_cpp_convert.py) and ours on one model at F16: the same
+    tensors, types and metadata; its file loads through the shipped rules with transformers' logits
+    on its dequantized weights (1e-4 relative)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from ktransformers import load_model
+    from ktransformers.convert import convert
+    from ktransformers.weights.gguf_source import GGUFSource
+
+    theirs = tmp_path / "lcpp.gguf"
+    script = Path(__file__).resolve().parents[1] / "llama_cpp_convert.py"
+    r = subprocess.run([sys.executable, str(script), str(llama_cpp), str(model_dir), str(theirs), "f16"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ours = convert(model_dir, tmp_path / "ours.gguf", "F16", "F16", "F16", tokenizer=False)
+    assert_same_layout(ours, theirs, ours_only)
+    ids = prompt_ids()
+    with torch.no_grad():
+        got = load_model(theirs, allow_unmatched=False)(ids).logits
+        assert rel_err(got, hf_on_gguf(GGUFSource(theirs))(ids).logits) <= 1e-4
+
+
 def model_with_backend(model_dir, rules_path, swap: tuple[str, str]):
     """Our model on a shipped ``-cpu`` rule file with the routed experts' op or backend swapped
     (``swap``: text to replace, its replacement; an empty pair keeps the file), every experts module

@@ -25,8 +25,6 @@ Q4_K_M preset (ours)   the same measure: 0.037, 0.074, 0.55 (in_proj_qkvz dequan
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import gguf
@@ -40,7 +38,7 @@ from ktransformers.util.tiny_models import write_tiny_model
 from ktransformers.weights.dequant import dequantize
 from ktransformers.weights.gguf_source import GGUFSource
 
-from .family_checks import assert_converter_rewrites, assert_same_layout, hf_on_gguf, prompt_ids, rel_err
+from .family_checks import assert_converter_rewrites, assert_f16_as_llama_cpps, hf_on_gguf, prompt_ids, rel_err
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "llamacpp" / "qwen3_next.gguf"
@@ -186,13 +184,4 @@ def test_same_file_as_llama_cpp_converter_f16(tmp_path):
     shipped rules with transformers' logits on its dequantized weights."""
     d = tmp_path / "hf"
     write_tiny_model(ARCH, d, seed=0, mlp_only_layers=[])  # llama.cpp's qwen3next has no dense-MLP layers
-    theirs = tmp_path / "lcpp.gguf"
-    r = subprocess.run([sys.executable, str(ROOT / "tests" / "llama_cpp_convert.py"), str(LLAMA_CPP), str(d),
-                        str(theirs), "f16"], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    ours = convert(d, tmp_path / "ours.gguf", "F16", "F16", "F16", tokenizer=False)
-    assert_same_layout(ours, theirs, OURS_ONLY)
-    src = GGUFSource(theirs)
-    ids = prompt_ids()
-    with torch.no_grad():
-        assert rel_err(load_model(theirs, allow_unmatched=False)(ids).logits, hf_on_gguf(src)(ids).logits) <= 1e-4
+    assert_f16_as_llama_cpps(LLAMA_CPP, d, tmp_path, OURS_ONLY)
