@@ -5,8 +5,9 @@
 
 Architectures: llama (and Mixtral, written as llama.cpp does: ``llama`` arch with ``ffn_*_exps``),
 qwen2, qwen3, qwen2_moe, qwen3_moe, deepseek_v2, deepseek_v3 (split MLA ``attn_k_b``/``attn_v_b``
-like current llama.cpp), gemma3 (text), qwen3_next (as llama.cpp's converter with ``--no-mtp``:
-the MTP block is not part of the transformers model), deepseek_v4 (``deepseek4``: the hash
+like current llama.cpp), gemma3 (text), qwen3_next and qwen3_5_moe_text (``qwen35moe``, the DeltaNet's V heads reordered as
+llama.cpp does) as llama.cpp's converter with ``--no-mtp`` (the MTP block is not part of the
+transformers model), deepseek_v4 (``deepseek4``: the hash
 router's ``tid2eid`` tables I32; llama.cpp's converter writes the routed experts MXFP4, which
 ``--experts MXFP4`` matches).
 
@@ -401,13 +402,14 @@ def metadata_for(config, arch: str, tensor_names: Iterable[str]) -> dict[str, tu
         f"{A}.block_count": ("u32", c.num_hidden_layers),
         f"{A}.context_length": ("u32", c.max_position_embeddings),
         f"{A}.embedding_length": ("u32", c.hidden_size),
-        f"{A}.feed_forward_length": ("u32", c.intermediate_size),
         f"{A}.attention.head_count": ("u32", c.num_attention_heads),
         f"{A}.attention.head_count_kv": ("u32", getattr(c, "num_key_value_heads", c.num_attention_heads)),
         f"{A}.attention.layer_norm_rms_epsilon": ("f32", c.rms_norm_eps),
         f"{A}.vocab_size": ("u32", c.vocab_size),
         "tokenizer.ggml.model": ("str", "no_vocab"),
     }
+    if getattr(c, "intermediate_size", None) is not None:  # Qwen3.5-MoE has no dense MLP
+        md[f"{A}.feed_forward_length"] = ("u32", c.intermediate_size)
     rp = getattr(c, "rope_parameters", None) or {}
     if A == "gemma3":
         rp = rp.get("full_attention", rp)
@@ -480,8 +482,8 @@ def metadata_for(config, arch: str, tensor_names: Iterable[str]) -> dict[str, tu
         md.update(gn.glm4moe_metadata(c, head_dim))
     if A == "minimax-m2":
         md.update(gn.minimax_m2_metadata(c, head_dim))
-    if A == "qwen3next":
-        md.update(gn.qwen3next_metadata(c, head_dim))
+    if A in gn.LINEAR_ATTN_ARCHS:
+        md.update(gn.linear_attn_metadata(c, head_dim, A))
     if A == "deepseek4":
         del md[f"{A}.feed_forward_length"]
         md.update(gn.deepseek4_metadata(c, head_dim))
@@ -508,6 +510,16 @@ def plan(config, ckpt: Checkpoint, policy: TypePolicy, params=None) -> tuple[str
         if arch == "gemma3" and ckpt.has(hf.replace("model.", "model.language_model.", 1)):
             return hf.replace("model.", "model.language_model.", 1)
         return hf
+
+    v_orders = gn.v_head_orders(text_cfg.linear_num_key_heads, text_cfg.linear_key_head_dim,
+                                text_cfg.linear_num_value_heads, text_cfg.linear_value_head_dim) \
+        if arch == "qwen35moe" else {}
+
+    def read(src: str, hf: str):
+        """The checkpoint's tensor, its V heads in llama.cpp's order (qwen35moe)."""
+        w = ckpt.get(src)
+        order = v_orders.get(hf.split(".", 3)[-1])
+        return w if order is None else w.index_select(order[0], order[1].argsort())
 
     def add(gname: str, shape, fn):
         shape = tuple(int(s) for s in shape)
@@ -565,12 +577,12 @@ def plan(config, ckpt: Checkpoint, policy: TypePolicy, params=None) -> tuple[str
             add(gname, shape, lambda src=src, kv=kv: gn.permute_qk(ckpt.get(src), n_head, kv))
         elif gn.has_norm_offset(arch, gname):
             add(gname, shape, lambda src=src: ckpt.get(src) + 1.0)
-        elif arch == "qwen3next" and gname.endswith(".ssm_a"):
-            add(gname, shape, lambda src=src: -ckpt.get(src).exp())  # llama.cpp stores A = -exp(A_log)
-        elif arch == "qwen3next" and gname.endswith(".ssm_conv1d.weight"):
-            add(gname, (shape[0], shape[2]), lambda src=src, s=shape: ckpt.get(src).reshape(s[0], s[2]))
+        elif arch in gn.LINEAR_ATTN_ARCHS and gname.endswith(".ssm_a"):
+            add(gname, shape, lambda src=src, hf=hf: -read(src, hf).exp())  # llama.cpp stores A = -exp(A_log)
+        elif arch in gn.LINEAR_ATTN_ARCHS and gname.endswith(".ssm_conv1d.weight"):
+            add(gname, (shape[0], shape[2]), lambda src=src, hf=hf, s=shape: read(src, hf).reshape(s[0], s[2]))
         else:
-            add(gname, shape, lambda src=src: ckpt.get(src))
+            add(gname, shape, lambda src=src, hf=hf: read(src, hf))
     outs.sort(key=lambda o: _file_order(o.name))
     return arch, outs
 

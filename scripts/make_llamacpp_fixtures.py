@@ -7,9 +7,9 @@ weights rounded to bfloat16 so a BF16 GGUF holds them exactly), its byte-level B
 then **llama.cpp's own** ``convert_hf_to_gguf.py --outtype bf16`` (with the gguf-py it ships).
 Beside each ``<arch>.gguf`` the HF fp32 logits for fixed token ids go into ``<arch>.json``.
 
-Qwen3-Next is written ``--outtype f32 --no-mtp``: the AVX-512-BF16 tier's BF16 CPU kernels take
-bf16 activations, which its random gated-DeltaNet layer amplifies to ~5e-2 of the logits (the F32
-file holds the loader to 1e-4 through the shipped rules on every tier), and the tiny model has no
+Qwen3-Next and Qwen3.5-MoE are written ``--outtype f32 --no-mtp``: the AVX-512-BF16 tier's BF16 CPU
+kernels take bf16 activations, which their random gated-DeltaNet layer amplifies to ~5e-2 of the logits (the F32
+file holds the loader to 1e-4 through the shipped rules on every tier), and the tiny models have no
 MTP block.  llama.cpp's
 qwen3next has no dense-MLP layers, so its tiny model has none (``mlp_only_layers = []``).
 
@@ -50,11 +50,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "tests" / "fixtures" / "llamacpp"
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "deepseek_v2", "llama", "qwen2", "qwen3",
-         "gemma3_text", "qwen3_next", "deepseek_v32", "glm_moe_dsa", "deepseek_v4")
+         "gemma3_text", "qwen3_next", "deepseek_v32", "glm_moe_dsa", "deepseek_v4", "qwen3_5_moe_text")
 TOKEN_IDS = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 257, 200, 17]
 #: output type and further converter options per architecture (see the module docstring)
-OUTTYPE = {"qwen3_next": "f32", "deepseek_v32": "f32", "glm_moe_dsa": "f32", "deepseek_v4": "f32"}
-EXTRA_ARGS = {"qwen3_next": ["--no-mtp"]}
+OUTTYPE = {"qwen3_next": "f32", "deepseek_v32": "f32", "glm_moe_dsa": "f32", "deepseek_v4": "f32",
+           "qwen3_5_moe_text": "f32"}
+EXTRA_ARGS = {"qwen3_next": ["--no-mtp"], "qwen3_5_moe_text": ["--no-mtp"]}
 EXTRA_CONFIG = {"deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"},
                 "deepseek_v2": {"scoring_func": "softmax"},
                 # as the released config.json files: llama.cpp's deepseek32 loader requires the

@@ -3,7 +3,7 @@
 The tiny models' byte-level tokenizer is not one llama.cpp's converter recognises, so the family's
 model class is used as it is except for ``set_vocab`` (``tokenizer.ggml.model = none``); names,
 metadata and tensor transforms are llama.cpp's.  The tiny models have no MTP block, so the
-families whose converter otherwise requires one (Qwen3-Next) are written as with ``--no-mtp``.
+families whose converter otherwise requires one (Qwen3-Next, Qwen3.5-MoE) are written as with ``--no-mtp``.
 
     python tests/llama_cpp_convert.py LLAMA_CPP_DIR HF_DIR OUT.gguf [f32|f16|bf16]
 """
@@ -28,7 +28,7 @@ def main(llama_cpp: Path, hf_dir: Path, out: Path, outtype: str = "f32") -> None
 
     class WithoutVocab(base):
         model_arch = base.model_arch
-        no_mtp = base.no_mtp or hparams.get("model_type") == "qwen3_next"
+        no_mtp = base.no_mtp or hparams.get("model_type") in ("qwen3_next", "qwen3_5_moe_text")
 
         def set_vocab(self):
             self.gguf_writer.add_tokenizer_model("none")

@@ -125,7 +125,7 @@ def check_metadata(where: str, meta, arch: str, tensors: dict[str, tuple[int, ..
 
     An architecture this project has no name table for is refused later, by name; here it only
     gets the checks that need no model keys."""
-    from .gguf_names import name_map
+    from .gguf_names import LINEAR_ATTN_ARCHS, name_map
 
     try:
         name_map(arch)
@@ -163,7 +163,9 @@ def check_metadata(where: str, meta, arch: str, tensors: dict[str, tuple[int, ..
         raise k.fail("embedding_length", f"is {width}, but token_embd.weight is {list(emb)}")
     for key in ("feed_forward_length", "expert_feed_forward_length", "expert_shared_feed_forward_length",
                 "attention.key_length", "attention.value_length", "rope.dimension_count",
-                "attention.kv_lora_rank", "attention.q_lora_rank", "attention.sliding_window"):
+                "attention.kv_lora_rank", "attention.q_lora_rank", "attention.sliding_window",
+                "ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size",
+                "rope.dimension_sections"):
         k.ints(key, 0, MAX_WIDTH)
     key_len = (k.ints("attention.key_length", 1, MAX_WIDTH) or [None])[0]
     val_len = (k.ints("attention.value_length", 1, MAX_WIDTH) or [None])[0]
@@ -180,8 +182,8 @@ def check_metadata(where: str, meta, arch: str, tensors: dict[str, tuple[int, ..
                      f"gives heads of {head_dim}; rotary embeddings need an even head size")
     # the projections' widths follow from the head counts and sizes (plain attention; MLA differs)
     if len(heads) == 1 and len(kv_heads) == 1 and not k.raw("attention.kv_lora_rank"):
-        # qwen3next's gated attention: attn_q holds each head's query and its output gate
-        q_rows = 2 * head_dim if arch == "qwen3next" else head_dim
+        # gated attention: attn_q holds each head's query and its output gate
+        q_rows = 2 * head_dim if arch in LINEAR_ATTN_ARCHS else head_dim
         for proj, n, size in (("attn_q", heads[0], q_rows), ("attn_k", kv_heads[0], head_dim),
                               ("attn_v", kv_heads[0], val_len or head_dim)):
             for name, shape in tensors.items():

@@ -27,6 +27,8 @@ deepseek4      DeepseekV4Config (``attention.compress_ratios`` per layer: 0 slid
 qwen3next      Qwen3NextConfig (``attention.recurrent_layers`` or ``full_attention_interval`` give
                the layer types, ``ssm.*`` the DeltaNet sizes; layers without a router are
                ``mlp_only_layers``; ``block_count`` counts the MTP layers llama.cpp keeps)
+qwen35moe      Qwen3_5MoeTextConfig (as qwen3next, every layer sparse; ``rope.dimension_sections``
+               the MRoPE sections, kept in ``rope_parameters`` where not transformers' default)
 =============  ==========================================================================
 
 Conventions: the config says ``dtype=float32`` (override with ``dtype=``), and
@@ -268,8 +270,8 @@ def config_from_metadata(
         cfg = _minimax_m2_config(md, kw, expert_ffn)
     elif arch == "gpt-oss":
         cfg = _gpt_oss_config(md, kw, tensor_shapes, expert_ffn)
-    elif arch == "qwen3next":
-        cfg = _qwen3next_config(md, kw, tensor_shapes, expert_ffn)
+    elif arch in ("qwen3next", "qwen35moe"):
+        cfg = _linear_attn_config(md, kw, tensor_shapes, expert_ffn)
     elif arch == "deepseek4":
         cfg = _deepseek4_config(md, kw, tensor_shapes, expert_ffn)
     elif arch == "gemma3":
@@ -297,7 +299,7 @@ def config_from_metadata(
         raise WeightError(
             f"{where}: GGUF architecture '{arch}' is not supported "
             "(supported: llama, mixtral-style llama, qwen2, qwen3, qwen2moe, qwen3moe, deepseek2, deepseek32, glm-dsa, gemma3, glm4moe, minimax-m2, "
-            "gpt-oss, qwen3next, deepseek4)"
+            "gpt-oss, qwen3next, qwen35moe, deepseek4)"
         )
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
@@ -325,6 +327,7 @@ _ARCH_CLASS = {
     "MiniMaxM2Config": "MiniMaxM2ForCausalLM",
     "GptOssConfig": "GptOssForCausalLM",
     "Qwen3NextConfig": "Qwen3NextForCausalLM",
+    "Qwen3_5MoeTextConfig": "Qwen3_5MoeForCausalLM",
     "DeepseekV4Config": "DeepseekV4ForCausalLM",
 }
 
@@ -400,11 +403,13 @@ def _deepseek4_config(md: _Meta, kw: dict, tensor_shapes, expert_ffn):
     return tf.DeepseekV4Config(**kw)
 
 
-def _qwen3next_config(md: _Meta, kw: dict, tensor_shapes, expert_ffn):
-    """Qwen3NextConfig: gated DeltaNet (``ssm.*``: conv kernel, key head size, key / value head
-    counts, value width) and gated full attention with partial rotary, softmax top-k with
-    normalised weights, a gated shared expert."""
+def _linear_attn_config(md: _Meta, kw: dict, tensor_shapes, expert_ffn):
+    """Qwen3NextConfig / Qwen3_5MoeTextConfig: gated DeltaNet (``ssm.*``: conv kernel, key head size,
+    key / value head counts, value width) and gated full attention with partial rotary, softmax
+    top-k with normalised weights, a gated shared expert."""
     import transformers as tf
+
+    from .gguf_names import QWEN35_MROPE_SECTIONS
 
     n_layers = kw["num_hidden_layers"] - int(md.get("nextn_predict_layers", 0) or 0)
     head_dim = int(md.get("attention.key_length") or kw["hidden_size"] // kw["num_attention_heads"])
@@ -420,6 +425,8 @@ def _qwen3next_config(md: _Meta, kw: dict, tensor_shapes, expert_ffn):
         interval = int(md.get("full_attention_interval", 4) or 4)
         layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
     n_v = int(md.need("ssm.time_step_rank"))
+    if n_v <= 0:
+        raise WeightError(f"{md.where}: '{md.arch}.ssm.time_step_rank' is {n_v}; the DeltaNet needs value heads")
     kw.update(
         num_hidden_layers=n_layers,
         head_dim=head_dim,
@@ -435,10 +442,22 @@ def _qwen3next_config(md: _Meta, kw: dict, tensor_shapes, expert_ffn):
         num_experts_per_tok=int(md.need("expert_used_count")),
         moe_intermediate_size=expert_ffn(),
         shared_expert_intermediate_size=int(md.need("expert_shared_feed_forward_length")),
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_shapes],
     )
+    if md.arch == "qwen35moe":
+        sections = md.m.get(f"{md.arch}.rope.dimension_sections")  # a list: not collapsed by get()
+        if sections is not None and list(sections[:3]) != QWEN35_MROPE_SECTIONS[:3]:
+            if len(sections) < 3:
+                raise WeightError(f"{md.where}: '{md.arch}.rope.dimension_sections' has {len(sections)} entries; "
+                                  "MRoPE needs 3 (time, height, width)")
+            rope["mrope_section"] = [int(x) for x in sections[:3]]
+        no_router = [i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_shapes]
+        if no_router:
+            raise WeightError(f"{md.where}: layer {no_router[0]} has no 'blk.{no_router[0]}.ffn_gate_inp.weight'; "
+                              "every Qwen3.5-MoE layer is sparse")
+        kw.pop("intermediate_size", None)
+        return tf.Qwen3_5MoeTextConfig(**kw)
+    kw.update(norm_topk_prob=True, decoder_sparse_step=1,
+              mlp_only_layers=[i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_shapes])
     return tf.Qwen3NextConfig(**kw)
 
 

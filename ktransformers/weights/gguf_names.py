@@ -10,6 +10,8 @@ What a mapping alone cannot express is described by :class:`Transform` flags tha
 
 * ``llama`` arch: ``attn_q`` / ``attn_k`` rows are permuted by llama.cpp's converter (rotary pairs
   interleaved per head); :func:`unpermute_qk` undoes it, :func:`permute_qk` does it.
+* ``qwen35moe``: llama.cpp stores the DeltaNet's V heads tiled across key heads where HF groups them
+  per key head (:func:`v_head_orders`); the other value transforms are qwen3next's.
 * ``gemma3``: llama.cpp stores every RMSNorm weight as ``w + 1`` (Gemma computes ``x * (1 + w)``);
   HF ``w`` = GGUF value - 1 (transformers' own GGUF loader does the same).
 * ``deepseek2`` split MLA: ``attn_k_b [H, nope, kv_lora]`` + ``attn_v_b [H, v, kv_lora]`` (torch
@@ -30,11 +32,14 @@ from dataclasses import dataclass
 
 #: architectures the source and the converter handle (GGUF ``general.architecture`` values)
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "deepseek2", "deepseek32", "glm-dsa", "gemma3",
-                   "glm4moe", "minimax-m2", "gpt-oss", "qwen3next", "deepseek4")
+                   "glm4moe", "minimax-m2", "gpt-oss", "qwen3next", "qwen35moe", "deepseek4")
 #: DeepSeek MLA architectures (split ``attn_k_b`` / ``attn_v_b``, the ``deepseek2`` metadata keys)
 MLA_ARCHS = ("deepseek2", "deepseek32", "glm-dsa")
 #: MLA with the sparse-attention indexer (``indexer.*`` tensors, ``attention.indexer.*`` keys)
 DSA_ARCHS = ("deepseek32", "glm-dsa")
+#: gated DeltaNet linear attention (``ssm_*`` tensors and keys, ``ssm_a = -exp(A_log)``) beside
+#: gated full attention (``attn_q`` holds each head's query and its output gate)
+LINEAR_ATTN_ARCHS = ("qwen3next", "qwen35moe")
 
 #: transformers ``model_type`` -> GGUF arch
 MODEL_TYPE_TO_ARCH = {
@@ -54,6 +59,7 @@ MODEL_TYPE_TO_ARCH = {
     "glm4_moe": "glm4moe",
     "minimax_m2": "minimax-m2",
     "qwen3_next": "qwen3next",
+    "qwen3_5_moe_text": "qwen35moe",
     "deepseek_v4": "deepseek4",
 }  # gpt_oss: read only (its experts' layout is not the converter's yet)
 
@@ -118,18 +124,28 @@ _EXP_PROBS_B = {"minimax-m2": "mlp.e_score_correction_bias"}
 # gpt-oss: the router is ``mlp.router`` (weight and bias), the norm before the MLP ``post_attention_norm``
 _GPT_OSS_BLOCK = _ATTENTION + [("post_attention_norm", "post_attention_layernorm"), ("ffn_gate_inp", "mlp.router")]
 
-# Qwen3-Next: full attention (q_proj holds the query and its output gate, as stored by both sides),
-# gated DeltaNet (``ssm_*``), the norm before the MLP ``post_attention_norm``, a gated shared expert;
-# the dense MLP only for mlp_only_layers, which llama.cpp's qwen3next has no loader for
-_QWEN3NEXT_BLOCK = _ATTENTION + _DENSE_MLP + [
+# Qwen3-Next / Qwen3.5-MoE: full attention (q_proj holds the query and its output gate, as stored by
+# both sides), gated DeltaNet (``ssm_*``), the norm before the MLP ``post_attention_norm``, a gated
+# shared expert
+_LINEAR_ATTN_BLOCK = _ATTENTION + [
     ("post_attention_norm", "post_attention_layernorm"),
     ("ffn_gate_inp", "mlp.gate"),
     ("ffn_gate_inp_shexp", "mlp.shared_expert_gate"),
-    ("ssm_ba", "linear_attn.in_proj_ba"),
     ("ssm_conv1d", "linear_attn.conv1d"),
     ("ssm_norm", "linear_attn.norm"),
     ("ssm_out", "linear_attn.out_proj"),
 ] + _shexp("mlp.shared_expert")
+# Qwen3-Next fuses the DeltaNet inputs (in_proj_qkvz: attn_qkv + attn_gate, rebuilt by the source);
+# the dense MLP only for mlp_only_layers, which llama.cpp's qwen3next has no loader for
+_QWEN3NEXT_BLOCK = _LINEAR_ATTN_BLOCK + _DENSE_MLP + [("ssm_ba", "linear_attn.in_proj_ba")]
+# Qwen3.5-MoE keeps them apart (every layer sparse)
+_QWEN35MOE_BLOCK = _LINEAR_ATTN_BLOCK + [
+    ("attn_qkv", "linear_attn.in_proj_qkv"),
+    ("attn_gate", "linear_attn.in_proj_z"),
+    ("ssm_alpha", "linear_attn.in_proj_a"),
+    ("ssm_beta", "linear_attn.in_proj_b"),
+]
+_SSM_LEAVES = {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}
 
 # DeepSeek-V4: low-rank query and grouped low-rank output, one shared KV head, the compressor of
 # compressed layers and the indexer (with its own compressor) of compressed-sparse ones
@@ -164,7 +180,8 @@ _EXTRA_LEAVES = {
         "ffn_up_exps.bias": "mlp.experts.up_proj_bias",
         "ffn_down_exps.bias": "mlp.experts.down_proj_bias",
     },
-    "qwen3next": {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"},
+    "qwen3next": _SSM_LEAVES,
+    "qwen35moe": _SSM_LEAVES,
     "deepseek4": {
         "attn_sinks.weight": "self_attn.sinks",
         "attn_compressor_ape.weight": "self_attn.compressor.position_bias",
@@ -190,6 +207,7 @@ _BLOCK_TABLES = {
     "minimax-m2": _COMMON_BLOCK,
     "gpt-oss": _GPT_OSS_BLOCK,
     "qwen3next": _QWEN3NEXT_BLOCK,
+    "qwen35moe": _QWEN35MOE_BLOCK,
     "deepseek4": _DEEPSEEK4_BLOCK,
 }
 
@@ -322,12 +340,17 @@ def gpt_oss_metadata(c, head_dim: int) -> dict[str, tuple[str, object]]:
     }
 
 
-def qwen3next_metadata(c, head_dim: int) -> dict[str, tuple[str, object]]:
-    """The ``qwen3next.*`` keys llama.cpp's converter writes beyond the common ones (DeltaNet sizes
-    as ``ssm.*``, which layers are recurrent, partial rotary, the shared expert's width)."""
-    A = "qwen3next"
+#: the MRoPE sections llama.cpp's converter writes for Qwen3.5 when the config has none (transformers'
+#: default too); text-only positions are equal on every axis, so they do not change the result
+QWEN35_MROPE_SECTIONS = [11, 11, 10, 0]
+
+
+def linear_attn_metadata(c, head_dim: int, A: str) -> dict[str, tuple[str, object]]:
+    """The ``qwen3next.*`` / ``qwen35moe.*`` keys llama.cpp's converter writes beyond the common ones
+    (DeltaNet sizes as ``ssm.*``, which layers are recurrent, partial rotary, the shared expert's
+    width; Qwen3.5: the MRoPE sections, no dense ``feed_forward_length``)."""
     rope = getattr(c, "rope_parameters", None) or {}
-    return {
+    md = {
         f"{A}.attention.key_length": ("u32", head_dim),
         f"{A}.attention.value_length": ("u32", head_dim),
         f"{A}.rope.dimension_count": ("u32", int(head_dim * rope.get("partial_rotary_factor", 0.25))),
@@ -343,6 +366,10 @@ def qwen3next_metadata(c, head_dim: int) -> dict[str, tuple[str, object]]:
         f"{A}.attention.recurrent_layers": ("arr", [t == "linear_attention" for t in c.layer_types]),
         f"{A}.full_attention_interval": ("u32", int(getattr(c, "full_attention_interval", None) or 4)),
     }
+    if A == "qwen35moe":
+        sections = list(rope.get("mrope_section") or QWEN35_MROPE_SECTIONS)
+        md[f"{A}.rope.dimension_sections"] = ("arr", (sections + [0] * 4)[:4])
+    return md
 
 
 def deepseek4_metadata(c, head_dim: int) -> dict[str, tuple[str, object]]:
@@ -431,12 +458,12 @@ def is_gemma_norm(gguf_name: str) -> bool:
 
 
 #: architectures whose RMSNorm weights llama.cpp stores as ``w + 1``
-NORM_OFFSET_ARCHS = ("gemma3", "qwen3next")
+NORM_OFFSET_ARCHS = ("gemma3",) + LINEAR_ATTN_ARCHS
 
 
 def has_norm_offset(arch: str, gguf_name: str) -> bool:
     """Whether llama.cpp stores this tensor as the HF weight + 1 (zero-centred RMSNorm weights)."""
-    if arch == "qwen3next" and gguf_name.endswith(".ssm_norm.weight"):
+    if arch in LINEAR_ATTN_ARCHS and gguf_name.endswith(".ssm_norm.weight"):
         return False
     return arch in NORM_OFFSET_ARCHS and is_gemma_norm(gguf_name)
 
@@ -445,6 +472,38 @@ def qwen3next_linear_dims(n_k_heads: int, k_dim: int, n_v_heads: int, v_dim: int
     """(key heads, per-key-head [q, k, v, z] block rows, rows of q + k + v) of a Qwen3-Next DeltaNet."""
     vz = n_v_heads // n_k_heads * v_dim
     return n_k_heads, 2 * k_dim + 2 * vz, n_k_heads * (2 * k_dim + vz)
+
+
+def _tiled_v_order(n_k_heads: int, n_v_heads: int, head_dim: int) -> torch.Tensor:
+    """Index ``idx`` with ``grouped = tiled[idx]`` for V heads of ``head_dim`` rows."""
+    import torch
+
+    return torch.arange(n_v_heads * head_dim).view(n_v_heads // n_k_heads, n_k_heads, head_dim) \
+        .transpose(0, 1).reshape(-1)
+
+
+def v_head_orders(n_k_heads: int, k_dim: int, n_v_heads: int, v_dim: int) -> dict[str, tuple[int, torch.Tensor]]:
+    """Qwen3.5's DeltaNet: llama.cpp's converter (``_LinearAttentionVReorderBase``) stores the V heads
+    tiled (``[K0, K1, .., K0, K1, ..]``, for ggml's broadcast) where HF groups them per key head.  Per
+    HF leaf, ``(dim, idx)`` with ``hf = stored.index_select(dim, idx)`` (``idx.argsort()`` writes);
+    empty when each key head has one V head."""
+    import torch
+
+    if n_k_heads == n_v_heads:
+        return {}
+    qk = 2 * n_k_heads * k_dim  # q and k channels come first, as they are
+    mixed = torch.cat([torch.arange(qk), qk + _tiled_v_order(n_k_heads, n_v_heads, v_dim)])
+    values, heads = _tiled_v_order(n_k_heads, n_v_heads, v_dim), _tiled_v_order(n_k_heads, n_v_heads, 1)
+    return {
+        "linear_attn.in_proj_qkv.weight": (0, mixed),
+        "linear_attn.conv1d.weight": (0, mixed),
+        "linear_attn.in_proj_z.weight": (0, values),
+        "linear_attn.in_proj_a.weight": (0, heads),
+        "linear_attn.in_proj_b.weight": (0, heads),
+        "linear_attn.A_log": (0, heads),
+        "linear_attn.dt_bias": (0, heads),
+        "linear_attn.out_proj.weight": (1, values),
+    }
 
 
 def qkvz_row_order(n_k_heads: int, k_dim: int, n_v_heads: int, v_dim: int) -> torch.Tensor:

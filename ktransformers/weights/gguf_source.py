@@ -290,7 +290,7 @@ class _UnpermutedQK(_Plain):
 
 
 class _OffsetNorm(_Plain):
-    """gemma3 / qwen3next norms: llama.cpp stores ``w + 1``."""
+    """gemma3 / qwen3next / qwen35moe norms: llama.cpp stores ``w + 1``."""
 
     def load(self, src, dtype, device):
         t = src._tensors[self.parts[0]]
@@ -304,7 +304,7 @@ class _OffsetNorm(_Plain):
 
 
 class _ALog(_Plain):
-    """qwen3next ``ssm_a``: llama.cpp stores ``A = -exp(A_log)``; HF holds ``A_log``."""
+    """qwen3next / qwen35moe ``ssm_a``: llama.cpp stores ``A = -exp(A_log)``; HF holds ``A_log``."""
 
     def load(self, src, dtype, device):
         t = src._tensors[self.parts[0]]
@@ -315,6 +315,41 @@ class _ALog(_Plain):
 
     def natural_dtype(self, src):
         return torch.float32
+
+
+class _VHeadOrder(_Entry):
+    """qwen35moe DeltaNet tensors: V heads stored tiled, served grouped per key head
+    (``gn.v_head_orders``).  Reordered rows keep their stored bytes; reordered columns (``ssm_out``)
+    are computed."""
+
+    def __init__(self, inner: _Entry, dim: int, order: torch.Tensor):
+        super().__init__(inner.parts, inner.shape)
+        self.inner, self.dim, self.order = inner, dim, order
+
+    def _check(self, src):
+        if self.shape[self.dim] != self.order.numel():
+            t = src._tensors[self.parts[0]]
+            raise WeightError(f"{t.file}: tensor '{t.name}' {list(t.shape)} does not have the "
+                              f"{self.order.numel()} {'rows' if self.dim == 0 else 'columns'} the ssm.* metadata implies")
+
+    def load(self, src, dtype, device):
+        self._check(src)
+        w = self.inner.load(src, dtype, device)
+        return w.index_select(self.dim, self.order.to(w.device))
+
+    def raw(self, src, name):
+        self._check(src)
+        r = self.inner.raw(src, name) if self.dim == 0 else None
+        if r is None:
+            return None
+        rows = r.data.reshape(self.shape[0], -1)[self.order.numpy()].reshape(-1)
+        return RawTensor(name, rows, r.type, self.shape)
+
+    def stored_type(self, src):
+        return self.inner.stored_type(src) if self.dim == 0 else None
+
+    def natural_dtype(self, src):
+        return self.inner.natural_dtype(src)
 
 
 class _IntTable(_Plain):
@@ -517,7 +552,7 @@ class GGUFSource(WeightSource):
                 self._entries[hf] = _UnpermutedQK([gname], t.shape, n_head, kv)
             elif gn.has_norm_offset(arch, gname):
                 self._entries[hf] = _OffsetNorm([gname], t.shape)
-            elif arch == "qwen3next" and gname.endswith(".ssm_a"):
+            elif arch in gn.LINEAR_ATTN_ARCHS and gname.endswith(".ssm_a"):
                 self._entries[hf] = _ALog([gname], t.shape)
             elif t.type.name in _IntTable._NP:
                 self._entries[hf] = _IntTable([gname], t.shape)
@@ -543,13 +578,29 @@ class GGUFSource(WeightSource):
                 self._entries[hf] = _SplitKvB([gname, vname], (kb[0] * (kb[2] + vb[1]), kb[1]))
         if arch == "qwen3next":
             self._qwen3next_qkvz()
+        if arch == "qwen35moe":
+            self._qwen35_v_heads()
         if "lm_head.weight" not in self._entries and "model.embed_tokens.weight" in self._entries:
             emb = self._entries["model.embed_tokens.weight"]
             self._entries["lm_head.weight"] = _Alias(list(emb.parts), emb.shape)
 
+    def _ssm_dims(self, t: _Tensor) -> tuple[int, int, int, int]:
+        """(key heads, key head size, value heads, value head size) of the DeltaNet ``t`` belongs to."""
+        md, arch = self.metadata, self.arch
+        dims = {}
+        for key in ("ssm.group_count", "ssm.state_size", "ssm.time_step_rank", "ssm.inner_size"):
+            v = md.get(f"{arch}.{key}")
+            if v is None:
+                raise WeightError(f"{t.file}: GGUF metadata lacks '{arch}.{key}'")
+            dims[key] = int(v)
+        nk, dk, nv = dims["ssm.group_count"], dims["ssm.state_size"], dims["ssm.time_step_rank"]
+        if nk <= 0 or nv <= 0 or nv % nk or dims["ssm.inner_size"] % nv:
+            raise WeightError(f"{t.file}: '{arch}.ssm.*' metadata (group_count {nk}, time_step_rank {nv}, "
+                              f"inner_size {dims['ssm.inner_size']}) does not describe whole heads")
+        return nk, dk, nv, dims["ssm.inner_size"] // nv
+
     def _qwen3next_qkvz(self) -> None:
         """``in_proj_qkvz`` of every DeltaNet layer from its ``attn_qkv`` + ``attn_gate``."""
-        md, arch = self.metadata, self.arch
         for gname, t in self._tensors.items():
             m = re.match(r"^blk\.(\d+)\.attn_qkv\.weight$", gname)
             if not m:
@@ -557,19 +608,21 @@ class GGUFSource(WeightSource):
             zname = f"blk.{m.group(1)}.attn_gate.weight"
             if zname not in self._tensors:
                 raise WeightError(f"{t.file}: tensor '{gname}' has no '{zname}' beside it")
-            dims = {}
-            for key in ("ssm.group_count", "ssm.state_size", "ssm.time_step_rank", "ssm.inner_size"):
-                v = md.get(f"{arch}.{key}")
-                if v is None:
-                    raise WeightError(f"{t.file}: GGUF metadata lacks '{arch}.{key}'")
-                dims[key] = int(v)
-            nk, dk, nv = dims["ssm.group_count"], dims["ssm.state_size"], dims["ssm.time_step_rank"]
-            if nk <= 0 or nv <= 0 or nv % nk or dims["ssm.inner_size"] % nv:
-                raise WeightError(f"{t.file}: '{arch}.ssm.*' metadata (group_count {nk}, time_step_rank {nv}, "
-                                  f"inner_size {dims['ssm.inner_size']}) does not describe whole heads")
-            order = gn.qkvz_row_order(nk, dk, nv, dims["ssm.inner_size"] // nv)
+            order = gn.qkvz_row_order(*self._ssm_dims(t))
             hf = f"model.layers.{m.group(1)}.linear_attn.in_proj_qkvz.weight"
             self._entries[hf] = _FusedQKVZ([gname, zname], (order.numel(), t.shape[1]), order)
+
+    def _qwen35_v_heads(self) -> None:
+        """The DeltaNet tensors whose V heads llama.cpp stored tiled, served in HF's grouped order."""
+        orders = None
+        for hf, e in list(self._entries.items()):
+            m = re.match(r"^model\.layers\.\d+\.(linear_attn\..+)$", hf)
+            if not m:
+                continue
+            if orders is None:
+                orders = gn.v_head_orders(*self._ssm_dims(self._tensors[e.parts[0]]))
+            if m.group(1) in orders:
+                self._entries[hf] = _VHeadOrder(e, *orders[m.group(1)])
 
     # ---------------------------------------------------------------- protocol
     def names(self) -> list[str]:

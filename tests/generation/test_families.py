@@ -10,14 +10,15 @@ project's converter and by llama.cpp's.  Measured on the tiny models (relative t
 family            fp32     bf16    AMXBF16  AMXInt8  GGUF F32 (ours / llama.cpp's)
 ================  =======  ======  =======  =======  ===============================
 glm4_moe          6.8e-7   1.4e-2  1.0e-3   7.6e-3   6.8e-7 / 6.8e-7
-qwen3_5_moe_text  5.4e-6   1.4e-2  7.5e-3   2.8e-2   (no GGUF support)
+qwen3_5_moe_text  5.4e-6   1.4e-2  7.5e-3   2.8e-2   5.5e-6 / 5.5e-6
 minimax_m2        3.7e-7   4.4e-3  8.1e-4   5.2e-3   3.7e-7 / 3.7e-7
 ================  =======  ======  =======  =======  ===============================
 
 Qwen3.5-MoE's random DeltaNet layer amplifies rounding (transformers' own bf16 run is 16 % off
 its fp32 run on a four-layer tiny model), hence its larger bf16 / AMXInt8 figures.
 Q8_0 through the shipped rules vs the HF model on the dequantized file: mean / median
-per-position max / max abs 0.005 / 0.020 / 0.033 (GLM), 0.006 / 0.015 / 0.10 (MiniMax).
+per-position max / max abs 0.005 / 0.020 / 0.033 (GLM), 0.006 / 0.015 / 0.10 (MiniMax),
+0.018 / 0.060 / 0.15 (Qwen3.5-MoE: the DeltaNet layer amplifies the 8-bit activations).
 """
 
 from __future__ import annotations
@@ -52,6 +53,11 @@ GGUF_CONFIG_KEYS = {
                  "use_qk_norm", "moe_intermediate_size", "intermediate_size"),
     "minimax_m2": ("num_hidden_layers", "head_dim", "rope_parameters", "num_local_experts", "num_experts_per_tok",
                    "intermediate_size", "num_key_value_heads"),
+    # 2 key heads, 4 value heads: llama.cpp's V-head reordering written and undone
+    "qwen3_5_moe_text": ("num_hidden_layers", "head_dim", "rope_parameters", "layer_types", "linear_conv_kernel_dim",
+                         "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+                         "linear_num_value_heads", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                         "shared_expert_intermediate_size"),
 }
 BACKEND_TOL = {"AMXBF16": 1e-2, "AMXInt8": 3e-2}  # as test_cpu_ops: bf16 weights / int8 weights
 

@@ -1,4 +1,4 @@
-"""What the family tests (gpt-oss, Qwen3-Next, DeepSeek-V3.2 / GLM-5, DeepSeek-V4) share: the
+"""What the family tests (gpt-oss, Qwen3-Next, Qwen3.5-MoE, DeepSeek-V3.2 / GLM-5, DeepSeek-V4) share: the
 expert-backend swaps of a shipped ``-cpu`` rule file, prompt ids, the error measure their
 tolerances are stated in, the engine-vs-transformers greedy check and the server's fallback."""
 
@@ -79,6 +79,63 @@ def gguf_model_keys(path) -> dict:
 
     return {f.name: f.contents() for f in gguf.GGUFReader(path).fields.values()
             if not f.name.startswith(("GGUF.", "general.", "tokenizer."))}
+
+
+def assert_same_layout(ours, theirs, ours_only: tuple[str, ...] = ()) -> None:
+    """Tensor names, ggml types and shapes equal; the reference's model keys all written with its
+    values (``ours_only``: the keys only our converter writes)."""
+    import pytest
+
+    assert gguf_tensors(ours) == gguf_tensors(theirs)
+    mine, ref = gguf_model_keys(ours), gguf_model_keys(theirs)
+    assert set(ref) <= set(mine) and set(mine) - set(ref) == set(ours_only)
+    for k, v in ref.items():
+        assert mine[k] == pytest.approx(v) if isinstance(v, float) else mine[k] == v, k
+
+
+def assert_converter_rewrites(fixture, tmp_path, ours_only: tuple[str, ...] = ()):
+    """The HF model read back from llama.cpp's file, converted by ours (F32): the same file (names,
+    types, shapes, model metadata; values equal up to the float rounding of the value transforms
+    undone and redone, e.g. -exp(log(-a)) and (w - 1) + 1).  Returns that HF model."""
+    import gguf
+    import numpy as np
+
+    from ktransformers.convert import convert
+    from ktransformers.weights.gguf_source import GGUFSource
+
+    model = hf_on_gguf(GGUFSource(fixture))
+    model.save_pretrained(tmp_path / "hf")
+    out = convert(tmp_path / "hf", tmp_path / "ours.gguf", "F32", "F32", "F32", tokenizer=False)
+    assert_same_layout(out, fixture, ours_only)
+    theirs = {t.name: np.array(t.data) for t in gguf.GGUFReader(fixture).tensors}
+    for t in gguf.GGUFReader(out).tensors:
+        np.testing.assert_allclose(np.array(t.data), theirs[t.name], rtol=1e-6, atol=1e-7, err_msg=t.name)
+    return model
+
+
+def assert_f16_as_llama_cpps(llama_cpp, model_dir, tmp_path, ours_only: tuple[str, ...] = ()) -> None:
+    """llama.cpp's converter (tests/llama_cpp_convert.py) and ours on one model at F16: the same
+    tensors, types and metadata; its file loads through the shipped rules with transformers' logits
+    on its dequantized weights (1e-4 relative)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from ktransformers import load_model
+    from ktransformers.convert import convert
+    from ktransformers.weights.gguf_source import GGUFSource
+
+    theirs = tmp_path / "lcpp.gguf"
+    script = Path(__file__).resolve().parents[1] / "llama_cpp_convert.py"
+    r = subprocess.run([sys.executable, str(script), str(llama_cpp), str(model_dir), str(theirs), "f16"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ours = convert(model_dir, tmp_path / "ours.gguf", "F16", "F16", "F16", tokenizer=False)
+    assert_same_layout(ours, theirs, ours_only)
+    ids = prompt_ids()
+    with torch.no_grad():
+        got = load_model(theirs, allow_unmatched=False)(ids).logits
+        assert rel_err(got, hf_on_gguf(GGUFSource(theirs))(ids).logits) <= 1e-4
 
 
 def model_with_backend(model_dir, rules_path, swap: tuple[str, str]):

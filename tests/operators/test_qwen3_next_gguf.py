@@ -25,8 +25,6 @@ Q4_K_M preset (ours)   the same measure: 0.037, 0.074, 0.55 (in_proj_qkvz dequan
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import gguf
@@ -40,7 +38,7 @@ from ktransformers.util.tiny_models import write_tiny_model
 from ktransformers.weights.dequant import dequantize
 from ktransformers.weights.gguf_source import GGUFSource
 
-from .family_checks import gguf_model_keys, gguf_tensors, hf_on_gguf, prompt_ids, rel_err
+from .family_checks import assert_converter_rewrites, assert_f16_as_llama_cpps, hf_on_gguf, prompt_ids, rel_err
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "llamacpp" / "qwen3_next.gguf"
@@ -56,28 +54,14 @@ CONFIG_KEYS = ("num_hidden_layers", "hidden_size", "head_dim", "num_attention_he
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # hf: the shared fixture (conftest.py)
 
 
-def _assert_same_layout(ours, theirs):
-    """Tensor names, ggml types and shapes equal; llama.cpp's model keys all written with its values
-    (ours adds ``vocab_size``)."""
-    assert gguf_tensors(ours) == gguf_tensors(theirs)
-    mine, ref = gguf_model_keys(ours), gguf_model_keys(theirs)
-    assert set(ref) <= set(mine) and set(mine) - set(ref) == {"qwen3next.vocab_size"}
-    for k, v in ref.items():
-        assert mine[k] == pytest.approx(v) if isinstance(v, float) else mine[k] == v, k
+#: the model key only our converter writes
+OURS_ONLY = ("qwen3next.vocab_size",)
 
 
 def test_converter_writes_llama_cpps_file(tmp_path):
-    """The HF model read back from llama.cpp's file, converted by ours: the same file (names, types,
-    shapes, model metadata; values equal up to the float rounding of -exp(log(-a)) and (w - 1) + 1)."""
-    src = GGUFSource(FIXTURE)
-    model = hf_on_gguf(src)
+    """llama.cpp's file read back and converted by ours: the same file (family_checks)."""
+    model = assert_converter_rewrites(FIXTURE, tmp_path, OURS_ONLY)
     assert model.config.mlp_only_layers == [] and model.config.layer_types[0] == "linear_attention"
-    model.save_pretrained(tmp_path / "hf")
-    out = convert(tmp_path / "hf", tmp_path / "ours.gguf", "F32", "F32", "F32", tokenizer=False)
-    _assert_same_layout(out, FIXTURE)
-    theirs = {t.name: np.array(t.data) for t in gguf.GGUFReader(FIXTURE).tensors}
-    for t in gguf.GGUFReader(out).tensors:
-        np.testing.assert_allclose(np.array(t.data), theirs[t.name], rtol=1e-6, atol=1e-7, err_msg=t.name)
 
 
 def test_config_from_metadata_and_f32_logits(tiny_model_dir, hf, tmp_path):
@@ -200,13 +184,4 @@ def test_same_file_as_llama_cpp_converter_f16(tmp_path):
     shipped rules with transformers' logits on its dequantized weights."""
     d = tmp_path / "hf"
     write_tiny_model(ARCH, d, seed=0, mlp_only_layers=[])  # llama.cpp's qwen3next has no dense-MLP layers
-    theirs = tmp_path / "lcpp.gguf"
-    r = subprocess.run([sys.executable, str(ROOT / "tests" / "llama_cpp_convert.py"), str(LLAMA_CPP), str(d),
-                        str(theirs), "f16"], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    ours = convert(d, tmp_path / "ours.gguf", "F16", "F16", "F16", tokenizer=False)
-    _assert_same_layout(ours, theirs)
-    src = GGUFSource(theirs)
-    ids = prompt_ids()
-    with torch.no_grad():
-        assert rel_err(load_model(theirs, allow_unmatched=False)(ids).logits, hf_on_gguf(src)(ids).logits) <= 1e-4
+    assert_f16_as_llama_cpps(LLAMA_CPP, d, tmp_path, OURS_ONLY)

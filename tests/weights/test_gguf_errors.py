@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -94,6 +95,41 @@ def test_shape_disagrees_with_config(tmp_path):
     with pytest.raises(WeightError) as e:
         src.validate()
     one_line(e, str(p), "ffn_", "shape", "config expects")
+
+
+# llama.cpp's qwen35moe (2 key heads, 4 value heads), committed with the tests
+QWEN35 = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "qwen3_5_moe_text.gguf"
+
+
+@pytest.mark.parametrize("key,value,needles,when", [
+    ("qwen35moe.ssm.time_step_rank", 3, ("'qwen35moe.ssm.*'", "time_step_rank 3", "whole heads"), "open"),
+    ("qwen35moe.ssm.group_count", 1 << 21, ("'qwen35moe.ssm.group_count'", "2097152"), "open"),
+    ("qwen35moe.rope.dimension_sections", [5, 3], ("'qwen35moe.rope.dimension_sections'", "3 (time, height, width)"),
+     "config"),
+    ("qwen35moe.rope.dimension_sections", [11, -1, 10, 0], ("'qwen35moe.rope.dimension_sections'", "-1"), "open"),
+])
+def test_qwen35moe_bad_linear_attention_metadata(tmp_path, key, value, needles, when):
+    """DeltaNet sizes and MRoPE sections that describe no model: one line naming the key."""
+    p = _rewrite(QWEN35, tmp_path / "m.gguf", edit_meta=lambda k, v: value if k == key else v)
+    with pytest.raises(WeightError) as e:
+        GGUFSource(p).config() if when == "config" else GGUFSource(p)
+    one_line(e, str(p), *needles)
+
+
+def test_qwen35moe_reordered_tensor_of_the_wrong_width(tmp_path):
+    """``ssm_out`` (its columns reordered by V head) narrower than the ssm.* sizes: the check and the
+    load both name it."""
+    def edit(name, data, qt):
+        return (data[:, :32].copy(), qt) if name == "blk.0.ssm_out.weight" else (data, qt)
+
+    p = _rewrite(QWEN35, tmp_path / "m.gguf", edit_tensor=edit)
+    src = GGUFSource(p)
+    with pytest.raises(WeightError) as e:
+        src.validate()
+    one_line(e, str(p), "'blk.0.ssm_out.weight'", "[64, 32]", "config expects [64, 64]")
+    with pytest.raises(WeightError) as e:
+        src.tensor("model.layers.0.linear_attn.out_proj.weight")
+    one_line(e, str(p), "'blk.0.ssm_out.weight'", "64 columns", "ssm.*")
 
 
 def test_unsupported_type(tmp_path):

@@ -2,7 +2,7 @@
 
 ``tests/fixtures/llamacpp/<arch>.gguf`` were made once by ``scripts/make_llamacpp_fixtures.py``
 (llama.cpp's ``convert_hf_to_gguf.py --outtype bf16`` on a tiny model whose weights are
-bf16-exact; Qwen3-Next ``--outtype f32 --no-mtp``, DeepSeek-V3.2, GLM-5 and DeepSeek-V4 ``--outtype f32`` (DeepSeek-V4's
+bf16-exact; Qwen3-Next and Qwen3.5-MoE ``--outtype f32 --no-mtp``, DeepSeek-V3.2, GLM-5 and DeepSeek-V4 ``--outtype f32`` (DeepSeek-V4's
 experts MXFP4, from a release-layout checkpoint), see the script); ``<arch>.json`` holds the HF fp32 logits of that model and a tokenizer probe (and, for
 the sparse-attention models, how far the indexers' top-k key choices are from flipping).
 """
@@ -23,12 +23,23 @@ from .test_gguf_source import build_model, logits
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp"
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "deepseek_v2", "llama", "qwen2", "qwen3",
-         "gemma3_text", "qwen3_next", "deepseek_v32", "glm_moe_dsa", "deepseek_v4")
+         "gemma3_text", "qwen3_next", "deepseek_v32", "glm_moe_dsa", "deepseek_v4", "qwen3_5_moe_text")
 CONFIG = {"qwen3_moe": "Qwen3MoeConfig", "qwen2_moe": "Qwen2MoeConfig", "mixtral": "MixtralConfig",
           "deepseek_v3": "DeepseekV3Config", "deepseek_v2": "DeepseekV2Config", "llama": "LlamaConfig",
           "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "gemma3_text": "Gemma3TextConfig",
           "qwen3_next": "Qwen3NextConfig", "deepseek_v32": "DeepseekV32Config", "glm_moe_dsa": "GlmMoeDsaConfig",
-          "deepseek_v4": "DeepseekV4Config"}
+          "deepseek_v4": "DeepseekV4Config", "qwen3_5_moe_text": "Qwen3_5MoeTextConfig"}
+#: config fields the metadata must give back as the tiny model has them (the fixtures' HF models are
+#: the tiny configs, but for the overrides of scripts/make_llamacpp_fixtures.py)
+CONFIG_KEYS = {
+    # linear_num_key_heads 2 != linear_num_value_heads 4: llama.cpp's V-head reordering is undone
+    "qwen3_5_moe_text": ("num_hidden_layers", "hidden_size", "head_dim", "num_attention_heads",
+                         "num_key_value_heads", "rope_parameters", "layer_types", "linear_conv_kernel_dim",
+                         "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+                         "linear_num_value_heads", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                         "shared_expert_intermediate_size", "vocab_size", "tie_word_embeddings",
+                         "max_position_embeddings"),
+}
 
 
 def reference(arch: str) -> dict:
@@ -60,6 +71,17 @@ def test_fixture_matches_hf(arch):
     assert tok.encode(probe["text"], add_special_tokens=False) == probe["ids"]
 
 
+@pytest.mark.parametrize("arch", CONFIG_KEYS)
+def test_fixture_config_from_metadata(arch):
+    """The config built from llama.cpp's metadata alone equals the tiny model's where it matters."""
+    from ktransformers.util.tiny_models import tiny_config
+
+    cfg, want = open_weights(FIXTURES / f"{arch}.gguf").config(), tiny_config(arch)
+    for key in CONFIG_KEYS[arch]:
+        assert getattr(cfg, key) == getattr(want, key), key
+    assert cfg.rms_norm_eps == pytest.approx(want.rms_norm_eps, rel=1e-6)  # stored f32
+
+
 @pytest.mark.parametrize("arch,bos,adds_bos",
                          [("deepseek_v32", "<|endoftext|>", True), ("glm_moe_dsa", "[gMASK]", False)])
 def test_sparse_attention_fixture_specials(arch, bos, adds_bos):
@@ -72,7 +94,7 @@ def test_sparse_attention_fixture_specials(arch, bos, adds_bos):
 
 
 #: fixtures written F32 (their float kernels take fp32 activations on every tier)
-F32_FIXTURES = ("qwen3_next", "deepseek_v32", "glm_moe_dsa", "deepseek_v4")
+F32_FIXTURES = ("qwen3_next", "deepseek_v32", "glm_moe_dsa", "deepseek_v4", "qwen3_5_moe_text")
 
 
 #: F32 fixtures whose routed experts llama.cpp writes MXFP4 (DeepSeek-V4, always): the CPU kernels
