@@ -50,6 +50,11 @@ def out_of_pages_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
+def _put_all(items) -> None:
+    for job, item in items:  # in the order the step produced them
+        job.events.put_nowait(item)
+
+
 @dataclass(eq=False)
 class _BatchJob(_Job):
     seq: Sequence | None = None
@@ -65,6 +70,8 @@ class BatchEngine(Engine):
     ``generator`` is the single-request Generator of the same model: its prompt helpers
     (encode, chat template) and EOS ids are reused; its cache is never used here.
     """
+
+    _held: list | None = None  # events of the step in progress (see _deliver_held)
 
     def __init__(self, generator, tokenizer, runner, *, model_name: str, max_context: int,
                  max_batch_size: int = 8, chunk_size: int = 512, prefix_cache=None, **kw):
@@ -167,7 +174,35 @@ class BatchEngine(Engine):
             if job.cancel.is_set():
                 self._end(job, "cancelled")
 
+    def _emit(self, job: _Job, item) -> None:
+        if self._held is None:
+            super()._emit(job, item)
+        else:
+            self._held.append((job, item))
+
+    def _deliver_held(self) -> None:
+        """Hand the events held during a step to their event loops: one wake-up per loop and step,
+        not one per event (at batch 4 the per-event self-pipe writes and loop wake-ups took the CPU
+        the kernel threads were waiting for)."""
+        held, self._held = self._held, None
+        by_loop: dict = {}
+        for job, item in held or ():
+            by_loop.setdefault(job.loop, []).append((job, item))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # loop closed: nobody is listening any more
+                for job, _ in items:
+                    job.cancel.set()
+
     def _step(self) -> None:
+        self._held = []
+        try:
+            self._step_held()
+        finally:
+            self._deliver_held()
+
+    def _step_held(self) -> None:
         from ..generation import Sampler, StreamOutput
 
         try:
