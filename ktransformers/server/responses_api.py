@@ -526,7 +526,7 @@ def _prepare(app, body: ResponseCreate) -> Job:
     if not items and not conv_id:
         raise APIError(400, "'input' is required", param="input")
     use_tools = bool(body.tools) and body.tool_choice != "none"
-    tools = chat_tools(body.tools, body.tool_choice) if body.tools else []
+    tools = chat_tools(body.tools or [], body.tool_choice)  # also checks a choice that needs tools
     with db.read() as s:
         if conv_id:
             if s.scalar(select(ConversationRow).where(ConversationRow.id == conv_id)) is None:

@@ -210,6 +210,8 @@ def test_background_and_cancel(live_app, make_engine, tiny):
     ({}, "input"),
     ({"input": "x", "conversation": 5}, "conversation"),
     ({"input": "x", "tool_choice": "bogus"}, "tool_choice"),
+    ({"input": "x", "tool_choice": "required"}, "tool_choice"),  # no tools to require
+    ({"input": "x", "tool_choice": {"type": "function", "name": "f"}}, "tool_choice"),
     ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]}, "input[0].content"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
 ])
