@@ -213,7 +213,8 @@ def check_metadata(where: str, meta, arch: str, tensors: dict[str, tuple[int, ..
 
 
 def _check_finite(where: str, meta) -> None:
-    for key, v in meta.items():  # a NaN / Inf float is never meant
+    items = meta.scalar_items() if hasattr(meta, "scalar_items") else meta.items()  # arrays stay undecoded
+    for key, v in items:  # a NaN / Inf float is never meant
         if isinstance(v, float) and not math.isfinite(v):
             raise WeightError(f"{where}: metadata '{key}' is {v}; expected a finite number")
 

@@ -191,6 +191,15 @@ class _Metadata(Mapping[str, Any]):
     def __iter__(self) -> Iterator[str]:
         return iter(self._fields)
 
+    def scalar_items(self) -> Iterator[tuple[str, Any]]:
+        """(key, value) of the fields that are not arrays, without decoding the arrays (Gemma-3's
+        262k-token vocabulary as Python strings and floats is ~50 MB that a check has no use for)."""
+        from gguf.constants import GGUFValueType
+
+        for key, f in self._fields.items():
+            if not f.types or f.types[0] != GGUFValueType.ARRAY:
+                yield key, self[key]
+
     def __len__(self):
         return len(self._fields)
 
