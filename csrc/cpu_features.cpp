@@ -64,9 +64,10 @@ IsaTier parse_tier(const char* s) {
   if (v == "avx2") return IsaTier::AVX2;
   if (v == "avxvnni") return IsaTier::AVXVNNI;
   if (v == "avx512") return IsaTier::AVX512;
+  if (v == "avx512vnni") return IsaTier::AVX512VNNI;
   if (v == "avx512bf16") return IsaTier::AVX512BF16;
   if (v == "amx") return IsaTier::AMX;
-  throw std::invalid_argument("KT_ISA='" + v + "' is not one of scalar, avx2, avxvnni, avx512, avx512bf16, amx");
+  throw std::invalid_argument("KT_ISA='" + v + "' is not one of scalar, avx2, avxvnni, avx512, avx512vnni, avx512bf16, amx");
 }
 
 }  // namespace
@@ -80,12 +81,14 @@ bool tier_supported(IsaTier t) {
   const auto& f = cpu_features();
   const bool avx2 = f.avx2 && f.fma && f.f16c;
   const bool avx512 = avx2 && f.avx512f && f.avx512bw && f.avx512vl;
-  const bool bf16 = avx512 && f.avx512bf16 && f.avx512vnni;
+  const bool vnni512 = avx512 && f.avx512vnni;  // Cascade Lake, Ice Lake: int8 dots, no bf16 dots
+  const bool bf16 = vnni512 && f.avx512bf16;
   switch (t) {
     case IsaTier::Scalar: return true;
     case IsaTier::AVX2: return avx2;
     case IsaTier::AVXVNNI: return avx2 && f.avx_vnni;
     case IsaTier::AVX512: return avx512;
+    case IsaTier::AVX512VNNI: return vnni512;
     case IsaTier::AVX512BF16: return bf16;
     case IsaTier::AMX: return bf16 && f.amx_tile && f.amx_int8 && f.amx_bf16 && f.amx_os_enabled;
   }
@@ -94,7 +97,7 @@ bool tier_supported(IsaTier t) {
 
 IsaTier best_supported_tier() {
   // (an AVX-512 CPU with AVX-VNNI still gets its AVX-512 tiers: avxvnni is reached by KT_ISA)
-  for (IsaTier t : {IsaTier::AMX, IsaTier::AVX512BF16, IsaTier::AVX512, IsaTier::AVXVNNI, IsaTier::AVX2})
+  for (IsaTier t : {IsaTier::AMX, IsaTier::AVX512BF16, IsaTier::AVX512VNNI, IsaTier::AVX512, IsaTier::AVXVNNI, IsaTier::AVX2})
     if (tier_supported(t)) return t;
   return IsaTier::Scalar;
 }
@@ -123,6 +126,7 @@ const char* tier_name(IsaTier t) {
     case IsaTier::AVX2: return "avx2";
     case IsaTier::AVXVNNI: return "avxvnni";
     case IsaTier::AVX512: return "avx512";
+    case IsaTier::AVX512VNNI: return "avx512vnni";
     case IsaTier::AVX512BF16: return "avx512bf16";
     case IsaTier::AMX: return "amx";
   }

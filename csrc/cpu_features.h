@@ -7,7 +7,7 @@ namespace kt {
 // Ordered by capability for the kernels: a higher tier runs every instruction family the lower
 // ones use, except that AVX512 and up do not imply AVX-VNNI (the 256-bit VEX vpdpbusd of
 // Alder Lake / Zen 5), so whether a tier runs on this CPU is tier_supported(), not an order test.
-enum class IsaTier : int { Scalar = 0, AVX2 = 1, AVXVNNI = 2, AVX512 = 3, AVX512BF16 = 4, AMX = 5 };
+enum class IsaTier : int { Scalar = 0, AVX2 = 1, AVXVNNI = 2, AVX512 = 3, AVX512VNNI = 4, AVX512BF16 = 5, AMX = 6 };
 
 struct CpuFeatures {
   bool avx2 = false, fma = false, f16c = false;
@@ -21,7 +21,7 @@ const CpuFeatures& cpu_features();
 IsaTier best_supported_tier();
 // Whether this CPU (and OS) can run tier t's kernel table.
 bool tier_supported(IsaTier t);
-// Tier in force: best supported, or the one KT_ISA=scalar|avx2|avxvnni|avx512|avx512bf16|amx names
+// Tier in force: best supported, or the one KT_ISA=scalar|avx2|avxvnni|avx512|avx512vnni|avx512bf16|amx names
 // (which must be supported: KT_ISA=avxvnni on an AVX-512 CPU without AVX-VNNI is refused).
 IsaTier active_tier();
 const char* tier_name(IsaTier t);

@@ -38,6 +38,7 @@ KernelTable make_table() {
     case IsaTier::AVX2: return *kernel_table_avx2();
     case IsaTier::AVXVNNI: return *kernel_table_avxvnni();
     case IsaTier::AVX512: return *kernel_table_avx512();
+    case IsaTier::AVX512VNNI: return *kernel_table_avx512vnni();
     case IsaTier::AVX512BF16: return *kernel_table_avx512bf16();
     case IsaTier::AMX: {
       // the avx512bf16 table with tile kernels for calls of many tokens: same activation formats

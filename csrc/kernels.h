@@ -2,7 +2,7 @@
 // dispatch point: it picks the table for cpu_features.h's active_tier() once.
 //
 // Each table is built by compiling kernels_impl.inc under its own target flags
-// (kern_scalar.cpp, kern_avx2.cpp, kern_avxvnni.cpp, kern_avx512.cpp, kern_avx512bf16.cpp); AMX tile kernels live
+// (kern_scalar.cpp, kern_avx2.cpp, kern_avxvnni.cpp, kern_avx512.cpp, kern_avx512vnni.cpp, kern_avx512bf16.cpp); AMX tile kernels live
 // in kern_amx.cpp and are only installed when active_tier() == AMX.
 #pragma once
 #include <cstddef>
@@ -117,6 +117,7 @@ const KernelTable* kernel_table_scalar();
 const KernelTable* kernel_table_avx2();
 const KernelTable* kernel_table_avxvnni();
 const KernelTable* kernel_table_avx512();
+const KernelTable* kernel_table_avx512vnni();
 const KernelTable* kernel_table_avx512bf16();
 // AMX overrides (kern_amx.cpp); never called unless active_tier() == AMX.
 // Each takes the avx512bf16 kernel for the same layout, which serves calls with few tokens.

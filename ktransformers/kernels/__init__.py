@@ -18,7 +18,7 @@ Quick use::
 API
 ---
 ``isa_tier() -> str``
-    ISA tier in force: ``scalar | avx2 | avxvnni | avx512 | avx512bf16 | amx`` (best the CPU
+    ISA tier in force: ``scalar | avx2 | avxvnni | avx512 | avx512vnni | avx512bf16 | amx`` (best the CPU
     supports, AVX-512 before AVX-VNNI; the environment variable ``KT_ISA`` picks another supported
     one, ``cpuinfer_ext.supported_isa_tiers()`` lists them; an invalid value raises ``ValueError``).
     Logged once (logger ``ktransformers.kernels``) when the first pool is created.

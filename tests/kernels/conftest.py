@@ -8,7 +8,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 QUICK = os.environ.get("KT_TEST_QUICK") == "1"
 
 # ISA tiers, lowest first (csrc/cpu_features.h IsaTier); those this CPU runs: cpuinfer_ext.supported_isa_tiers().
-TIERS = ["scalar", "avx2", "avxvnni", "avx512", "avx512bf16", "amx"]
+TIERS = ["scalar", "avx2", "avxvnni", "avx512", "avx512vnni", "avx512bf16", "amx"]
 
 
 def int_kernel_suffix(tier: str) -> str:

@@ -140,7 +140,7 @@ def test_memory_and_kernel_names(pool):
     for b in BACKENDS:
         dec, pre, act = rows[b]
         assert dec.startswith("i4") and pre.startswith("i4") and act == "q8_32", rows[b]
-    if K.isa_tier() in ("avx512bf16", "amx"):
+    if K.isa_tier() in ("avx512vnni", "avx512bf16", "amx"):
         assert "vnni512" in rows["AMXInt4"][0]
     if K.isa_tier() in ("avx2", "avxvnni"):  # the packed int8 / int4 kernels share the tier's dot helpers
         sfx = int_kernel_suffix(K.isa_tier())

@@ -52,7 +52,7 @@ def _env(tier: str) -> dict:
     return env
 
 
-@pytest.mark.parametrize("tier", ["avx2", "avxvnni", "avx512", "scalar"])
+@pytest.mark.parametrize("tier", ["avx2", "avxvnni", "avx512", "avx512vnni", "scalar"])
 def test_lower_tier_subset(tier):
     if tier not in ext.supported_isa_tiers():
         pytest.skip(f"CPU does not support {tier}")
