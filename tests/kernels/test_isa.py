@@ -1,5 +1,5 @@
 """ISA dispatch: the kernels give the same answers on every tier this CPU supports
-(KT_ISA=avx2 / avxvnni / avx512 / scalar re-run a quick subset of the MoE and Linear tests in a
+(KT_ISA=avx2 / avxvnni / avx512 / avx512vnni / scalar re-run a quick subset of the MoE and Linear tests in a
 subprocess), the avxvnni tier's vpdpbusd kernels give the avx2 tier's bits, and a bad KT_ISA
 is a clean Python error."""
 
@@ -45,6 +45,19 @@ def test_avxvnni_detection_matches_the_kernel():
         pytest.skip("no /proc/cpuinfo flags")
     assert ext.cpu_features()["avx_vnni"] == ("avx_vnni" in flags)
     assert ("avxvnni" in ext.supported_isa_tiers()) == ({"avx_vnni", "avx2", "fma", "f16c"} <= flags)
+
+
+def test_avx512_tiers_follow_cpuinfo():
+    """avx512 needs F/BW/VL, avx512vnni adds VNNI (Cascade Lake, Ice Lake), avx512bf16 adds BF16:
+    each is offered exactly when Linux reports those flags (and AVX2/FMA/F16C)."""
+    flags = _cpu_flags()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags")
+    base = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"}
+    tiers = ext.supported_isa_tiers()
+    assert ("avx512" in tiers) == (base <= flags)
+    assert ("avx512vnni" in tiers) == (base | {"avx512_vnni"} <= flags)
+    assert ("avx512bf16" in tiers) == (base | {"avx512_vnni", "avx512_bf16"} <= flags)
 
 
 def _env(tier: str) -> dict:
