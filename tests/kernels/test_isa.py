@@ -1,7 +1,7 @@
 """ISA dispatch: the kernels give the same answers on every tier this CPU supports
-(KT_ISA=avx2 / avxvnni / avx512 / avx512vnni / scalar re-run a quick subset of the MoE and Linear tests in a
-subprocess), the avxvnni tier's vpdpbusd kernels give the avx2 tier's bits, and a bad KT_ISA
-is a clean Python error."""
+(KT_ISA=avx2 / avxvnni / avx512 / avx512vnni / scalar re-run a quick subset of the MoE and
+Linear tests in a subprocess), the avxvnni tier's vpdpbusd kernels give the avx2 tier's bits,
+and a bad KT_ISA is a clean Python error."""
 
 from __future__ import annotations
 
