@@ -44,6 +44,12 @@ def _reader_class():
     import gguf
     from gguf.constants import GGUFValueType
 
+    class PackedStringsField(gguf.ReaderField):
+        """A string-array field whose one data part is the packed array; ``contents()`` as gguf-py's."""
+
+        def contents(self, index_or_slice: int | slice = slice(None)) -> Any:
+            return _unpack_strings(self.parts[self.data[0]])[index_or_slice]
+
     class FastGGUFReader(gguf.GGUFReader):
         """gguf-py's reader, with large metadata arrays parsed in one pass instead of one
         ``_get`` per element (same ``ReaderField`` layout; 13 s -> well under 1 s on a 262k vocab),
@@ -73,21 +79,27 @@ def _reader_class():
                 parts.append(base[offs:end].view(nptype))
                 return end - orig_offs, parts, [2], [GGUFValueType.ARRAY, itype]
             if itype == GGUFValueType.STRING:
+                # one part for the whole array as well (a 262k-token vocabulary and its 515k merges
+                # as one view per string held ~40 MB for the life of the source); field_value()
+                # walks it.  Here only the bounds are checked, in one pass over the lengths.
                 mv = memoryview(base)
                 from_bytes = int.from_bytes
                 total = len(base)
-                idxs = []
                 for _ in range(n):
                     if offs + 8 > total:
                         raise ValueError(f"metadata string array at offset {orig_offs} runs past the end of the file")
                     slen = from_bytes(mv[offs : offs + 8], "little")
                     if offs + 8 + slen > total:
                         raise ValueError(f"metadata string at offset {offs} runs past the end of the file")
-                    idxs.append(len(parts))  # the string's bytes only; its length is their size
-                    parts.append(base[offs + 8 : offs + 8 + slen])
                     offs += 8 + slen
-                return offs - orig_offs, parts, idxs, [GGUFValueType.ARRAY, GGUFValueType.STRING]
+                parts.append(base[orig_offs + 12 : offs].view(_PackedStrings))
+                return offs - orig_offs, parts, [2], [GGUFValueType.ARRAY, GGUFValueType.STRING]
             return super()._get_field_parts(orig_offs, raw_type)
+
+        def _push_field(self, field, skip_sum=False):
+            if len(field.data) == 1 and isinstance(field.parts[field.data[0]], _PackedStrings):
+                field = PackedStringsField(*field)
+            return super()._push_field(field, skip_sum)
 
         def _build_tensors(self, start_offs, fields):
             out = []
@@ -156,6 +168,20 @@ def open_reader(path: str | os.PathLike):
         raise WeightError(f"{p}: corrupt or truncated GGUF header ({type(e).__name__}: {e})") from None
 
 
+class _PackedStrings(np.ndarray):
+    """A metadata string array as the file stores it: (u64 length, bytes) repeated (uint8)."""
+
+
+def _unpack_strings(packed: np.ndarray) -> list[str]:
+    buf = packed.view(np.ndarray).tobytes()
+    out, offs, end, from_bytes = [], 0, len(buf), int.from_bytes
+    while offs < end:
+        n = from_bytes(buf[offs : offs + 8], "little")
+        out.append(buf[offs + 8 : offs + 8 + n].decode("utf-8", errors="replace"))
+        offs += 8 + n
+    return out
+
+
 def field_value(field) -> Any:
     """Python value of a metadata field (str, int, float, bool, or list of those)."""
     from gguf.constants import GGUFValueType
@@ -164,6 +190,8 @@ def field_value(field) -> Any:
     if main == GGUFValueType.ARRAY:
         sub = field.types[-1] if len(field.types) > 1 else None
         if sub == GGUFValueType.STRING:
+            if len(field.data) == 1 and isinstance(field.parts[field.data[0]], _PackedStrings):
+                return _unpack_strings(field.parts[field.data[0]])
             return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
         return [v for i in field.data for v in field.parts[i].tolist()]
     if main == GGUFValueType.STRING:
@@ -183,10 +211,17 @@ class _Metadata(Mapping[str, Any]):
                 self._fields.setdefault(k, f)
         self._cache: dict[str, Any] = {}
 
+    #: arrays longer than this are decoded on each access, not kept (a vocabulary as Python
+    #: strings is tens of MB that only the tokenizer's construction reads, once)
+    CACHE_MAX_LEN = 4096
+
     def __getitem__(self, key):
-        if key not in self._cache:
-            self._cache[key] = field_value(self._fields[key])
-        return self._cache[key]
+        if key in self._cache:
+            return self._cache[key]
+        v = field_value(self._fields[key])
+        if not isinstance(v, list) or len(v) <= self.CACHE_MAX_LEN:
+            self._cache[key] = v
+        return v
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._fields)

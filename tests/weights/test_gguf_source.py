@@ -178,6 +178,9 @@ def test_fast_reader_fields_match_gguf_py(tmp_path):
     for k, f in stock.fields.items():
         assert f.contents() == fast.fields[k].contents(), k
         assert field_value(fast.fields[k]) == f.contents(), k
+    tokens = "tokenizer.ggml.tokens"
+    assert fast.fields[tokens].contents(7) == stock.fields[tokens].contents(7) == "tok7\u00e9"
+    assert len(fast.fields[tokens].parts) < 8, "the string array is one packed part, not one per string"
 
 
 def test_tied_output_and_lm_head_alias(tmp_path):
