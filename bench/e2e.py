@@ -18,7 +18,8 @@ Rows:
 For each model: prefill of 128 and 512 tokens and decode of 64 tokens, and the same through
 llama.cpp's ``llama-bench`` on the same file with the same threads, in the same run, printed side
 by side as ratios; then the peak RSS of a short generation (prefill 16 + 8 new tokens) in a fresh
-process, ours next to ``llama-bench``'s.
+process, ours next to ``llama-bench``'s, and of a 16-token chat reply to "Hi" with the tokenizer
+(``local_chat`` next to ``llama-completion``).
 
 llama.cpp is a bench-only peer: build it from the ``llama-cpp-python`` sdist (its vendored
 ``llama.cpp`` tree, ``cmake -B build -DLLAMA_BUILD_TOOLS=ON && ninja -C build llama-bench
@@ -249,6 +250,13 @@ def bench_model(name: str, path: Path, args) -> list[tuple]:
         theirs = (peak_rss_mib([str(args.llama_bin / "llama-bench"), "-m", str(path), "-p", "16", "-n", "8",
                                 "-r", "1", "-t", str(args.threads)]) if args.llama_bin else None)
         rows.append((name, "peak RSS MiB (lower wins)", ours, theirs))
+        # what a user sees: the chat command with its tokenizer, next to llama.cpp's
+        chat = [sys.executable, "-m", "ktransformers.local_chat", "--gguf_path", str(path), "--prompt", "Hi",
+                "--max_new_tokens", "16", "--cpu_infer", str(args.threads)]
+        completion = args.llama_bin / "llama-completion" if args.llama_bin else None
+        theirs = (peak_rss_mib([str(completion), "-m", str(path), "-p", "Hi", "-n", "16", "-t", str(args.threads),
+                                "-no-cnv"]) if completion is not None and completion.exists() else None)
+        rows.append((name, "chat 'Hi' peak RSS MiB (lower wins)", peak_rss_mib(chat), theirs))
     return rows
 
 
