@@ -145,7 +145,8 @@ def main() -> None:
                         if err > 3e-2:
                             print(f"  !! {sk} {t} T={T}: rel err {err:.3g} vs torch")
                     gbs = raw.nbytes / ms / 1e6
-                    print(f"{sk:10s} {t:7s} {th:3d} {T:4d} {ms:10.3f} {tms:9.3f} {tms / ms:6.2f} {gbs:6.1f} "
+                    vs = f"{tms:9.3f} {tms / ms:6.2f}" if wf is not None else f"{'-':>9s} {'-':>6s}"  # --no-torch
+                    print(f"{sk:10s} {t:7s} {th:3d} {T:4d} {ms:10.3f} {vs} {gbs:6.1f} "
                           f"{100 * gbs / bw[th]:5.0f}%  {table[t][0 if T == 1 else 1]}", flush=True)
                 del lin
 

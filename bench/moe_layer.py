@@ -299,11 +299,11 @@ def main() -> None:
                     _, peaks = probes[th]
                     if var == "torch":
                         torch_ms[(th, T)] = ms
-                    ratio = torch_ms.get((th, T), float("nan")) / ms
+                    vs = f"{torch_ms[(th, T)] / ms:7.2f}x" if (th, T) in torch_ms else f"{'-':>8s}"  # no torch row run
                     peak = peaks[peak_kind]
                     pk = f"{100 * gflops / peak:5.1f}%" if peak > 0 else f"{'n/a':>6s}"
                     line = (f"{sname:17s} {label:14s} {th:3d} {T:4d} {ms:9.3f} {gbs:6.1f} {gflops:8.1f} "
-                            f"{bw_row:5.1f} {100 * gbs / bw_row:5.0f}% {pk} {ratio:7.2f}x  {kernel_label(var, (gt, ut, dt), T)}")
+                            f"{bw_row:5.1f} {100 * gbs / bw_row:5.0f}% {pk} {vs}  {kernel_label(var, (gt, ut, dt), T)}")
                     print(line, flush=True)
                     rows.append(line)
                     timed[(sname, var, th, T)] = ms
