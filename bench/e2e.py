@@ -212,7 +212,7 @@ def _tiled_expert(o, ckpt, cache):
     return produce
 
 
-def bench_model(name: str, path: Path, args) -> list[tuple]:
+def bench_model(name: str, path: Path, args, chat: bool = False) -> list[tuple]:
     from ktransformers import load_model
     from ktransformers.generation import Generator, SamplingParams
 
@@ -250,13 +250,13 @@ def bench_model(name: str, path: Path, args) -> list[tuple]:
         theirs = (peak_rss_mib([str(args.llama_bin / "llama-bench"), "-m", str(path), "-p", "16", "-n", "8",
                                 "-r", "1", "-t", str(args.threads)]) if args.llama_bin else None)
         rows.append((name, "peak RSS MiB (lower wins)", ours, theirs))
-        # what a user sees: the chat command with its tokenizer, next to llama.cpp's
-        chat = [sys.executable, "-m", "ktransformers.local_chat", "--gguf_path", str(path), "--prompt", "Hi",
+    if args.rss and chat:  # what a user sees (a real vocabulary): the chat command with its tokenizer
+        cmd = [sys.executable, "-m", "ktransformers.local_chat", "--gguf_path", str(path), "--prompt", "Hi",
                 "--max_new_tokens", "16", "--cpu_infer", str(args.threads)]
         completion = args.llama_bin / "llama-completion" if args.llama_bin else None
         theirs = (peak_rss_mib([str(completion), "-m", str(path), "-p", "Hi", "-n", "16", "-t", str(args.threads),
                                 "-no-cnv"]) if completion is not None and completion.exists() else None)
-        rows.append((name, "chat 'Hi' peak RSS MiB (lower wins)", peak_rss_mib(chat), theirs))
+        rows.append((name, "chat 'Hi' peak RSS MiB (lower wins)", peak_rss_mib(cmd), theirs))
     return rows
 
 
@@ -542,7 +542,7 @@ def main(argv=None) -> int:
     table = []
     if "gemma" in only:
         try:
-            table += bench_model("gemma-3-270m Q4_K_M", gemma_path(), args)
+            table += bench_model("gemma-3-270m Q4_K_M", gemma_path(), args, chat=True)
         except ImportError as e:
             print(f"note: gemma skipped ({e})")
     if "qwen3moe" in only:
