@@ -35,6 +35,9 @@ renaming, experts packed as the release packs them; ``save_pretrained``'s revers
 that layout: it keeps ``model.``, ``embed_tokens`` and ``hc_head.*`` and writes ``attn.kv_norm`` as
 ``attn.norm``); the converter itself is unchanged.
 
+gpt-oss's experts come out BF16 like the rest: llama.cpp's converter writes them MXFP4 only from a
+checkpoint that is MXFP4 already (the published one), which the tiny model is not.
+
 The tests never run this script or need llama.cpp; they read the committed files.
 """
 
@@ -50,7 +53,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "tests" / "fixtures" / "llamacpp"
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "deepseek_v2", "llama", "qwen2", "qwen3",
-         "gemma3_text", "qwen3_next", "deepseek_v32", "glm_moe_dsa", "deepseek_v4", "qwen3_5_moe_text")
+         "gemma3_text", "qwen3_next", "deepseek_v32", "glm_moe_dsa", "deepseek_v4", "qwen3_5_moe_text",
+         "glm4_moe", "minimax_m2", "gpt_oss")
 TOKEN_IDS = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 257, 200, 17]
 #: output type and further converter options per architecture (see the module docstring)
 OUTTYPE = {"qwen3_next": "f32", "deepseek_v32": "f32", "glm_moe_dsa": "f32", "deepseek_v4": "f32",
@@ -63,7 +67,8 @@ EXTRA_CONFIG = {"deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux
                 "deepseek_v32": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"},
                 # GLM's config.json has no bos_token_id (the config class's default 0 would win over the
                 # [gMASK] llama.cpp's GLM vocab writer makes the BOS)
-                "glm_moe_dsa": {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "bos_token_id": None}}
+                "glm_moe_dsa": {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "bos_token_id": None},
+                "glm4_moe": {"bos_token_id": None}}
 
 # runs in a fresh interpreter: llama.cpp's converter with the two replacements of the module docstring
 _RUN_CONVERTER = """
@@ -81,7 +86,7 @@ runpy.run_path(sys.argv[0], run_name='__main__')
 
 def _llamacpp_tokenizer(arch: str, folder: Path) -> None:
     """What llama.cpp's vocab writers look for: DeepSeek-V3.2's a BOS added to every prompt (the tiny
-    tokenizer's ``<|endoftext|>``), GLM-5's GLM's ``[gMASK]``, ``<|user|>`` and ``<|observation|>``
+    tokenizer's ``<|endoftext|>``), GLM-4-MoE's and GLM-5's GLM's ``[gMASK]``, ``<|user|>`` and ``<|observation|>``
     specials (new ids after the tiny tokenizer's, inside the 320-token vocabulary)."""
     from transformers import AutoTokenizer
 
@@ -90,7 +95,7 @@ def _llamacpp_tokenizer(arch: str, folder: Path) -> None:
         cfg = json.loads(path.read_text())
         cfg.update(bos_token="<|endoftext|>", add_bos_token=True)
         path.write_text(json.dumps(cfg, indent=2))
-    elif arch == "glm_moe_dsa":
+    elif arch in ("glm_moe_dsa", "glm4_moe"):
         tok = AutoTokenizer.from_pretrained(folder)
         tok.add_special_tokens({"additional_special_tokens": ["[gMASK]", "<|user|>", "<|observation|>"]},
                                replace_extra_special_tokens=False)

@@ -16,6 +16,7 @@ from torch import nn
 from ..errors import KTError, RuleError, WeightError
 from ..operators.base import BaseInjectedModule, move_to
 from ..weights import WeightSource, open_weights
+from ..weights.experts_layout import ExpertsLayout
 from .plan import Plan, check_devices_available, plan_model
 
 log = logging.getLogger("ktransformers")
@@ -85,6 +86,24 @@ class ModelWeights:
                     and (device is None or loaded.device == torch.device(device)):
                 return loaded.detach()
         return self.source.tensor(resolved, dtype=dtype, device=device)
+
+    def parameter(self, name, dtype=None, device=None):
+        """The tensor for a plain (not replaced) module's own parameter ``name``, in the module's own
+        layout.  Differs from ``tensor`` only for an experts module whose layout is not the stacked
+        one the sources serve (gpt-oss: transposed, gate/up interleaved), where the stacked tensors
+        of a GGUF or per-expert source share its parameters' names: those are converted here."""
+        base, _, leaf = name.rpartition(".")
+        layout = None
+        if leaf in ("gate_up_proj", "down_proj", "gate_up_proj_bias") and base.endswith("experts"):
+            layout = ExpertsLayout.of(self.model.get_submodule(base))
+        if layout is None or layout.stacked or self.source.stores_parameter(name):
+            return self.tensor(name, dtype=dtype, device=device)
+        load = lambda leaf: self.source.tensor(f"{base}.{leaf}", dtype=dtype, device=device)  # noqa: E731
+        if leaf == "down_proj":
+            return layout.down_param(load("down_proj")).contiguous()
+        if leaf == "gate_up_proj":
+            return layout.gate_up_param(load("gate_proj"), load("up_proj"))
+        return layout.gate_up_bias_param(load("gate_proj_bias"), load("up_proj_bias"))
 
     def raw(self, name):
         return self.source.raw(self._name(name))
@@ -229,7 +248,7 @@ def load_weights(model: nn.Module, plan: Plan, source: WeightSource, progress: b
         for pname, param in list(module.named_parameters(recurse=False)):
             full = f"{name}.{pname}" if name else pname
             dtype = param.dtype if param.is_floating_point() else None
-            t = weights.tensor(full, dtype=dtype, device=device)
+            t = weights.parameter(full, dtype=dtype, device=device)
             if tuple(t.shape) != tuple(param.shape):
                 raise WeightError(
                     f"{source.path}: tensor '{full}' has shape {list(t.shape)}, the model expects {list(param.shape)}"

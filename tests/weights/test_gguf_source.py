@@ -40,10 +40,13 @@ def build_model(source, config=None):
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
+    from ktransformers.optimize.inject import ModelWeights
+
     config = config or source.config()
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config)
-    sd = {k: source.tensor(k, dtype=torch.float32) for k in model.state_dict()}
+    weights = ModelWeights(source, model)  # experts in the module's own layout (gpt-oss) too
+    sd = {k: weights.parameter(k, dtype=torch.float32) for k in model.state_dict()}
     model.load_state_dict(sd, assign=True, strict=True)
     if config.tie_word_embeddings:
         model.tie_weights()

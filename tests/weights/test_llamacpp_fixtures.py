@@ -2,7 +2,7 @@
 
 ``tests/fixtures/llamacpp/<arch>.gguf`` were made once by ``scripts/make_llamacpp_fixtures.py``
 (llama.cpp's ``convert_hf_to_gguf.py --outtype bf16`` on a tiny model whose weights are
-bf16-exact; Qwen3-Next and Qwen3.5-MoE ``--outtype f32 --no-mtp``, DeepSeek-V3.2, GLM-5 and DeepSeek-V4 ``--outtype f32`` (DeepSeek-V4's
+bf16-exact, gpt-oss's experts BF16 as well (not MXFP4: the tiny model's are not on its grid); Qwen3-Next and Qwen3.5-MoE ``--outtype f32 --no-mtp``, DeepSeek-V3.2, GLM-5 and DeepSeek-V4 ``--outtype f32`` (DeepSeek-V4's
 experts MXFP4, from a release-layout checkpoint), see the script); ``<arch>.json`` holds the HF fp32 logits of that model and a tokenizer probe (and, for
 the sparse-attention models, how far the indexers' top-k key choices are from flipping).
 """
@@ -23,12 +23,14 @@ from .test_gguf_source import build_model, logits
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp"
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "deepseek_v2", "llama", "qwen2", "qwen3",
-         "gemma3_text", "qwen3_next", "deepseek_v32", "glm_moe_dsa", "deepseek_v4", "qwen3_5_moe_text")
+         "gemma3_text", "qwen3_next", "deepseek_v32", "glm_moe_dsa", "deepseek_v4", "qwen3_5_moe_text",
+         "glm4_moe", "minimax_m2", "gpt_oss")
 CONFIG = {"qwen3_moe": "Qwen3MoeConfig", "qwen2_moe": "Qwen2MoeConfig", "mixtral": "MixtralConfig",
           "deepseek_v3": "DeepseekV3Config", "deepseek_v2": "DeepseekV2Config", "llama": "LlamaConfig",
           "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "gemma3_text": "Gemma3TextConfig",
           "qwen3_next": "Qwen3NextConfig", "deepseek_v32": "DeepseekV32Config", "glm_moe_dsa": "GlmMoeDsaConfig",
-          "deepseek_v4": "DeepseekV4Config", "qwen3_5_moe_text": "Qwen3_5MoeTextConfig"}
+          "deepseek_v4": "DeepseekV4Config", "qwen3_5_moe_text": "Qwen3_5MoeTextConfig",
+          "glm4_moe": "Glm4MoeConfig", "minimax_m2": "MiniMaxM2Config", "gpt_oss": "GptOssConfig"}
 #: config fields the metadata must give back as the tiny model has them (the fixtures' HF models are
 #: the tiny configs, but for the overrides of scripts/make_llamacpp_fixtures.py)
 CONFIG_KEYS = {
@@ -126,6 +128,22 @@ def test_fixture_through_load_model(arch):
         got = model(torch.tensor([ref["token_ids"]])).logits[0].float().numpy()
     tol = MXFP4_EXPERTS.get(arch, 1e-4) if arch in F32_FIXTURES else kernel_bf16_tolerance()
     assert rel_err(got, np.array(ref["hf_logits"], dtype=np.float32)) <= tol
+
+
+def test_gpt_oss_experts_left_to_transformers(tmp_path):
+    """Rules that leave gpt-oss's experts to transformers' own module: its transposed, gate/up
+    interleaved parameters (and biases) are built from llama.cpp's split expert tensors."""
+    from ktransformers import load_model
+
+    rules = tmp_path / "plain.yaml"
+    rules.write_text('- match: {name: "^lm_head$"}\n  replace: {class: default, kwargs: {generate_device: cpu}}\n')
+    ref = reference("gpt_oss")
+    model = load_model(FIXTURES / "gpt_oss.gguf", device="cpu", rules=rules)
+    experts = model.model.layers[0].mlp.experts
+    assert type(experts).__name__ == "GptOssExperts" and experts.gate_up_proj.shape == (8, 64, 192)
+    with torch.no_grad():
+        got = model(torch.tensor([ref["token_ids"]])).logits[0].float().numpy()
+    assert rel_err(got, np.array(ref["hf_logits"], dtype=np.float32)) <= 1e-4
 
 
 def test_qwen2moe_one_dimensional_shared_expert_gate(tmp_path):
