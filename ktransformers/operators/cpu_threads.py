@@ -12,6 +12,8 @@ log = logging.getLogger("ktransformers.kernels")
 
 _threads: int | None = None
 _claimed = False
+#: a forward of at least this many tokens (prefill) runs torch on every physical core
+PREFILL_TORCH_TOKENS = 32
 
 
 def physical_cores() -> int:
@@ -68,6 +70,10 @@ def kernel_pool():
     return pool
 
 
+def _torch_threads_fixed() -> bool:
+    return bool(os.environ.get("KT_TORCH_THREADS") or os.environ.get("OMP_NUM_THREADS"))
+
+
 def _hand_cores_to_pool(pool_threads: int) -> None:
     import torch
 
@@ -83,3 +89,46 @@ def _hand_cores_to_pool(pool_threads: int) -> None:
         log.info("CPU kernels use %d thread(s); torch intra-op threads set to %d (KT_TORCH_THREADS overrides)",
                  pool_threads, n)
         torch.set_num_threads(n)
+
+
+def install_prefill_threads(model) -> None:
+    """Give torch every physical core while ``model`` runs a forward of many tokens, and the
+    pool's share back after it.
+
+    Between decode steps torch keeps only the cores the kernel pool does not use (see
+    ``kernel_pool``), which leaves prefill attention (SDPA over hundreds of tokens, the norms and
+    the rotary embedding) on one core of a 2-core machine while the pool's threads sleep.  A
+    prefill forward is long enough that setting the thread count twice (well under 1 ms measured)
+    costs nothing, and the pool's calls inside it are long enough that torch's idle workers do not
+    slow them.  Nothing changes where the kernel pool never took the cores, torch already has all
+    of them, or ``KT_TORCH_THREADS`` / ``OMP_NUM_THREADS`` fix the count.
+    """
+    import torch
+
+    saved: list[int] = []
+
+    def tokens_of(args, kwargs) -> int:
+        x = kwargs.get("input_ids")
+        if x is None:
+            x = kwargs.get("inputs_embeds")
+            x = x[..., 0] if x is not None else None
+        if x is None and args and isinstance(args[0], torch.Tensor):
+            x = args[0]
+        return x.numel() if isinstance(x, torch.Tensor) else 0
+
+    def before(module, args, kwargs):
+        raise_to = None
+        if _claimed and not _torch_threads_fixed() and tokens_of(args, kwargs) >= PREFILL_TORCH_TOKENS:
+            cores, now = physical_cores(), torch.get_num_threads()
+            if now < cores:
+                torch.set_num_threads(cores)
+                raise_to = now
+        saved.append(raise_to)  # one entry per forward, so a nested forward restores nothing early
+
+    def after(module, args, kwargs, output):
+        back = saved.pop() if saved else None
+        if back is not None:
+            torch.set_num_threads(back)
+
+    model.register_forward_pre_hook(before, with_kwargs=True)
+    model.register_forward_hook(after, with_kwargs=True, always_call=True)

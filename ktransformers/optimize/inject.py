@@ -15,6 +15,7 @@ from torch import nn
 
 from ..errors import KTError, RuleError, WeightError
 from ..operators.base import BaseInjectedModule, move_to
+from ..operators.cpu_threads import install_prefill_threads
 from ..weights import WeightSource, open_weights
 from ..weights.experts_layout import ExpertsLayout
 from .plan import Plan, check_devices_available, plan_model
@@ -153,6 +154,7 @@ def inject(
     apply_plan(model, plan, source)
     report = load_weights(model, plan, source, progress=progress)
     install_device_hooks(model, plan)
+    install_prefill_threads(model)
     model.kt_plan = plan
     model.kt_load_report = report
     model.kt_weights = source
