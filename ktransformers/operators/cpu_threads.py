@@ -12,8 +12,10 @@ log = logging.getLogger("ktransformers.kernels")
 
 _threads: int | None = None
 _claimed = False
-#: a forward of at least this many tokens (prefill) runs torch on every physical core
-PREFILL_TORCH_TOKENS = 32
+#: a forward of at least this many tokens (prefill) runs torch on every physical core.  Measured on
+#: 2 cores (bench/e2e.py, prefill tok/s with / without): Gemma-3-270M 512 tokens +20-37 %, 256 and 128
+#: -19..+12 % (noise-level); the Qwen3-MoE-shaped model 512 +3-18 %, 256 +8-10 %, 128 -18..0 %.
+PREFILL_TORCH_TOKENS = 256
 
 
 def physical_cores() -> int:
@@ -92,16 +94,16 @@ def _hand_cores_to_pool(pool_threads: int) -> None:
 
 
 def install_prefill_threads(model) -> None:
-    """Give torch every physical core while ``model`` runs a forward of many tokens, and the
-    pool's share back after it.
+    """Give torch every physical core while ``model`` runs a forward of at least
+    ``PREFILL_TORCH_TOKENS`` tokens, and the pool's share back after it.
 
     Between decode steps torch keeps only the cores the kernel pool does not use (see
-    ``kernel_pool``), which leaves prefill attention (SDPA over hundreds of tokens, the norms and
-    the rotary embedding) on one core of a 2-core machine while the pool's threads sleep.  A
-    prefill forward is long enough that setting the thread count twice (well under 1 ms measured)
-    costs nothing, and the pool's calls inside it are long enough that torch's idle workers do not
-    slow them.  Nothing changes where the kernel pool never took the cores, torch already has all
-    of them, or ``KT_TORCH_THREADS`` / ``OMP_NUM_THREADS`` fix the count.
+    ``kernel_pool``), which leaves prefill attention (SDPA over hundreds of tokens, norms, rotary
+    embedding) on one core of a 2-core machine while the pool's threads sleep.  Switching the count
+    twice per prefill forward costs a few ms at most.  Below that size the switch does not pay: after
+    each op torch's idle workers spin a while on the cores the pool's next call needs.  Nothing
+    changes where the kernel pool never took the cores, torch already has all of them, or
+    ``KT_TORCH_THREADS`` / ``OMP_NUM_THREADS`` fix the count.
     """
     import torch
 

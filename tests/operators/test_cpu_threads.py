@@ -47,7 +47,7 @@ def test_prefill_threads_restored_when_the_forward_fails(model_and_seen, monkeyp
 
     model.model.layers[1].register_forward_pre_hook(fail)
     with torch.no_grad(), pytest.raises(RuntimeError, match="boom"):
-        model(torch.zeros(1, 64, dtype=torch.long))
+        model(torch.zeros(1, cpu_threads.PREFILL_TORCH_TOKENS, dtype=torch.long))
     assert torch.get_num_threads() == 1
 
 
@@ -58,5 +58,5 @@ def test_an_explicit_thread_count_is_kept(model_and_seen, monkeypatch, var):
     monkeypatch.setenv(var, "1")
     torch.set_num_threads(1)
     with torch.no_grad():
-        model(torch.zeros(1, 64, dtype=torch.long))
+        model(torch.zeros(1, cpu_threads.PREFILL_TORCH_TOKENS, dtype=torch.long))
     assert seen == [1]
