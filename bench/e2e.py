@@ -435,9 +435,9 @@ def rss_child(path: str, threads: int) -> int:
     """What the RSS row measures on our side: load, prefill 16 tokens, 8 new tokens."""
     from ktransformers import load_model
     from ktransformers.generation import Generator, SamplingParams
-    from ktransformers.local_chat import _set_threads
+    from ktransformers.operators.cpu_threads import use_threads
 
-    _set_threads(threads)
+    use_threads(threads)
     gen = Generator(load_model(path), _NullTokenizer())
     gen.eos_ids = set()
     gen.generate(list(range(100, 116)), SamplingParams(max_new_tokens=8))
@@ -516,14 +516,14 @@ def main(argv=None) -> int:
     ap.add_argument("--breakdown", action="store_true", help="print where a decode token's time goes")
     ap.add_argument("--rss-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    from ktransformers.local_chat import _set_threads, physical_cores
+    from ktransformers.operators.cpu_threads import physical_cores, use_threads
 
     args.threads = args.threads or physical_cores()
     if args.rss_child:
         return rss_child(args.rss_child, args.threads)
     args.prefill = [int(x) for x in args.prefill.split(",") if x]
     only = set(args.only.split(","))
-    _set_threads(args.threads)
+    use_threads(args.threads)
     args.llama_bin = Path(args.llama_cpp_bin) if args.llama_cpp_bin else None
     if args.llama_bin is not None and not (args.llama_bin / "llama-bench").is_file():
         print(f"error: {args.llama_bin}/llama-bench not found (--llama_cpp_bin)", file=sys.stderr)

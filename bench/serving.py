@@ -463,7 +463,7 @@ def main(argv=None) -> int:
     ap.add_argument("--work", help="folder for logs, data and the disk cache (default: a temporary one)")
     ap.add_argument("--json", help="also write the raw results here")
     args = ap.parse_args(argv)
-    from ktransformers.local_chat import physical_cores
+    from ktransformers.operators.cpu_threads import physical_cores
 
     args.threads = args.threads or physical_cores()
     args.concurrency = [int(x) for x in args.concurrency.split(",") if x]

@@ -33,15 +33,6 @@ HELP = "\n".join([f"  {c:<8} {what}" for c, what in COMMANDS.items()]
                     "  a path   sends that file's text"])
 
 
-def physical_cores() -> int:
-    """Physical CPU cores usable by this process (hyper-threads not counted)."""
-    try:
-        from .operators.cpu_threads import physical_cores as cores
-    except ImportError:
-        return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-    return max(1, cores())
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2 (argparse's default prints usage too)
         print(f"error: {message} (see --help)", file=sys.stderr)
@@ -87,18 +78,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ------------------------------------------------------------------------------------- setup
-
-
-def _set_threads(n: int) -> None:
-    """torch's intra-op threads, and the CPU-kernel pool size (read when kernel ops load)."""
-    import torch
-
-    torch.set_num_threads(n)
-    try:
-        from .operators.cpu_threads import set_cpu_infer_threads
-    except ImportError:  # no CPU-kernel support in this build
-        return
-    set_cpu_infer_threads(n)
 
 
 def load_tokenizer(model_path, source):
@@ -337,7 +316,9 @@ def main(argv: list[str] | None = None) -> int:
         _check_args(args)
         if progress:
             progress("starting (torch, CPU kernels) ...")
-        _set_threads(args.cpu_infer or physical_cores())
+        from .operators.cpu_threads import use_threads
+
+        use_threads(args.cpu_infer)
         model, tokenizer, gen = load(args, log, progress)
         params = default_sampling(args, model)
         if args.prompt is not None:

@@ -48,6 +48,16 @@ def set_cpu_infer_threads(n: int | None) -> None:
     _threads = n
 
 
+def use_threads(n: int | None = None) -> None:
+    """``--cpu_infer n`` (default: physical cores): the CPU kernels' pool size, and torch's intra-op
+    threads until the first kernel op loads and takes its cores (``kernel_pool``)."""
+    import torch
+
+    n = n or physical_cores()
+    set_cpu_infer_threads(n)
+    torch.set_num_threads(n)
+
+
 def cpu_infer_threads() -> int:
     return _threads or physical_cores()
 

@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model_name", help="name clients use for the model (default: from the folder/file name)")
     g.add_argument("--device", help="device for modules no rule places (default: cuda:0 if available, else cpu)")
     g.add_argument("--device_map", help="rewrite the rule file's devices, e.g. cuda=cpu (a GPU rule file on a CPU)")
-    g.add_argument("--cpu_infer", type=int, help="CPU threads for inference (default: torch's choice)")
+    g.add_argument("--cpu_infer", type=int, help="threads of the CPU kernels (default: physical cores); torch gets the cores they leave")
     g.add_argument("--cache_lens", type=int,
                    help="KV cache in tokens: balance_serve: shared by all running requests (one request's "
                         "prompt + answer must fit) [the model's max positions, at most "
@@ -171,14 +171,13 @@ def _sampling_defaults(settings: Settings, model):
 
 def build_engine(settings: Settings):
     """Load the model, tokenizer and Generator named by ``settings`` into an :class:`Engine`."""
-    import torch
-
     from ..generation import Generator
     from ..util.loading import load_for_generation
     from .engine import Engine
 
-    if settings.cpu_infer:
-        torch.set_num_threads(settings.cpu_infer)
+    from ..operators.cpu_threads import use_threads
+
+    use_threads(settings.cpu_infer)
     t0 = time.perf_counter()
     loaded = load_for_generation(settings.gguf_path or settings.model_path, settings.model_path,
                                  settings.optimize_config_path, device=settings.device,

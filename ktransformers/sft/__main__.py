@@ -64,21 +64,6 @@ def _drop_key(text: str, key: str) -> str:
     return "\n".join("" if ln.startswith(f"{key}:") else ln for ln in text.splitlines())
 
 
-def _set_threads(n: int | None) -> None:
-    import torch
-
-    if n is None:
-        from ..local_chat import physical_cores
-
-        n = physical_cores()
-    torch.set_num_threads(n)
-    try:
-        from ..operators.cpu_threads import set_cpu_infer_threads
-    except ImportError:
-        return
-    set_cpu_infer_threads(n)
-
-
 def train(cfg, log) -> int:
     from .data import load_examples
     from .model import load_training_model
@@ -189,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         cfg = _with_overrides(path, overrides)
-        _set_threads(cfg.cpu_infer)
+        from ..operators.cpu_threads import use_threads
+
+        use_threads(cfg.cpu_infer)
         if command == "chat":
             return chat(cfg, log, extra)
         if command == "export" or not cfg.do_train:

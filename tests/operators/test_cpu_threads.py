@@ -60,3 +60,19 @@ def test_an_explicit_thread_count_is_kept(model_and_seen, monkeypatch, var):
     with torch.no_grad():
         model(torch.zeros(1, cpu_threads.PREFILL_TORCH_TOKENS, dtype=torch.long))
     assert seen == [1]
+
+
+def test_cpu_infer_sets_the_pool_and_torch(monkeypatch):
+    """``--cpu_infer`` (local_chat, the server, sft): the kernels' pool size and torch's threads
+    until the pool takes its cores; no value: physical cores."""
+    monkeypatch.setattr(cpu_threads, "_threads", None)
+    before = torch.get_num_threads()
+    try:
+        cpu_threads.use_threads(3)
+        assert cpu_threads.cpu_infer_threads() == 3 and torch.get_num_threads() == 3
+        cpu_threads.use_threads(None)
+        assert cpu_threads.cpu_infer_threads() == cpu_threads.physical_cores() == torch.get_num_threads()
+        with pytest.raises(ValueError, match="--cpu_infer must be at least 1"):
+            cpu_threads.use_threads(-1)
+    finally:
+        torch.set_num_threads(before)
