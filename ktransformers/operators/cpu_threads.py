@@ -117,7 +117,7 @@ def install_prefill_threads(model) -> None:
     """
     import torch
 
-    saved: list[int] = []
+    saved: list[int | None] = []
 
     def tokens_of(args, kwargs) -> int:
         x = kwargs.get("input_ids")
