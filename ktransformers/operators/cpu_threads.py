@@ -82,14 +82,15 @@ def kernel_pool():
     return pool
 
 
-def _torch_threads_fixed() -> bool:
-    return bool(os.environ.get("KT_TORCH_THREADS") or os.environ.get("OMP_NUM_THREADS"))
+def _torch_threads_env() -> str | None:
+    """The thread count the user fixed for torch (``KT_TORCH_THREADS``, else ``OMP_NUM_THREADS``)."""
+    return os.environ.get("KT_TORCH_THREADS") or os.environ.get("OMP_NUM_THREADS")
 
 
 def _hand_cores_to_pool(pool_threads: int) -> None:
     import torch
 
-    want = os.environ.get("KT_TORCH_THREADS") or os.environ.get("OMP_NUM_THREADS")
+    want = _torch_threads_env()
     if want:
         try:
             n = max(1, int(want))
@@ -130,7 +131,7 @@ def install_prefill_threads(model) -> None:
 
     def before(module, args, kwargs):
         raise_to = None
-        if _claimed and not _torch_threads_fixed() and tokens_of(args, kwargs) >= PREFILL_TORCH_TOKENS:
+        if _claimed and not _torch_threads_env() and tokens_of(args, kwargs) >= PREFILL_TORCH_TOKENS:
             cores, now = physical_cores(), torch.get_num_threads()
             if now < cores:
                 torch.set_num_threads(cores)
