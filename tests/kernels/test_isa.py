@@ -94,13 +94,13 @@ def test_bad_kt_isa(value, match):
 # Integer weight types of the 256-bit kernels (the float types keep their fp32 FMA kernels).
 INT_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
              "MXFP4", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"]
-# 32-element formats whose 256-bit prefill unpacks weight panels (the others run row tiles, "_t8")
-PANEL_TYPES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "IQ4_XS", "MXFP4"}
+# formats whose 256-bit prefill unpacks weight panels (the IQ grid types run row tiles, "_t8")
+PANEL_TYPES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "IQ4_XS", "MXFP4", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
 
 
 def _cases():
     """(label, backend, type, raw, dequantized, x): every integer type at T = 1 (decode),
-    T = 5 (prefill row tiles) and T = 9 (the 32-element formats' panels), the packed int8
+    T = 5 (prefill row tiles) and T = 17 (the panels), the packed int8
     backend, and Q8_0 rows of int8 -128 against +-1 inputs (activations +-127: the largest pair
     products, 2 * 128 * 127) through the row tiles and the panels."""
     from gguf import GGMLQuantizationType as QT
@@ -110,7 +110,7 @@ def _cases():
     out = []
     for name in INT_TYPES:
         raw, deq = iq_weights(name, (13, 512), rng) if name in IQ_TYPES else make_weights(QT[name], (13, 512), rng)
-        for T in (1, 5, 9):
+        for T in (1, 5, 17):
             out.append((f"{name}-T{T}", "llamafile", name, raw, deq, rng.standard_normal((T, 512)).astype(np.float32)))
     raw, deq = make_weights(QT.BF16, (40, 512), rng)
     out.append(("AMXInt8-T3", "AMXInt8", "BF16", raw, deq, rng.standard_normal((3, 512)).astype(np.float32)))
@@ -119,7 +119,7 @@ def _cases():
     raw[..., 2:] = np.uint8(0x80)
     raw = raw.reshape(8, -1)
     deq = np.full((8, 512), -128 * np.float32(np.float16(0.01)), np.float32)
-    for T in (5, 9):
+    for T in (5, 17):
         x = np.where(rng.random((T, 512)) < 0.5, -1.0, 1.0).astype(np.float32)
         out.append((f"Q8_0-min-T{T}", "llamafile", "Q8_0", raw, deq, x))
     return out
