@@ -95,12 +95,13 @@ def test_bad_kt_isa(value, match):
 INT_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
              "MXFP4", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"]
 # formats whose 256-bit prefill unpacks weight panels (the IQ grid types run row tiles, "_t8")
-PANEL_TYPES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "IQ4_XS", "MXFP4", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+PANEL_TYPES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "IQ4_XS", "MXFP4",
+               "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
 
 
 def _cases():
     """(label, backend, type, raw, dequantized, x): every integer type at T = 1 (decode),
-    T = 5 (prefill row tiles) and T = 17 (the panels), the packed int8
+    T = 5 (row tiles, panels for the 32-element formats) and T = 17 (panels), the packed int8
     backend, and Q8_0 rows of int8 -128 against +-1 inputs (activations +-127: the largest pair
     products, 2 * 128 * 127) through the row tiles and the panels."""
     from gguf import GGMLQuantizationType as QT
