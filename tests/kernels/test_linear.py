@@ -17,7 +17,7 @@ import ktransformers.kernels as K
 # (in, out); 96 is not a multiple of 256, 33 not of 16; 800 = 25 blocks of 32 (a partial, odd
 # 16-block chunk in the Q8_32 kernels), 768 = 3 superblocks (IQ4_XS: one full + one half chunk)
 SHAPES = [(512, 40), (96, 33), (800, 7), (768, 21)]
-TS = (1, 64) if QUICK else (1, 2, 3, 5, 12, 64, 300)  # row tiles and partial panel token blocks, per tier
+TS = (1, 64) if QUICK else (1, 2, 3, 5, 6, 12, 64, 300)  # row tiles and partial panel token blocks, per tier
 
 
 def tol(backend, t):
