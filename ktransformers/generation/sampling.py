@@ -66,6 +66,8 @@ class Sampler:
             self.processors.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
         self.needs_ids = bool(self.processors)
         self.greedy = params.greedy
+        # a plain argmax: the batch engine takes these rows' tokens in one batched call
+        self.argmax_only = self.greedy and not self.processors
         if not self.greedy:
             if params.temperature != 1.0:
                 self.processors.append(TemperatureLogitsWarper(params.temperature))
