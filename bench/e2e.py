@@ -463,7 +463,11 @@ def bench_llama_bench(path: Path, args) -> dict:
            "-n", str(args.decode), "-t", str(args.threads), "-r", str(max(args.repeats, 2)), "-o", "json"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
-        print(f"note: llama-bench failed on {path.name}: {r.stderr.strip().splitlines()[-1:]}")
+        last = r.stderr.strip().splitlines()[-1:]
+        how = f"killed by signal {-r.returncode}" if r.returncode < 0 else f"exit {r.returncode}"
+        hint = " (SIGILL: this build uses an instruction the CPU or OS does not allow; rebuild without GGML_NATIVE)" \
+            if r.returncode == -4 else ""
+        print(f"note: llama-bench failed on {path.name}: {how}{hint} {last[0] if last else ''}".rstrip())
         return {}
     out = {}
     for row in json.loads(r.stdout):
