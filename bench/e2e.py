@@ -137,7 +137,7 @@ def qwen3moe_path(args, experts="Q4_K", attention="Q8_0", default="Q8_0", tag="q
     routers F32), so names, metadata and layout are exactly what the converter writes.
     """
     p = MODELS / f"bench-qwen3moe-4l-h2048-e128-v{args.vocab}-{tag}.gguf"
-    if p.is_file():
+    if p.is_file() and _has_vocab(p):
         return p
     try:
         from ktransformers import convert as kc
@@ -163,11 +163,48 @@ def qwen3moe_path(args, experts="Q4_K", attention="Q8_0", default="Q8_0", tag="q
             o.produce = _tiled_expert(o, ckpt, tiled)
     md = kc.metadata_for(cfg, arch, [o.name for o in outs])
     md["general.name"] = ("str", "bench-qwen3moe-shaped")
+    md.update(_placeholder_vocab(args.vocab))
     print(f"writing {p} (experts: one quantized matrix per projection, repeated) ...", flush=True)
     t0 = time.perf_counter()
     kc.write_gguf(p, md, outs)
     print(f"written in {time.perf_counter() - t0:.0f} s", flush=True)
     return p
+
+
+def _has_vocab(path: Path) -> bool:
+    """Files written before they carried a vocabulary are rebuilt (llama-server aborts on them)."""
+    import gguf
+
+    return "tokenizer.ggml.model" in gguf.GGUFReader(str(path)).fields
+
+
+def _placeholder_vocab(n: int) -> dict:
+    """A SentencePiece-style vocabulary of ``n`` placeholder tokens (256 byte tokens first).
+
+    The benches send token ids and count tokens, so the pieces do not matter; llama.cpp needs
+    some vocabulary to detokenize what it generates (``llama-server`` aborts on a file without
+    one).  Our servers get Gemma's tokenizer for this model instead (see bench/serving.py).
+    """
+    from ktransformers.weights.gguf_vocab import TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL
+
+    special = {0: "<unk>", 1: "<s>", 2: "</s>"}
+    tokens, types = [], []
+    for i in range(n):
+        if i in special:
+            tokens.append(special[i]); types.append(TOKEN_CONTROL)
+        elif i < 3 + 256:
+            tokens.append(f"<0x{i - 3:02X}>"); types.append(TOKEN_BYTE)
+        else:
+            tokens.append(f"\u2581t{i}"); types.append(TOKEN_NORMAL)
+    return {
+        "tokenizer.ggml.model": ("str", "llama"),
+        "tokenizer.ggml.tokens": ("arr", tokens),
+        "tokenizer.ggml.scores": ("f32arr", [0.0] * n),
+        "tokenizer.ggml.token_type": ("i32arr", types),
+        "tokenizer.ggml.unknown_token_id": ("u32", 0),
+        "tokenizer.ggml.bos_token_id": ("u32", 1),
+        "tokenizer.ggml.eos_token_id": ("u32", 2),
+    }
 
 
 class _RandomCheckpoint:

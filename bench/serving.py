@@ -392,6 +392,8 @@ def _delta(before: dict, after: dict) -> dict:
 
 
 def _fmt_prefix(r: dict) -> str:
+    if r.get("cold") is None or r.get("cached") is None:
+        return "failed (no first token; see the server's log)"
     s = f"cold {r['cold']:.2f} s, cached {r['cached']:.2f} s ({r['cached'] / r['cold']:.2f}x"
     s += f", pages by tier {r['cached_tiers']})" if r.get("cached_tiers") else ", no prefix-cache hits reported)"
     if r.get("disk") is not None:
