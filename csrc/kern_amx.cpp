@@ -422,8 +422,132 @@ void gemm_lf_amx(const GemmArgs& g, int type) {
   _tile_release();
 }
 
+// ---------------------------------------------------------------------------------------------
+// Q8_0 with 2..16 tokens (batched decode, short chunks) on int8 tiles, straight from the blocks:
+// per 32-k block, A = 16 weight rows x 32 signed bytes loaded in place (row stride = the row's
+// bytes, the 2-byte scale skipped by the start address), B = the block's activations of all
+// tokens (8 x 4*nt bytes, laid out once per call), tdpbssd -> C = 16 rows x nt int32, stored
+// contiguously, so nt zmm hold (row, token) pairs row-major and take the block's scale
+// dw[row] * da[token] through two fixed lane permutations.  Against the VNNI-512 row tiles this
+// drops the per-(row, token) dot and its horizontal layout (4 ops per 64 weights and token) to
+// one tile op per 16 rows plus 4 ops per 16 (row, token) pairs: at 4 tokens the 262k-row Q8_0
+// lm_head was compute-bound on the row tiles, here it streams (2 threads: T=2 and 4 as fast as
+// T=1).  From 5 tokens the VNNI-512 panels win (8 tokens: 8.0 ms against 8.6, 16: ~9 against
+// 13): the tile stores and the per-pair scaling grow with the tokens, the panels' unpack does not.
+// ---------------------------------------------------------------------------------------------
+constexpr int kQ8TileMaxTokens = 4;
+
+void gemm_q8_0_amx(const GemmArgs& g) {
+  const int K = g.K, nt = g.nt, nb = K / 32;
+  const size_t rb = g.w_row_bytes;
+  // scratch: B tiles [nb][8 rows][64 bytes], token-scale patterns [nb][nt][16] floats,
+  // lane index vectors, a zero-padded copy of a partial last row group
+  const size_t b_bytes = static_cast<size_t>(nb) * 8 * 64;
+  const size_t s_bytes = static_cast<size_t>(nb) * nt * 64;
+  uint8_t* base = scratch(b_bytes + s_bytes + 16 * rb + 64);
+  uint8_t* B = base;
+  float* daP = reinterpret_cast<float*>(base + b_bytes);
+  uint8_t* tail = base + b_bytes + s_bytes;
+  __m512i ridx[kQ8TileMaxTokens], tidx[kQ8TileMaxTokens];  // lane l of zmm j: row (16j + l) / nt, token (16j + l) % nt
+  for (int j = 0; j < nt; ++j) {
+    alignas(64) int32_t ri[16], ti[16];
+    for (int l = 0; l < 16; ++l) {
+      ri[l] = (16 * j + l) / nt;
+      ti[l] = (16 * j + l) % nt;
+    }
+    ridx[j] = _mm512_load_si512(ri);
+    tidx[j] = _mm512_load_si512(ti);
+  }
+  for (int b = 0; b < nb; ++b) {
+    uint32_t* Bb = reinterpret_cast<uint32_t*>(B + static_cast<size_t>(b) * 512);
+    alignas(64) float da[16] = {};
+    for (int t = 0; t < nt; ++t) {
+      const uint8_t* q = g.A[t] + 32 * static_cast<size_t>(b);
+      for (int k4 = 0; k4 < 8; ++k4) std::memcpy(Bb + 16 * k4 + t, q + 4 * k4, 4);
+      da[t] = reinterpret_cast<const float*>(g.A[t] + K)[b];
+    }
+    const __m512 dav = _mm512_load_ps(da);
+    for (int j = 0; j < nt; ++j)
+      _mm512_storeu_ps(daP + (static_cast<size_t>(b) * nt + j) * 16, _mm512_permutexvar_ps(tidx[j], dav));
+  }
+  TileCfg c;
+  std::memset(&c, 0, sizeof(c));
+  c.palette_id = 1;
+  for (int i = 0; i < 2; ++i) {
+    c.rows[i] = 16;  // A: 16 rows x 32 bytes
+    c.colsb[i] = 32;
+    c.rows[2 + i] = 8;  // B: 8 x (nt tokens x 4 bytes)
+    c.colsb[2 + i] = static_cast<uint16_t>(4 * nt);
+    c.rows[4 + i] = 16;  // C: 16 rows x nt int32
+    c.colsb[4 + i] = static_cast<uint16_t>(4 * nt);
+  }
+  tile_loadconfig(c);
+  const __m512i roff = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(static_cast<int>(rb)));
+  alignas(64) int32_t cbuf[2][16 * kQ8TileMaxTokens];
+  alignas(64) float obuf[16 * kQ8TileMaxTokens];
+  for (int r0 = 0; r0 < g.nr; r0 += 16) {
+    const int nrows = kmin(16, g.nr - r0);
+    const uint8_t* W = g.W + static_cast<size_t>(r0) * rb;
+    if (nrows < 16) {  // tiles load 16 rows: the last partial group from a zero-padded copy
+      std::memcpy(tail, W, nrows * rb);
+      std::memset(tail + nrows * rb, 0, (16 - nrows) * rb);
+      W = tail;
+    }
+    // the group after next into L2 while this one is computed (rows are contiguous)
+    const int pf_row = r0 + 32;
+    const int pf_rows = kmin(16, g.nr_avail - pf_row);
+    const Prefetcher pref(pf_rows > 0 ? g.W + static_cast<size_t>(pf_row) * rb : nullptr,
+                          pf_rows > 0 ? pf_rows * rb : 0, (nb + 1) / 2, true);
+    __m512 acc[kQ8TileMaxTokens];
+    for (int j = 0; j < nt; ++j) acc[j] = _mm512_setzero_ps();
+    auto scale_add = [&](const int32_t* cb, int b) {
+      const __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(
+          _mm512_i32gather_epi32(roff, W + 34 * static_cast<size_t>(b), 1)));  // the 16 rows' fp16 d
+      const float* dp = daP + static_cast<size_t>(b) * nt * 16;
+      for (int j = 0; j < nt; ++j) {
+        const __m512 sc = _mm512_mul_ps(_mm512_permutexvar_ps(ridx[j], dw), _mm512_loadu_ps(dp + 16 * j));
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cb + 16 * j)), sc, acc[j]);
+      }
+    };
+    int b = 0;
+    for (; b + 1 < nb; b += 2) {  // two blocks in flight: C of one is stored while the other computes
+      pref.at(b / 2);
+      const uint8_t* a0 = W + 34 * static_cast<size_t>(b) + 2;
+      KT_TILE_LOADD(2, B + static_cast<size_t>(b) * 512, 64);
+      KT_TILE_LOADD(0, a0, rb);
+      _tile_zero(4);
+      _tile_dpbssd(4, 0, 2);
+      KT_TILE_LOADD(3, B + static_cast<size_t>(b + 1) * 512, 64);
+      KT_TILE_LOADD(1, a0 + 34, rb);
+      _tile_zero(5);
+      _tile_dpbssd(5, 1, 3);
+      KT_TILE_STORED(4, cbuf[0], 4 * nt);
+      KT_TILE_STORED(5, cbuf[1], 4 * nt);
+      scale_add(cbuf[0], b);
+      scale_add(cbuf[1], b + 1);
+    }
+    if (b < nb) {
+      KT_TILE_LOADD(2, B + static_cast<size_t>(b) * 512, 64);
+      KT_TILE_LOADD(0, W + 34 * static_cast<size_t>(b) + 2, rb);
+      _tile_zero(4);
+      _tile_dpbssd(4, 0, 2);
+      KT_TILE_STORED(4, cbuf[0], 4 * nt);
+      scale_add(cbuf[0], b);
+    }
+    for (int j = 0; j < nt; ++j) _mm512_store_ps(obuf + 16 * j, acc[j]);
+    for (int t = 0; t < nt; ++t) {
+      float* y = g.C + static_cast<size_t>(t) * g.ldc + r0;
+      for (int r = 0; r < nrows; ++r) y[r] = obuf[r * nt + t];
+    }
+  }
+  _tile_release();
+}
+
 template <int T>
 void lf_amx(const GemmArgs& g) {
+  if constexpr (T == GGML_Q8_0)
+    if (g.nt >= 2 && g.nt <= kQ8TileMaxTokens) return gemm_q8_0_amx(g);
   if (g.nt < g_lf_min[T] || g.K % 32) return g_lf_base[T](g);  // tiles take 32 k at a time
   gemm_lf_amx(g, T);
 }
@@ -454,7 +578,8 @@ void amx_llamafile_prefill(KernelTable& t) {
     g_lf_base[ty] = t.lf_gemm[ty];
     g_lf_act[ty] = f;
     t.lf_gemm[ty] = wrappers[ty];
-    names[ty] = std::string("amx_bf16_dq (T>=") + std::to_string(min_tokens) + "; else " + t.lf_prefill[ty] + ")";
+    names[ty] = std::string(ty == GGML_Q8_0 ? "amx_i8_q8_0 (T<=4), " : "") + "amx_bf16_dq (T>=" +
+                std::to_string(min_tokens) + "; else " + t.lf_prefill[ty] + ")";
     t.lf_prefill[ty] = names[ty].c_str();
   }
 }
