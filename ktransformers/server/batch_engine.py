@@ -204,6 +204,7 @@ class BatchEngine(Engine):
 
     def _step_held(self) -> None:
         from ..generation import Sampler, StreamOutput
+        from ..generation.sampling import argmax_rows
 
         try:
             chunks = self.scheduler.schedule()
@@ -251,7 +252,7 @@ class BatchEngine(Engine):
         argmax: dict[int, int] = {}
         if plain:
             with torch.inference_mode():
-                picked = logits[[rows[id(s)] for s in plain]].argmax(dim=-1).tolist()
+                picked = argmax_rows(logits[[rows[id(s)] for s in plain]])
             argmax = {id(s): t for s, t in zip(plain, picked)}
         for s in due:
             job = s.owner
