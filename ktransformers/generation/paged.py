@@ -289,14 +289,32 @@ class _PagedBatch:
             self._devcache[key] = None if bool(keep.all()) else keep[:, None, None, :].to(device)
         return self._devcache[key]
 
-    def _chunk_mask(self, i: int, t: int, past: int, device, window: int | None):
-        """``[t, past+t]`` causal (and windowed) keep-mask of chunk ``i``; None: plain causal, no past."""
+    def _decode_keys(self, b: int, store_device, device, window: int | None):
+        """(key rows ``[n, L]``, keep-mask or None) of single-token bucket ``b`` for a layer with
+        ``window``: a sliding-window layer reads only each sequence's last ``window`` keys, so its
+        decode costs O(window), not O(context)."""
+        _, past, read = self.decode[b]
+        if window is None or read.shape[1] <= window:
+            return self._on(("dec_read", b), read, store_device), self._decode_mask(b, device, window)
+        key = ("dec_read_window", b, window)
+        if key not in self._devcache:
+            lo = (past + 1 - window).clamp(min=0)
+            idx = lo[:, None] + torch.arange(int((past + 1 - lo).max()))[None, :]
+            keep = idx <= past[:, None]
+            rows = torch.gather(read, 1, idx.clamp(max=read.shape[1] - 1)).masked_fill(~keep, 0)
+            mask = None if bool(keep.all()) else keep[:, None, None, :].to(device)
+            self._devcache[key] = (rows.to(store_device), mask)
+        return self._devcache[key]
+
+    def _chunk_mask(self, i: int, t: int, past: int, device, window: int | None, lo: int = 0):
+        """``[t, past+t-lo]`` causal (and windowed) keep-mask of chunk ``i`` over keys ``lo ..``;
+        None: plain causal, no past."""
         if past == 0 and (window is None or window >= t):
             return None
         key = ("chunk_mask", i, device, window)
         if key not in self._devcache:
             qpos = torch.arange(past, past + t)[:, None]
-            kpos = torch.arange(past + t)[None, :]
+            kpos = torch.arange(lo, past + t)[None, :]
             keep = kpos <= qpos
             if window is not None:
                 keep &= kpos > qpos - window
@@ -330,24 +348,25 @@ class _PagedBatch:
         H = query.shape[1]
         gqa = H != k_store.shape[1]
         out = query.new_empty(1, self.num_tokens, H, v_store.shape[-1])
-        for b, (qi, _, read) in enumerate(self.decode):
+        for b, (qi, _, _) in enumerate(self.decode):
             qi = self._on(("dec_q", b), qi, dev)
-            read = self._on(("dec_read", b), read, k_store.device)
+            read, mask = self._decode_keys(b, k_store.device, dev, window)
             q = query[0][:, qi].transpose(0, 1).unsqueeze(2)  # [N, H, 1, d]
             k = _rows(k_store, read).transpose(1, 2).to(dev)  # [N, kvH, L, d]
             v = _rows(v_store, read).transpose(1, 2).to(dev)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=self._decode_mask(b, dev, window), scale=scaling,
-                                               enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
             out[0, qi] = o[:, :, 0].to(out.dtype)
         for i, (s, t, past, slots) in enumerate(self.chunks):
             q = query[:, :, s : s + t]
+            # keys before the window of the chunk's first query are masked for every query: not read
+            lo = 0 if window is None else max(0, past + 1 - window)
             if past == 0:
                 k, v = key[:, :, s : s + t], value[:, :, s : s + t]
             else:
-                rd = self._on(("slots", i), slots, k_store.device)
+                rd = self._on(("slots", i, lo), slots[lo:], k_store.device)
                 k = _rows(k_store, rd).transpose(0, 1).unsqueeze(0).to(dev)
                 v = _rows(v_store, rd).transpose(0, 1).unsqueeze(0).to(dev)
-            mask = self._chunk_mask(i, t, past, dev, window)
+            mask = self._chunk_mask(i, t, past, dev, window, lo)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling,
                                                enable_gqa=gqa)
             out[0, s : s + t] = o[0].transpose(0, 1).to(out.dtype)

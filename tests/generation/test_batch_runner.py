@@ -290,6 +290,33 @@ def test_decode_buckets_bound_the_padding():
     assert all(len(b) * max(b) <= PAD_WASTE * sum(b) for b in mixed) and len(mixed) == 2
 
 
+
+def test_window_layers_read_only_the_window():
+    """A sliding-window layer gathers each sequence's last ``window`` keys (decode) and a chunk's
+    keys from its first query's window on, with the same keep-set as the full masks."""
+    from types import SimpleNamespace
+
+    from ktransformers.generation.paged import _PagedBatch
+
+    cpu = torch.device("cpu")
+    # two decode tokens (past 17 and 5: one bucket) and a 4-token chunk after 8 past tokens
+    batch = _PagedBatch(SimpleNamespace(page_size=4), [([0, 1, 2, 3, 4], 17, 1), ([5, 6], 5, 1), ([7, 8, 9], 8, 4)])
+    assert len(batch.decode) == 1
+    rows, mask = batch._decode_keys(0, cpu, cpu, window=6)
+    assert rows.tolist() == [list(range(12, 18)), list(range(20, 26))] and mask is None
+    rows, mask = batch._decode_keys(0, cpu, cpu, window=8)  # the short sequence pads, masked
+    assert rows.shape == (2, 8) and rows[0].tolist() == list(range(10, 18))
+    assert mask[:, 0, 0].tolist() == [[True] * 8, [True] * 6 + [False] * 2]
+    full_read, full_mask = batch._decode_keys(0, cpu, cpu, window=None)
+    assert full_read.shape == (2, 18)  # no window: every key up to the longest
+
+    s, t, past, slots = batch.chunks[0]
+    lo = past + 1 - 6
+    trimmed = batch._chunk_mask(0, t, past, cpu, 6, lo)
+    qpos, kpos = torch.arange(past, past + t)[:, None], torch.arange(past + t)[None, :]
+    full = (kpos <= qpos) & (kpos > qpos - 6)
+    assert not full[:, :lo].any() and torch.equal(trimmed, full[:, lo:])
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gemma3_text"])
 def test_unmodified_transformers_model_batches_too(arch, tiny_model_dir, one_torch_thread):
     """No injection needed for softmax attention: the plain transformers model, same check."""
