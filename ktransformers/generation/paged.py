@@ -277,15 +277,13 @@ class _PagedBatch:
             read[j, : past + 1] = slots
         return torch.tensor([s for s, _, _ in dec]), torch.tensor([p for _, p, _ in dec]), read
 
-    def _decode_mask(self, b: int, device, window: int | None):
-        """``[n, 1, 1, L_max]`` keep-mask of single-token bucket ``b``, or None if every key is seen."""
-        key = ("decode_mask", b, device, window)
+    def _decode_mask(self, b: int, device):
+        """``[n, 1, 1, L_max]`` keep-mask of single-token bucket ``b`` (each row's own length), or
+        None if every key is seen."""
+        key = ("decode_mask", b, device)
         if key not in self._devcache:
             _, past, read = self.decode[b]
-            kpos = torch.arange(read.shape[1])
-            keep = kpos[None, :] <= past[:, None]
-            if window is not None:
-                keep &= kpos[None, :] > past[:, None] - window
+            keep = torch.arange(read.shape[1])[None, :] <= past[:, None]
             self._devcache[key] = None if bool(keep.all()) else keep[:, None, None, :].to(device)
         return self._devcache[key]
 
@@ -294,8 +292,8 @@ class _PagedBatch:
         ``window``: a sliding-window layer reads only each sequence's last ``window`` keys, so its
         decode costs O(window), not O(context)."""
         _, past, read = self.decode[b]
-        if window is None or read.shape[1] <= window:
-            return self._on(("dec_read", b), read, store_device), self._decode_mask(b, device, window)
+        if window is None or read.shape[1] <= window:  # every key is in every row's window
+            return self._on(("dec_read", b), read, store_device), self._decode_mask(b, device)
         key = ("dec_read_window", b, window)
         if key not in self._devcache:
             lo = (past + 1 - window).clamp(min=0)
@@ -399,7 +397,7 @@ class _PagedBatch:
             qp = q_pe[0][:, qi].transpose(0, 1).unsqueeze(2)
             c = _rows(lat, read).unsqueeze(1).to(dev)  # [N, 1, L, C]
             r = _rows(rk, read).unsqueeze(1).to(dev)
-            mask = self._decode_mask(b, dev, None)
+            mask = self._decode_mask(b, dev)
             if attn.absorb_decode:
                 o = absorbed_decode_attention(qn, qp, c, r, w_uk, w_uv, attn.scaling, mask)
             else:

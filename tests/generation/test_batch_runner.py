@@ -290,7 +290,6 @@ def test_decode_buckets_bound_the_padding():
     assert all(len(b) * max(b) <= PAD_WASTE * sum(b) for b in mixed) and len(mixed) == 2
 
 
-
 def test_window_layers_read_only_the_window():
     """A sliding-window layer gathers each sequence's last ``window`` keys (decode) and a chunk's
     keys from its first query's window on, with the same keep-set as the full masks."""
@@ -307,7 +306,7 @@ def test_window_layers_read_only_the_window():
     rows, mask = batch._decode_keys(0, cpu, cpu, window=8)  # the short sequence pads, masked
     assert rows.shape == (2, 8) and rows[0].tolist() == list(range(10, 18))
     assert mask[:, 0, 0].tolist() == [[True] * 8, [True] * 6 + [False] * 2]
-    full_read, full_mask = batch._decode_keys(0, cpu, cpu, window=None)
+    full_read, _ = batch._decode_keys(0, cpu, cpu, window=None)
     assert full_read.shape == (2, 18)  # no window: every key up to the longest
 
     s, t, past, slots = batch.chunks[0]
@@ -316,6 +315,7 @@ def test_window_layers_read_only_the_window():
     qpos, kpos = torch.arange(past, past + t)[:, None], torch.arange(past + t)[None, :]
     full = (kpos <= qpos) & (kpos > qpos - 6)
     assert not full[:, :lo].any() and torch.equal(trimmed, full[:, lo:])
+
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gemma3_text"])
 def test_unmodified_transformers_model_batches_too(arch, tiny_model_dir, one_torch_thread):
