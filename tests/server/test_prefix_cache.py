@@ -3,6 +3,7 @@ and bad files."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -217,7 +218,35 @@ def test_lru_order_survives_restart(tmp_path):
     assert run_request(c3, c3.pool, b, insert=False)[0] == 0
 
 
-@pytest.mark.parametrize("damage", ["flip_payload", "truncate", "empty", "garbage_header", "renamed"])
+def _rewrite_header(data: bytes, edit) -> bytes:
+    """The file with its JSON header passed through ``edit`` (the payload bytes unchanged)."""
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    edit(header)
+    raw = json.dumps(header).encode()
+    return len(raw).to_bytes(8, "little") + raw + data[8 + n:]
+
+
+def _retype(header):  # same byte count, other dtype: only the checksum can tell
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["dtype"] = {"F32": "I32", "I32": "F32", "BF16": "F16", "F16": "BF16"}[header[name]["dtype"]]
+
+
+def _shift_offsets(header):  # a tensor pointing past the end of the file
+    name = next(k for k in header if k != "__metadata__")
+    start, end = header[name]["data_offsets"]
+    header[name]["data_offsets"] = [start + 10 ** 6, end + 10 ** 6]
+
+
+def _old_version(header):
+    header["__metadata__"]["format_version"] = "1"
+
+
+HEADER_EDITS = {"retyped": _retype, "offsets_out_of_file": _shift_offsets, "old_format_version": _old_version}
+
+
+@pytest.mark.parametrize("damage", ["flip_payload", "truncate", "empty", "garbage_header", "renamed",
+                                    *HEADER_EDITS])
 def test_bad_file_is_skipped_with_warning_and_deleted(tmp_path, caplog, damage):
     a = toks(13, 4)
     files = _spill_to_disk(tmp_path, a)
@@ -234,6 +263,8 @@ def test_bad_file_is_skipped_with_warning_and_deleted(tmp_path, caplog, damage):
         data = (100).to_bytes(8, "little") + b"{not json" + b"x" * 200
     elif damage == "renamed":  # another page's valid file under this page's name
         data = (tmp_path / f"{keys[2]}{FILE_SUFFIX}").read_bytes()
+    elif damage in HEADER_EDITS:
+        data = _rewrite_header(data, HEADER_EDITS[damage])
     victim.write_bytes(data)
     pool = FakePool(16, PS)
     with caplog.at_level(logging.WARNING, logger="ktransformers.server"):
