@@ -217,14 +217,37 @@ def test_gguf_tokenizer_is_cached_by_metadata_hash(tmp_path, monkeypatch):
     first = src.tokenizer()
     entry = tmp_path / "cache" / "tokenizers" / tokenizer_key(src.metadata)
     assert (entry / "tokenizer.json").is_file()
+    assert (entry / "bpe.npz").is_file()  # the BPE's vocabulary and merges as arrays, not JSON
     again = src.tokenizer()
-    text = "Hello <|im_start|>world<|im_end|>"
+    text = "Hello <|im_start|>world<|im_end|>\n\n  tabs\there, ünïcödé 你好 🤖 def f(x):\n    return x**2"
     assert again.encode(text) == first.encode(text)
+    assert again.decode(again.encode(text)) == first.decode(first.encode(text))
+    assert again.get_vocab() == first.get_vocab() and len(again) == len(first)
     assert again.chat_template == first.chat_template and again.eos_token == first.eos_token
+    assert again.all_special_ids == first.all_special_ids
     changed = dict(src.metadata, **{"tokenizer.ggml.eos_token_id": 0})
     assert tokenizer_key(changed) != tokenizer_key(src.metadata)
     monkeypatch.setenv("KT_CACHE_DIR", "off")
     assert src.tokenizer().encode(text) == first.encode(text)
+
+
+def test_damaged_tokenizer_cache_is_rebuilt(tmp_path, monkeypatch, caplog):
+    from ktransformers.weights import open_weights
+    from ktransformers.weights.gguf_tokenizer import tokenizer_key
+
+    monkeypatch.setenv("KT_CACHE_DIR", str(tmp_path / "cache"))
+    src = open_weights(ROOT / "tests" / "fixtures" / "llamacpp" / "qwen3_moe.gguf")
+    first = src.tokenizer()
+    arrays = tmp_path / "cache" / "tokenizers" / tokenizer_key(src.metadata) / "bpe.npz"
+    arrays.write_bytes(arrays.read_bytes()[:100])  # truncated
+    with caplog.at_level("WARNING", logger="ktransformers"):
+        again = src.tokenizer()
+    assert "unreadable" in caplog.text
+    assert again.encode("Hello world") == first.encode("Hello world")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ktransformers"):
+        src.tokenizer()  # the entry was written anew
+    assert "unreadable" not in caplog.text
 
 
 def test_server_engine_takes_device_map(tiny_model_dir, one_torch_thread):

@@ -4,6 +4,13 @@ Converting a large vocabulary is slow (Gemma-3's 262k SentencePiece tokens: ~30 
 rebuilding merges), so the converted tokenizer is saved once under the cache directory, keyed
 by a hash of the file's tokenizer metadata, and later starts load that (~1 s on an idle machine).
 
+Memory matters as much as time here: parsing a 262k-token BPE from ``tokenizer.json`` (the
+``tokenizers`` JSON path buffers the whole document) peaks ~340 MB above what the finished
+tokenizer keeps (~90 MB), more than the model's own weights.  So a BPE's vocabulary and merges are
+cached as arrays (``bpe.npz``: UTF-8 tokens, their ids, merges as token positions) and handed to
+``tokenizers.models.BPE`` directly, and the finished backend is given to transformers without the
+deep copy it makes of a ``tokenizer_object``.
+
 The cache directory is ``$KT_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/ktransformers`` (default
 ``~/.cache/ktransformers``); ``KT_CACHE_DIR=off`` disables it.  An unwritable cache is only a
 slower start, never an error.
@@ -29,7 +36,7 @@ from ..errors import WeightError
 log = logging.getLogger("ktransformers")
 
 #: bump when the way tokenizers are built changes, so old cache entries are not reused
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3
 _NO_VOCAB = (None, "", "none", "no_vocab")
 
 
@@ -69,8 +76,9 @@ def tokenizer_from_gguf(path, meta: Mapping[str, Any]):
     if entry is not None and (entry / "kt_tokenizer.json").is_file():
         try:
             return _load_cached(entry)
-        except Exception as e:  # a damaged entry: rebuild it
+        except Exception as e:  # a damaged entry: rebuild it (and replace it below)
             log.warning("cached tokenizer %s unreadable (%s); rebuilding", entry, e)
+            shutil.rmtree(entry, ignore_errors=True)
     tok = build_tokenizer(path, meta)
     if entry is not None:
         _save(tok, entry)
@@ -83,11 +91,13 @@ _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "mask_toke
 def _load_cached(entry: Path):
     """Rebuild the saved tokenizer fast: the backend without its added tokens (parsing thousands of
     them from JSON takes seconds; adding them afterwards, milliseconds), then those tokens."""
-    from tokenizers import AddedToken
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import AddedToken, Tokenizer
 
     meta = json.loads((entry / "kt_tokenizer.json").read_text(encoding="utf-8"))
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(entry / "tokenizer.json"), **meta["special_tokens"])
+    backend = Tokenizer.from_file(str(entry / "tokenizer.json"))
+    if meta.get("bpe") is not None:
+        backend.model = _bpe_from_arrays(entry / BPE_ARRAYS, meta["bpe"])
+    tok = wrap_backend(backend, **meta["special_tokens"])
     added = [AddedToken(a["content"], single_word=a["single_word"], lstrip=a["lstrip"], rstrip=a["rstrip"],
                         normalized=a["normalized"], special=a["special"]) for a in meta["added_tokens"]]
     tok._tokenizer.add_special_tokens([a for a in added if a.special])
@@ -100,19 +110,90 @@ def _load_cached(entry: Path):
     return tok
 
 
+def wrap_backend(backend, **kwargs):
+    """transformers' fast tokenizer around the ``tokenizers`` object ``backend``, used as it is.
+
+    Passed as ``tokenizer_object`` it would be deep-copied, a JSON round trip of the whole
+    vocabulary (for Gemma-3 the same ~250 MB transient as parsing it); a backend already in place
+    when ``__init__`` runs is kept."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.__new__(PreTrainedTokenizerFast)
+    tok._tokenizer = backend
+    tok.__init__(**kwargs)
+    return tok
+
+
+#: the cached BPE vocabulary and merges as arrays (see the module doc)
+BPE_ARRAYS = "bpe.npz"
+_BPE_OPTIONS = ("dropout", "unk_token", "continuing_subword_prefix", "end_of_word_suffix", "fuse_unk",
+                "byte_fallback", "ignore_merges")
+
+
+def _bpe_to_arrays(model: dict) -> dict | None:
+    """A serialized BPE model's vocabulary and merges as arrays, or None when a merge is not a pair
+    of vocabulary tokens (then the entry keeps the JSON form)."""
+    import numpy as np
+
+    vocab = model.get("vocab")
+    if model.get("type") != "BPE" or not isinstance(vocab, dict):
+        return None
+    tokens = list(vocab)
+    pos = {t: i for i, t in enumerate(tokens)}
+    pairs = []
+    for m in model.get("merges") or []:
+        if not (isinstance(m, list) and len(m) == 2 and m[0] in pos and m[1] in pos):
+            return None
+        pairs.append((pos[m[0]], pos[m[1]]))
+    enc = [t.encode("utf-8") for t in tokens]
+    return {"utf8": np.frombuffer(b"".join(enc), np.uint8),
+            "lengths": np.fromiter(map(len, enc), np.int32, len(enc)),
+            "ids": np.fromiter(vocab.values(), np.int64, len(vocab)),
+            "merges": np.asarray(pairs, np.int32).reshape(-1, 2)}
+
+
+def _bpe_from_arrays(path: Path, options: dict):
+    """``tokenizers.models.BPE`` from :func:`_bpe_to_arrays`' arrays (the Python lists live only
+    while the Rust model is built)."""
+    import numpy as np
+    from tokenizers.models import BPE
+
+    with np.load(path, allow_pickle=False) as z:
+        utf8, lengths, ids, merges = z["utf8"].tobytes(), z["lengths"], z["ids"].tolist(), z["merges"]
+    ends = np.cumsum(lengths, dtype=np.int64)
+    if len(ids) != len(lengths) or (len(ends) and ends[-1] != len(utf8)) or (merges.size and (
+            merges.min() < 0 or merges.max() >= len(ids))):
+        raise ValueError(f"{path.name}: inconsistent arrays")
+    tokens = [utf8[a:b].decode("utf-8") for a, b in zip((ends - lengths).tolist(), ends.tolist())]
+    vocab = dict(zip(tokens, ids))
+    del utf8, ids
+    pairs = list(zip(map(tokens.__getitem__, merges[:, 0].tolist()), map(tokens.__getitem__, merges[:, 1].tolist())))
+    return BPE(vocab=vocab, merges=pairs, **{k: options[k] for k in _BPE_OPTIONS if options.get(k) is not None})
+
+
 def _save(tok, entry: Path) -> None:
-    """Write the cache entry atomically: ``tokenizer.json`` without added tokens + ``kt_tokenizer.json``."""
+    """Write the cache entry atomically: ``tokenizer.json`` without added tokens (and, for a BPE,
+    without its vocabulary and merges: those go to ``bpe.npz``) + ``kt_tokenizer.json``."""
+    import numpy as np
+
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=entry.parent))
         backend = json.loads(tok.backend_tokenizer.to_str())
         added = backend.pop("added_tokens", [])
+        arrays = _bpe_to_arrays(backend.get("model") or {})
+        bpe = None
+        if arrays is not None:
+            np.savez(tmp / BPE_ARRAYS, **arrays)
+            bpe = {k: backend["model"][k] for k in _BPE_OPTIONS if k in backend["model"]}
+            backend["model"]["vocab"], backend["model"]["merges"] = {}, []
         (tmp / "tokenizer.json").write_text(json.dumps(backend, ensure_ascii=False), encoding="utf-8")
         meta = {"special_tokens": {k: str(getattr(tok, k)) for k in _SPECIAL_NAMES if getattr(tok, k, None)},
                 "added_tokens": sorted(added, key=lambda a: a["id"]),
                 "chat_template": getattr(tok, "chat_template", None) or None,
                 "add_bos_token": getattr(tok, "add_bos_token", None),
-                "add_eos_token": getattr(tok, "add_eos_token", None)}
+                "add_eos_token": getattr(tok, "add_eos_token", None),
+                "bpe": bpe}
         (tmp / "kt_tokenizer.json").write_text(json.dumps(meta, ensure_ascii=False), encoding="utf-8")
         try:
             os.replace(tmp, entry)
@@ -146,7 +227,6 @@ _SPECIALS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_toke
 
 def _assemble(meta: Mapping[str, Any]):
     """A fast tokenizer from the metadata with transformers' GGUF builders, whatever the architecture."""
-    from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf import convert_gguf_tokenizer
 
     d = {name: meta[f"tokenizer.ggml.{key}"] for key, name in _DICT_KEYS.items() if f"tokenizer.ggml.{key}" in meta}
@@ -159,7 +239,7 @@ def _assemble(meta: Mapping[str, Any]):
         i = meta.get(f"tokenizer.ggml.{key}")
         if i is not None and 0 <= int(i) < len(tokens):
             kw[name] = tokens[int(i)]
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, **kw)
+    tok = wrap_backend(backend, **kw)
     for flag in ("add_bos_token", "add_eos_token"):
         v = meta.get(f"tokenizer.ggml.{flag}")
         if v is not None:
