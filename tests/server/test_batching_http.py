@@ -20,7 +20,7 @@ from ktransformers.server.reference_runner import BatchRunner
 
 from .conftest import MODEL_NAME
 
-LOAD_SECONDS = float(os.environ.get("KT_LOAD_SECONDS", "15"))
+LOAD_SECONDS = float(os.environ.get("KT_LOAD_SECONDS", "60"))
 
 
 @pytest.fixture
