@@ -16,6 +16,15 @@ down), 2048x2048 (a square matrix for the per-type GB/s).  Types: every llamafil
 valid blocks; the K-quants, IQ4_XS and the IQ1/IQ2/IQ3 grid types need in % 256 == 0, so they skip
 640-column shapes).  The last column names the kernel that served the row, from
 the tier's kernel table (``cpuinfer_ext.kernel_rows()``: decode kernel at T=1, else prefill).
+
+With ``--llama_cpp_bin DIR`` (a llama.cpp build with ``-DLLAMA_BUILD_TESTS=ON``; see bench/README.md)
+a second table puts each type next to llama.cpp's own CPU matrix multiply on the same shape in the
+same run: its ``test-backend-ops perf`` case 4096x14336 (out x in) at the requested token counts
+(it has 1, 2, 3, 4, 5, 8 and 512), with the thread count that tool uses (half the hardware threads),
+ours timed on the same shape with the same thread count; ratio = llama.cpp ms / ours (> 1: ours
+is faster).  Both include their activation quantisation.
+
+    .venv/bin/python bench/linear.py --llama_cpp_bin DIR --tokens 1 --types IQ1_S,IQ2_XXS,Q4_K --shapes 2048x2048
 """
 
 from __future__ import annotations
@@ -96,6 +105,7 @@ def main() -> None:
     ap.add_argument("--no-torch", action="store_true", help="skip the torch column")
     ap.add_argument("--quick", action="store_true", help="reps 7, lm_head decode only")
     ap.add_argument("--cpu-time", action="store_true", help="time with the process's CPU time (loaded machine)")
+    ap.add_argument("--llama_cpp_bin", help="llama.cpp build/bin with test-backend-ops: per-type rows next to it")
     args = ap.parse_args()
     if args.cpu_time:
         global CLOCK
@@ -149,6 +159,55 @@ def main() -> None:
                     print(f"{sk:10s} {t:7s} {th:3d} {T:4d} {ms:10.3f} {vs} {gbs:6.1f} "
                           f"{100 * gbs / bw[th]:5.0f}%  {table[t][0 if T == 1 else 1]}", flush=True)
                 del lin
+    if args.llama_cpp_bin:
+        versus_llama_cpp(Path(args.llama_cpp_bin), args.types.split(","), tokens, reps)
+
+
+#: the matrix of llama.cpp's test-backend-ops perf cases (out x in) and the token counts it has
+LLAMA_SHAPE, LLAMA_TOKENS = (4096, 14336), (1, 2, 3, 4, 5, 8, 512)
+
+
+def llama_cpp_ms(tool: Path, t: str, T: int) -> float | None:
+    """llama.cpp's CPU MUL_MAT of type ``t`` on LLAMA_SHAPE with T tokens (f32 activations), ms per run."""
+    import re
+    import subprocess
+
+    N, Kin = LLAMA_SHAPE
+    ggml_name = t.lower().replace("_k", "_K")  # q4_K, iq2_xxs, bf16: ggml's type names
+    pat = f"type_a={ggml_name},type_b=f32,m={N},n={T},k={Kin},"
+    r = subprocess.run([str(tool), "perf", "-o", "MUL_MAT", "-b", "CPU", "-p", re.escape(pat)],
+                       capture_output=True, text=True, timeout=600)
+    m = re.search(r"([0-9.]+) us/run", r.stdout)
+    return float(m.group(1)) / 1e3 if m else None
+
+
+def versus_llama_cpp(bindir: Path, types: list[str], tokens: list[int], reps: int) -> None:
+    """Each type on llama.cpp's test-backend-ops shape, ours and theirs, same thread count."""
+    import os
+
+    tool = bindir / "test-backend-ops"
+    if not tool.is_file():
+        print(f"note: {tool} not found (build llama.cpp with -DLLAMA_BUILD_TESTS=ON); no llama.cpp rows")
+        return
+    th = max(1, (os.cpu_count() or 2) // 2)  # what test-backend-ops gives its CPU backend
+    N, Kin = LLAMA_SHAPE
+    pool = K.cpu_infer(th)
+    print(f"\nvs llama.cpp's test-backend-ops MUL_MAT, {N}x{Kin}, {th} thread(s) each "
+          "(ratio = llama.cpp ms / ours: > 1, ours is faster)")
+    print(f"{'type':7s} {'T':>4s} {'ours ms':>9s} {'llama.cpp ms':>13s} {'ratio':>6s}  kernel")
+    table = ext.kernel_rows()
+    for t in types:
+        if Kin % BLOCK[t][0]:
+            continue
+        lin = K.LinearKernel(pool, "llamafile", Kin, N, rand_weights(t, N, Kin, np.random.default_rng(0)), t)
+        for T in (T for T in tokens if T in LLAMA_TOKENS):
+            x = torch.randn(T, Kin, generator=torch.Generator().manual_seed(T))
+            out = torch.empty(T, N)
+            ms = median_ms(lambda: lin.forward(x, out), reps if T <= 8 else 3)
+            theirs = llama_cpp_ms(tool, t, T)
+            cell = f"{theirs:13.3f} {theirs / ms:6.2f}" if theirs else f"{'n/a':>13s} {'-':>6s}"
+            print(f"{t:7s} {T:4d} {ms:9.3f} {cell}  {table[t][0 if T == 1 else 1]}", flush=True)
+        del lin
 
 
 if __name__ == "__main__":
