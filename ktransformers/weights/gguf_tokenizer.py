@@ -4,9 +4,10 @@ Converting a large vocabulary is slow (Gemma-3's 262k SentencePiece tokens: ~30 
 rebuilding merges), so the converted tokenizer is saved once under the cache directory, keyed
 by a hash of the file's tokenizer metadata, and later starts load that (~1 s on an idle machine).
 
-Memory matters as much as time here: parsing a 262k-token BPE from ``tokenizer.json`` (the
-``tokenizers`` JSON path buffers the whole document) peaks ~340 MB above what the finished
-tokenizer keeps (~90 MB), more than the model's own weights.  So a BPE's vocabulary and merges are
+Memory matters as much as time here: parsing Gemma-3's 262k-token BPE from ``tokenizer.json``
+(the ``tokenizers`` JSON path buffers the whole document) peaks ~340 MB above the process's size
+before it, for a tokenizer that keeps ~90 MB, more than the model's own weights (~220 MB from the
+arrays below).  So a BPE's vocabulary and merges are
 cached as arrays (``bpe.npz``: UTF-8 tokens, their ids, merges as token positions) and handed to
 ``tokenizers.models.BPE`` directly, and the finished backend is given to transformers without the
 deep copy it makes of a ``tokenizer_object``.
@@ -114,8 +115,8 @@ def wrap_backend(backend, **kwargs):
     """transformers' fast tokenizer around the ``tokenizers`` object ``backend``, used as it is.
 
     Passed as ``tokenizer_object`` it would be deep-copied, a JSON round trip of the whole
-    vocabulary (for Gemma-3 the same ~250 MB transient as parsing it); a backend already in place
-    when ``__init__`` runs is kept."""
+    vocabulary (for Gemma-3 +130 MB of RSS); a backend already in place when ``__init__`` runs is
+    kept."""
     from transformers import PreTrainedTokenizerFast
 
     tok = PreTrainedTokenizerFast.__new__(PreTrainedTokenizerFast)
