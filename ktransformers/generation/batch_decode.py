@@ -30,6 +30,7 @@ import math
 import torch
 
 from ..operators.decode import Unsupported, _cpu_kernel, _Layer, _norm_weight, _Proj, lean_parts
+from .devices import module_device
 
 log = logging.getLogger("ktransformers.batch_decode")
 
@@ -72,9 +73,7 @@ class BatchDecodeStep:
     def __init__(self, model, pool):
         config, gemma, backbone, lm_head = lean_parts(model)
         self.embed = backbone.embed_tokens
-        from .paged import _module_device
-
-        if _module_device(self.embed).type != "cpu":
+        if module_device(self.embed).type != "cpu":
             raise Unsupported("embeddings off the CPU")
         self.rotary = backbone.rotary_emb
         self.gemma_rope = gemma  # Gemma-3's rotary module takes the layer type

@@ -55,6 +55,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .batch_decode import BatchDecodeStep
+from .devices import module_device
+
 PAGED_ATTENTION = "kt_paged"
 
 
@@ -499,16 +502,6 @@ class _AttnLayer:
     mla: bool
 
 
-def _module_device(mod: torch.nn.Module) -> torch.device:
-    dev = getattr(mod, "generate_device", None)
-    if dev is not None:
-        return torch.device(dev)
-    for t in list(mod.parameters()) + list(mod.buffers()):
-        if t.device.type != "meta":
-            return t.device
-    return torch.device("cpu")
-
-
 def _attention_layers(model) -> list[_AttnLayer]:
     layers = []
     for name, mod in model.named_modules():
@@ -543,7 +536,7 @@ def _attention_layers(model) -> list[_AttnLayer]:
 def _layout(layers: list[_AttnLayer], dtype: torch.dtype) -> dict[str, PageTensor]:
     out = {}
     for la in layers:
-        m, dev, i = la.module, _module_device(la.module), la.index
+        m, dev, i = la.module, module_device(la.module), la.index
         if la.mla:
             out[f"layers.{i}.latent"] = PageTensor((int(m.kv_lora_rank),), dtype, dev)
             out[f"layers.{i}.rope_key"] = PageTensor((int(m.qk_rope_head_dim),), dtype, dev)
@@ -689,8 +682,6 @@ class BatchRunner:
             return None
         lean = self._lean
         if lean is None:
-            from .batch_decode import BatchDecodeStep
-
             lean = self._lean = BatchDecodeStep.build(self.model, self.pool) or False
         if not lean or not lean.accepts(len(tables)):
             return None
@@ -699,7 +690,7 @@ class BatchRunner:
 
     def _forward(self, batch: _PagedBatch, tokens: list[int]) -> torch.Tensor:
         emb = self.model.get_input_embeddings()
-        dev = _module_device(emb)
+        dev = module_device(emb)
         ids = torch.tensor([tokens], dtype=torch.long, device=dev)
         saved = [c._attn_implementation for c in self._configs]
         for c in self._configs:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import RuleError
+from .registry import resolve_op
 
 DEVICE_KWARGS = ("generate_device", "prefill_device", "device")
 
@@ -125,8 +126,6 @@ def decide_phases(cls, kwargs: dict, device: str | None = None,
 
 
 def _op(cls, key: str, name: str):
-    from .registry import resolve_op
-
     try:
         return resolve_op(cls, name)[0]
     except RuleError as e:

@@ -24,6 +24,7 @@ from torch import nn
 from ..errors import RuleError
 from . import compat  # noqa: I001 - the compatibility table of reference names
 from .kinds import ATTENTION, MLA_ATTENTION, kind_from_name
+from .op import Op
 
 OPERATORS: dict[str, type] = {}
 
@@ -70,8 +71,6 @@ def register(*names: str):
     """Class decorator: rules may name this operator (or op) ``names[0]`` or any other of ``names``."""
 
     def deco(cls):
-        from .base import Op
-
         if not names:
             raise TypeError("register() needs at least one name")
         if issubclass(cls, Op):

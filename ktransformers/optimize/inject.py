@@ -16,6 +16,7 @@ from torch import nn
 from ..errors import KTError, RuleError, WeightError
 from ..operators.base import BaseInjectedModule, move_to
 from ..operators.cpu_threads import install_prefill_threads
+from ..util.peft_adapter import apply_adapter
 from ..weights import WeightSource, open_weights
 from ..weights.experts_layout import ExpertsLayout
 from .plan import Plan, check_devices_available, plan_model
@@ -140,7 +141,7 @@ def inject(
     ``weights`` a path (GGUF or safetensors) or a ``WeightSource``.  Returns the same model,
     with ``model.kt_plan`` (the placement) and ``model.kt_load_report`` attached.  A rule that
     matches no module is an error unless ``allow_unmatched=True``.  ``lora`` names a PEFT-format
-    LoRA adapter folder applied once the weights are in (``ktransformers.sft.adapter``).
+    LoRA adapter folder applied once the weights are in (``ktransformers.util.peft_adapter``).
     """
     source = weights if isinstance(weights, WeightSource) else open_weights(weights)
     plan = plan_model(model, rules, default_device)
@@ -159,8 +160,6 @@ def inject(
     model.kt_load_report = report
     model.kt_weights = source
     if lora is not None:
-        from ..sft.adapter import apply_adapter
-
         apply_adapter(model, lora)
     return model
 

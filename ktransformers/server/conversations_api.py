@@ -14,7 +14,7 @@ from sqlalchemy import delete, select
 from .common import new_id
 from .db import Database
 from .errors import APIError
-from .responses_api import normalize_items, page_list
+from .response_items import normalize_items, page_list
 from .responses_store import ConversationItemRow, ConversationRow, add_conversation_items, conversation_items
 from .schemas import INPUT_ITEM_SCHEMA, Metadata, _Req
 

@@ -9,7 +9,13 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError, RuleError
+from ..optimize.device_map import load_rules_mapped, parse_device_map
+from ..optimize.inject import build_model, check_transfer_maps, inject
+from ..optimize.plan import check_devices_available, plan_model
+from ..optimize_rules import default_rule_file
+from ..weights import WeightSource, open_weights
 from ..weights.model_config import load_config, weights_folder  # noqa: F401 - load_config is public here too
+from .peft_adapter import read_adapter
 
 
 def load_model(
@@ -34,11 +40,6 @@ def load_model(
     rewrites the devices the rules name (see :mod:`.device_map`); ``lora`` a LoRA adapter folder
     (PEFT format) applied after loading.
     """
-    from ..optimize.inject import build_model, inject
-    from ..optimize_rules import default_rule_file
-    from ..weights import WeightSource, open_weights
-    from ..optimize.device_map import load_rules_mapped, parse_device_map
-
     source = weights if isinstance(weights, WeightSource) else open_weights(weights)
     if config is None:
         config = load_config(model_path, source)
@@ -136,12 +137,6 @@ def load_for_generation(
     """
     import time
 
-    from ..optimize.inject import build_model, check_transfer_maps, inject
-    from ..optimize.plan import check_devices_available, plan_model
-    from ..optimize_rules import default_rule_file
-    from ..weights import open_weights
-    from ..optimize.device_map import load_rules_mapped, parse_device_map
-
     say = log or (lambda msg: None)
     t0 = time.perf_counter()
     if model_path and Path(model_path).is_file():
@@ -177,8 +172,6 @@ def load_for_generation(
     n = len(source.names()) if hasattr(source, "names") else 0
     say(f"loading {n} tensors onto {', '.join(sorted(str(d) for d in plan.devices()))} ...")
     if lora is not None:
-        from ..sft.adapter import read_adapter
-
         read_adapter(lora)  # a bad adapter fails before the weights load
     inject(model, rule_list, source, default_device=device, allow_unmatched=True, progress=progress, lora=lora)
     gen_cfg = Path(model_path) / "generation_config.json" if model_path else None

@@ -1,0 +1,73 @@
+"""The op: the computation of one phase of an injected module, on one device, and the spec of a
+rule kwarg.  Below the registry (``@register`` files ops into their family's table) and the
+per-phase decision (``phases.py``), which both need the class; ``base.py`` builds operators on it
+and re-exports both names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class KwargSpec:
+    """One accepted rule kwarg: its type(s), default, and a one-line meaning for docs/errors."""
+
+    types: tuple[type, ...]
+    default: Any = None
+    help: str = ""
+
+
+class Op:
+    """The computation of one phase of an injected module, on one device.
+
+    Ops hold their tensors as plain attributes (not nn.Parameters) so that the module tree —
+    and with it every parameter name — stays exactly that of the original model.  A family
+    of ops (linear, experts) is a subclass with its own ``TABLE``; ``@register`` fills it.
+    """
+
+    #: short name used in rules (``generate_op: KLinearTorch``); set by ``@register``
+    name: ClassVar[str] = ""
+    #: the op table of this family (name -> op class); set on each family's base class
+    TABLE: ClassVar[dict[str, type[Op]]]
+    #: devices this op can run on: "cpu", "cuda" or "any"
+    device_kinds: ClassVar[tuple[str, ...]] = ("any",)
+    #: extra rule kwargs this op accepts beyond the wrapper's own
+    extra_kwargs: ClassVar[dict[str, KwargSpec]] = {}
+    #: True when the op computes on the weights as stored (``explain`` counts stored bytes)
+    keeps_raw_weights: ClassVar[bool] = False
+
+    def __init__(self, key: str, config, orig_module: nn.Module, device: torch.device, **kwargs):
+        self.key = key
+        self.config = config
+        self.orig_module = orig_module
+        self.device = torch.device(device)
+        self.kwargs = kwargs
+        self.loaded = False
+
+    @classmethod
+    def check_device(cls, device: torch.device) -> str | None:
+        """None when this op can run on ``device``; else a sentence saying why not."""
+        if "any" in cls.device_kinds or device.type in cls.device_kinds:
+            return None
+        return f"{cls.name} runs only on {' or '.join(cls.device_kinds)}, not {device}"
+
+    @classmethod
+    def validate_kwargs(cls, kwargs: dict) -> tuple[str, str] | None:
+        """Check the values of this op's rule kwargs: ``(key, message)`` for the first bad one."""
+        return None
+
+    def load(self, weights, dtype: torch.dtype) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def unload(self) -> None:
+        for k, v in list(vars(self).items()):
+            if isinstance(v, torch.Tensor):
+                setattr(self, k, None)
+        self.loaded = False
+
+    def nbytes(self) -> int:
+        return sum(v.numel() * v.element_size() for v in vars(self).values() if isinstance(v, torch.Tensor))
