@@ -35,7 +35,7 @@ void Linear::forward(ThreadPool& pool, int T, const void* x, DType xdt, void* ou
   if (static_cast<int>(thr_.size()) < nth) thr_ = std::vector<AlignedBuf>(nth);
   for (int i = 0; i < nth; ++i) thr_[i].ensure(tmp_bytes);
   const size_t sa = act_row_bytes(w_.act, w_.Kpad);
-  uint8_t* xa = static_cast<uint8_t*>(xa_.ensure(sa * T));
+  uint8_t* xa = static_cast<uint8_t*>(pool_scratch(pool, kScrLinXa).ensure(sa * T));
   const int chunk = 8;
   pool.parallel_for((T + chunk - 1) / chunk, [&](int task, int tid) {
     float* xf = static_cast<float*>(thr_[tid].data()) + w_.Kpad + 64;
@@ -49,7 +49,7 @@ void Linear::forward(ThreadPool& pool, int T, const void* x, DType xdt, void* ou
     }
   });
   float* y = odt == DType::F32 ? static_cast<float*>(out)
-                               : static_cast<float*>(ybuf_.ensure(sizeof(float) * static_cast<size_t>(T) * N));
+                               : static_cast<float*>(pool_scratch(pool, kScrLinY).ensure(sizeof(float) * static_cast<size_t>(T) * N));
   int rb = 64;
   const int ntb = (T + kTB - 1) / kTB;
   while (rb > (T >= 8 ? 32 : 16) && static_cast<long>(ntb) * ((N + rb - 1) / rb) < 8L * nth) rb /= 2;
@@ -118,7 +118,7 @@ void LinearGroup::forward(ThreadPool& pool, int T, const float* x, float* out) {
     xa_off[a] = xa_total;
     xa_total += xa_row[a] * T;
   }
-  uint8_t* xa = static_cast<uint8_t*>(xa_.ensure(xa_total));
+  uint8_t* xa = static_cast<uint8_t*>(pool_scratch(pool, kScrLinXa).ensure(xa_total));
   const int nq = static_cast<int>(acts_.size()) * T;
   pool.parallel_for(nq < 2 ? 1 : (nq + 7) / 8, [&](int task, int) {
     for (int i = task * 8; i < std::min(nq, (task + 1) * 8); ++i) {
@@ -127,7 +127,7 @@ void LinearGroup::forward(ThreadPool& pool, int T, const float* x, float* out) {
                       xa + xa_off[a] + xa_row[a] * t);
     }
   });
-  float* y = glu_ >= 0 ? static_cast<float*>(ybuf_.ensure(sizeof(float) * static_cast<size_t>(T) * total_)) : out;
+  float* y = glu_ >= 0 ? static_cast<float*>(pool_scratch(pool, kScrLinY).ensure(sizeof(float) * static_cast<size_t>(T) * total_)) : out;
   // row blocks over all members: 64 rows, halved while there are fewer than 8 tasks per thread
   const int tclass = T >= 8 ? 1 : 0;
   if (tasks_nth_ != nth || tasks_tclass_ != tclass) {

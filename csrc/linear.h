@@ -18,7 +18,7 @@ class Linear {
 
  private:
   ProjWeights w_;
-  AlignedBuf packed_, xa_, ybuf_;
+  AlignedBuf packed_;  // activation-sized scratch: pool_scratch
   std::vector<AlignedBuf> thr_;
 };
 
@@ -45,7 +45,6 @@ class LinearGroup {
   int tasks_nth_ = -1, tasks_tclass_ = -1;
   int K_ = 0, total_ = 0, glu_ = -1;
   size_t tmp_bytes_ = 0;
-  AlignedBuf xa_, ybuf_;
   std::vector<AlignedBuf> thr_;
 };
 

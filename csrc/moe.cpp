@@ -135,8 +135,8 @@ void MoE::forward(ThreadPool& pool, int T, int k, const void* x, DType xdt, cons
   // 2. Quantise the input rows for gate (and up, if its format differs).
   const bool same_gu = gate_.act == up_.act && gate_.Kpad == up_.Kpad;
   const size_t sg = act_row_bytes(gate_.act, gate_.Kpad), su = act_row_bytes(up_.act, up_.Kpad);
-  uint8_t* xg = static_cast<uint8_t*>(xa_g_.ensure(sg * T));
-  uint8_t* xu = same_gu ? xg : static_cast<uint8_t*>(xa_u_.ensure(su * T));
+  uint8_t* xg = static_cast<uint8_t*>(pool_scratch(pool, kScrMoeXaG).ensure(sg * T));
+  uint8_t* xu = same_gu ? xg : static_cast<uint8_t*>(pool_scratch(pool, kScrMoeXaU).ensure(su * T));
   const int tok_chunk = 8;
   const int n_tok_tasks = (T + tok_chunk - 1) / tok_chunk;
   pool.parallel_for(n_tok_tasks, [&](int task, int tid) {
@@ -156,7 +156,7 @@ void MoE::forward(ThreadPool& pool, int T, int k, const void* x, DType xdt, cons
 
   pp.mark(1);
   // 3. gate & up + activation -> hbuf [P, I] fp32, tasks (expert, row block, token block).
-  float* hbuf = static_cast<float*>(hbuf_.ensure(sizeof(float) * std::max(P, 1) * static_cast<size_t>(I)));
+  float* hbuf = static_cast<float*>(pool_scratch(pool, kScrMoeH).ensure(sizeof(float) * std::max(P, 1) * static_cast<size_t>(I)));
   std::vector<Task>& tasks = task_list_;
   tasks.clear();
   const int rb1 = pick_row_block(I, active, nth);
@@ -193,7 +193,7 @@ void MoE::forward(ThreadPool& pool, int T, int k, const void* x, DType xdt, cons
   pp.mark(2);
   // 4. Quantise the intermediate rows for down.
   const size_t sd = act_row_bytes(down_.act, down_.Kpad);
-  uint8_t* hq = static_cast<uint8_t*>(ha_.ensure(sd * std::max(P, 1)));
+  uint8_t* hq = static_cast<uint8_t*>(pool_scratch(pool, kScrMoeHa).ensure(sd * std::max(P, 1)));
   pool.parallel_for((P + tok_chunk - 1) / tok_chunk, [&](int task, int) {
     for (int p = task * tok_chunk; p < std::min(P, (task + 1) * tok_chunk); ++p)
       kt.quantize_act(down_.act, hbuf + static_cast<size_t>(p) * I, I, down_.Kpad, hq + sd * p);
@@ -201,7 +201,7 @@ void MoE::forward(ThreadPool& pool, int T, int k, const void* x, DType xdt, cons
 
   pp.mark(3);
   // 5. down -> ybuf [P, H] fp32
-  float* ybuf = static_cast<float*>(ybuf_.ensure(sizeof(float) * std::max(P, 1) * static_cast<size_t>(H)));
+  float* ybuf = static_cast<float*>(pool_scratch(pool, kScrMoeY).ensure(sizeof(float) * std::max(P, 1) * static_cast<size_t>(H)));
   tasks.clear();
   const int rb2 = pick_row_block(H, active, nth);
   for (int e = 0; e < E; ++e)

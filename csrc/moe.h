@@ -47,9 +47,8 @@ class MoE {
   MoEConfig cfg_;
   ProjWeights gate_, up_, down_;
   AlignedBuf packed_;
-  // forward scratch (grow-only)
+  // forward scratch (grow-only; the activation-sized buffers are the pool's, pool_scratch)
   std::vector<int> counts_, offsets_, pair_tok_, pair_of_, tasks_;
-  AlignedBuf xa_g_, xa_u_, hbuf_, ha_, ybuf_;
   std::vector<AlignedBuf> thr_;  // per pool thread: gate/up tiles + dequant scratch
   struct Task { int e, r0, t0; };
   std::vector<Task> task_list_;

@@ -4,6 +4,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <algorithm>
+#include <map>
+#include <mutex>
 #include <new>
 #include <stdexcept>
 #include <vector>
@@ -26,6 +28,15 @@ const char* backend_name(Backend b) {
 }
 
 AlignedBuf::~AlignedBuf() { std::free(p_); }
+
+AlignedBuf& pool_scratch(ThreadPool& pool, ScratchSlot slot) {
+  static std::mutex mu;
+  static std::map<const ThreadPool*, std::unique_ptr<AlignedBuf[]>> arenas;
+  std::lock_guard<std::mutex> lk(mu);
+  std::unique_ptr<AlignedBuf[]>& a = arenas[&pool];
+  if (!a) a.reset(new AlignedBuf[kNumScratch]);
+  return a[slot];
+}
 
 void* AlignedBuf::ensure(size_t bytes) {
   if (bytes <= n_ && p_) return p_;

@@ -31,6 +31,12 @@ class AlignedBuf {
   size_t n_ = 0;
 };
 
+// Forward-pass scratch shared by every layer that runs on one pool.  A pool runs one layer at a
+// time (CPUInfer serializes its tasks), so a long prompt costs one set of these buffers instead of
+// one per layer (48 MoE layers at 4096 tokens kept ~19 GB of grow-only per-layer buffers).
+enum ScratchSlot : int { kScrMoeXaG, kScrMoeXaU, kScrMoeH, kScrMoeHa, kScrMoeY, kScrLinXa, kScrLinY, kNumScratch };
+AlignedBuf& pool_scratch(ThreadPool& pool, ScratchSlot slot);
+
 struct ProjWeights {
   Backend backend = Backend::Llamafile;
   int src_type = 0;        // ggml type of the source weights
