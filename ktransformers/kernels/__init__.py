@@ -71,6 +71,11 @@ up_type, down_type, activation="silu", alpha=1.702, limit=7.0, gate_bias=None, u
     act(gate) * up): the input is quantised once per activation format.  ``.forward(x, out)``,
     fp32 contiguous CPU tensors.
 
+``flash_attention(pool, q, k, v, start, scale, window=0, out=None)``
+    Causal prompt attention (bf16 dot products, fp32 softmax and sums, no score matrix) where
+    ``flash_attention_supported()`` (AVX512-BF16 / AMX tiers): ``q [1, H, T, D]``, ``k``/``v [1, Hkv,
+    S, D]`` fp32 -> ``[1, T, H, D]`` (``kernels/attention.py``).
+
 ``row_bytes(type, cols)``, ``type_info(type)``, ``dequantize(raw, type, n)`` (ggml reference
 values, used by tests), ``activation_format(type)`` (what the tier's kernel rounds activations to).
 """
@@ -79,6 +84,7 @@ from __future__ import annotations
 
 from ..weights.ggml_types import KERNEL_TYPES
 from .args import ggml_type
+from .attention import flash_attention, flash_attention_supported
 from .linear import LinearGroupKernel, LinearKernel
 from .moe import ACTIVATIONS, BACKENDS, MoEKernel
 from .moe_train import LoraFactors, MoETrainKernel
@@ -90,4 +96,4 @@ TYPES = {name: t.id for name, t in KERNEL_TYPES.items()}
 
 __all__ = ["isa_tier", "cpu_infer", "CPUInfer", "MoEKernel", "LinearKernel", "LinearGroupKernel", "row_bytes",
            "type_info", "dequantize", "ggml_type", "BACKENDS", "ACTIVATIONS", "TYPES", "MoETrainKernel", "LoraFactors",
-           "activation_format"]
+           "activation_format", "flash_attention", "flash_attention_supported"]

@@ -15,6 +15,7 @@ from torch import nn
 
 from ..errors import KTError, RuleError, WeightError
 from ..operators.base import BaseInjectedModule, move_to
+from ..operators.cpu_attention import use_cpu_attention
 from ..operators.cpu_threads import install_prefill_threads
 from ..util.peft_adapter import apply_adapter
 from ..weights import WeightSource, open_weights
@@ -156,6 +157,7 @@ def inject(
     report = load_weights(model, plan, source, progress=progress)
     install_device_hooks(model, plan)
     install_prefill_threads(model)
+    use_cpu_attention(model)
     model.kt_plan = plan
     model.kt_load_report = report
     model.kt_weights = source

@@ -78,10 +78,13 @@ def _assert_greedy_agrees_where_clear(model, hf, prompt, steps, tol):
     assert not bad, f"greedy token differs at clear steps {bad}"
 
 
-def test_fixture_qwen3moe_matches_recorded_hf_logits(fixtures_dir):
-    """The shared fixture (bf16 on disk, fp32 model) through the shipped CPU rules."""
+def test_fixture_qwen3moe_matches_recorded_hf_logits(fixtures_dir, monkeypatch):
+    """The shared fixture (bf16 on disk, fp32 model) through the shipped CPU rules, the prompt's
+    attention on the flash kernel in fp32 (its default bf16 P x V is tested in
+    tests/operators/test_cpu_attention.py)."""
     import json
 
+    monkeypatch.setenv("KT_FLASH_ATTN", "fp32")
     d = fixtures_dir / "qwen3moe-tiny"
     ids = torch.tensor([json.loads((d / "tokens.json").read_text())["token_ids"]])
     model = load_model(d / "hf", model_path=d / "hf", allow_unmatched=False)

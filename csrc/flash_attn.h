@@ -1,0 +1,21 @@
+// Causal prompt attention over fp32 q / k / v, flash-style (flash_attn.cpp).
+#pragma once
+#include <cstddef>
+
+#include "thread_pool.h"
+
+namespace kt {
+
+// Whether the CPU tier in force runs flash_attn_prefill (AVX512-BF16 and above).
+bool flash_attn_supported();
+
+// out[t, h, :] = softmax over the keys j that query t sees (start + t - window < j <= start + t;
+// window 0: no lower bound) of scale * q[h, t] . k[g, j], weighting v[g, j], with g = h / (H / Hkv).
+// Strides are in floats; the last dimension (D, a multiple of 64, at most 512) is contiguous.
+// The keys 0 .. start + T - 1 must be written in k / v.  bf16_pv: P V on bf16 probabilities and
+// values (faster; ~2e-3 relative error), else fp32 throughout.
+void flash_attn_prefill(ThreadPool& pool, const float* q, size_t q_tok, size_t q_head, const float* k, const float* v,
+                        size_t kv_head, size_t kv_tok, float* out, size_t o_tok, size_t o_head, int H, int Hkv, int T,
+                        int D, int start, int window, float scale, bool bf16_pv);
+
+}  // namespace kt

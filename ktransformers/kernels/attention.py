@@ -1,0 +1,54 @@
+"""Causal prompt attention on the CPU (``csrc/flash_attn.cpp``): one pass over the keys each block
+of queries sees, online softmax, no score matrix in memory; fp32 throughout, or (``bf16_pv``) the
+probability-times-value product on bf16 pairs (AVX512-BF16), ~2e-3 relative error on the output.
+``bench/attention.py`` prints both next to torch's own CPU flash kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import cpuinfer_ext as _ext
+from .pool import CPUInfer
+
+
+def flash_attention_supported() -> bool:
+    """Whether the CPU tier in force runs :func:`flash_attention` (AVX512-BF16 or AMX)."""
+    return bool(_ext.flash_attn_supported())
+
+
+def flash_attention(pool: CPUInfer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+                    scale: float, window: int = 0, out: torch.Tensor | None = None,
+                    bf16_pv: bool = False) -> torch.Tensor:
+    """Causal attention of ``T`` queries at positions ``start .. start+T-1`` over the keys ``0 ..
+    start+T-1`` (and, with ``window`` > 0, only the last ``window`` of them up to each query).
+
+    ``q [1, H, T, D]``, ``k`` / ``v [1, Hkv, S, D]`` (S >= start + T; slots past that are not read),
+    fp32 CPU tensors with a contiguous last dimension (any other strides); ``D`` a multiple of 64 up
+    to 512, ``H`` a multiple of ``Hkv``.  Returns ``out [1, T, H, D]`` (transformers' attention output
+    layout).  ``bf16_pv``: round probabilities and values to bf16 for the second product (faster).
+    """
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[0] != 1 or k.shape != v.shape or k.shape[0] != 1:
+        raise ValueError(f"flash_attention: need q [1, H, T, D] and k, v [1, Hkv, S, D], got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    _, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    if k.shape[3] != D or H % Hkv or D % 64 or D > 512 or start < 0 or start + T > S:
+        raise ValueError(f"flash_attention: H {H} must be a multiple of Hkv {Hkv}, D {D} a multiple of 64 up to 512, "
+                         f"keys {S} >= start {start} + T {T}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(3) != 1:
+            raise ValueError(f"flash_attention: {name} must be float32 on the CPU with a contiguous last dim")
+    if k.stride() != v.stride():
+        raise ValueError("flash_attention: k and v must have the same strides")
+    if out is None:
+        out = torch.empty(1, T, H, D, dtype=torch.float32)
+    elif out.shape != (1, T, H, D) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"flash_attention: out must be a contiguous float32 [1, {T}, {H}, {D}]")
+    _ext.flash_attn_prefill(pool._c, q.data_ptr(), q.stride(2), q.stride(1), k.data_ptr(), v.data_ptr(),
+                            k.stride(1), k.stride(2), out.data_ptr(), H * D, D, H, Hkv, T, D, int(start),
+                            int(window), float(scale), bool(bf16_pv))
+    return out
+
+
+__all__ = ["flash_attention", "flash_attention_supported"]

@@ -1,0 +1,141 @@
+"""Prompt attention on the CPU through the project's flash kernel: ``kt_sdpa``.
+
+An ``AttentionInterface`` function that transformers' own attention modules call (Llama, Qwen,
+Mixtral, GLM, Gemma ... every family whose attention is not swapped by a rule).  A prompt chunk of
+one sequence on the CPU goes to :func:`ktransformers.kernels.flash_attention` (only the keys each
+query sees, no ``T x S`` matrix; fp32 scores and sums, the probability x value product on bf16
+pairs: 1.5-2.5x torch's CPU flash kernel, bench/attention.py; ``KT_FLASH_ATTN=fp32`` keeps that
+product in fp32 too, as fast as torch's, for results within fp32 rounding of transformers').
+Everything else goes to transformers' ``sdpa`` function unchanged: decode
+(one query: the lean decode step or sdpa), training (the kernel has no backward), batches, CUDA tensors, attention sinks, soft-capping, a
+non-causal module, tiers without AVX512-BF16, ``KT_FLASH_ATTN=0``, and any mask that is not the
+causal (or sliding-window) one for the positions given -- checked, not assumed.
+
+Only models whose modeling code never branches on the implementation's name are switched (a few
+transformers families, e.g. DeepSeek-V3.2's sparse indexer, behave differently for "sdpa").
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import sys
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
+
+from ..kernels.attention import flash_attention, flash_attention_supported
+from .cpu_threads import kernel_pool
+
+NAME = "kt_sdpa"
+
+
+def _start(kwargs, q_len: int) -> int | None:
+    """First position of one sequence's contiguous chunk (``position_ids [1, T]``), or None."""
+    pos = kwargs.get("position_ids")
+    if not isinstance(pos, torch.Tensor) or pos.shape != (1, q_len):
+        return None
+    start = int(pos[0, 0])
+    if start < 0 or int(pos[0, -1]) != start + q_len - 1:
+        return None
+    if q_len > 2 and not bool((pos[0, 1:] - pos[0, :-1] == 1).all()):
+        return None
+    return start
+
+
+def _visible(start: int, q_len: int, kv_len: int, window: int) -> torch.Tensor:
+    """[q_len, kv_len] bool: query i (position start + i) sees keys j <= start + i (and > start + i - window)."""
+    j = torch.arange(kv_len)[None, :]
+    p = torch.arange(start, start + q_len)[:, None]
+    m = j <= p
+    return m & (j > p - window) if window else m
+
+
+def flash_eligible(module, query, key, value, attention_mask, dropout, is_causal, kwargs) -> tuple[int, int] | None:
+    """``(start, window)`` when the call can take the flash kernel, else None."""
+    B, H, T, D = query.shape
+    if (B != 1 or T < 2 or dropout or is_causal is False or not getattr(module, "is_causal", True)
+            or query.device.type != "cpu" or query.dtype != torch.float32 or key.dtype != torch.float32
+            or value.dtype != torch.float32 or key.shape != value.shape or key.stride() != value.stride()
+            or query.stride(3) != 1 or key.stride(3) != 1 or D % 64 or D > 512 or H % key.shape[1]
+            or kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None
+            or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
+            or kwargs.get("output_attentions") or _mode() == "0"
+            or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))
+            or not flash_attention_supported()):
+        return None
+    start = _start(kwargs, T)
+    if start is None or start + T > key.shape[2]:
+        return None
+    window = kwargs.get("sliding_window") or 0
+    if window and attention_mask is None:
+        return None  # a sliding layer's cache may hold a rolled window: trust only its mask
+    if attention_mask is not None:
+        m = attention_mask
+        end = start + T
+        if (m.dtype != torch.bool or m.dim() != 4 or tuple(m.shape[:3]) != (1, 1, T) or m.shape[3] < end
+                or bool(m[0, 0, :, end:].any()) or not torch.equal(m[0, 0, :, :end], _visible(start, T, end, window))):
+            return None
+    return start, int(window)
+
+
+def kt_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                      is_causal=None, **kwargs):
+    """q ``[1, H, T, D]``, k / v ``[1, Hkv, S, D]`` -> ``([1, T, H, D], None)``, as transformers' sdpa."""
+    use = flash_eligible(module, query, key, value, attention_mask, dropout, is_causal, kwargs)
+    if use is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    start, window = use
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return flash_attention(kernel_pool(), query, key, value, start, scale, window, bf16_pv=_mode() != "fp32"), None
+
+
+def _mode() -> str:
+    """``KT_FLASH_ATTN``: ``1`` (default: bf16 probability x value), ``fp32``, ``0`` (transformers' sdpa)."""
+    return os.environ.get("KT_FLASH_ATTN", "1")
+
+
+_NAME_CHECK = re.compile(r"_attn_implementation\s*(==|!=|\bin\b|\bnot in\b)")
+_branches: dict[str, bool] = {}
+
+
+def _branches_on_name(cls) -> bool:
+    """Whether the module defining ``cls`` compares the attention implementation's name."""
+    mod = sys.modules.get(cls.__module__)
+    key = getattr(mod, "__file__", None) or cls.__module__
+    if key not in _branches:
+        try:
+            _branches[key] = bool(_NAME_CHECK.search(inspect.getsource(mod))) if mod is not None else True
+        except (OSError, TypeError):
+            _branches[key] = True
+    return _branches[key]
+
+
+AttentionInterface.register(NAME, kt_sdpa_attention)
+AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+def use_cpu_attention(model) -> bool:
+    """Switch a model's configs from ``sdpa`` to ``kt_sdpa`` (each config alone; other choices are
+    kept), unless a module of the model comes from modeling code that branches on the name.
+    Returns whether anything changed."""
+    if any(_branches_on_name(type(m)) for m in model.modules() if type(m).__module__.startswith("transformers.")):
+        return False
+    changed = False
+    seen: set[int] = set()
+    for mod in model.modules():
+        cfg = getattr(mod, "config", None)
+        if cfg is None or id(cfg) in seen:
+            continue
+        seen.add(id(cfg))
+        if getattr(cfg, "_attn_implementation", None) == "sdpa":
+            cfg._attn_implementation_internal = NAME  # (the property's setter would recurse into sub-configs)
+            changed = True
+    return changed
+
+
+__all__ = ["NAME", "kt_sdpa_attention", "use_cpu_attention", "flash_eligible"]
