@@ -1,0 +1,289 @@
+"""Full-size Qwen3-30B-A3B-shaped model: load, prefill and decode, ours next to llama.cpp.
+
+    .venv/bin/python bench/full_size.py --llama_cpp_bin DIR                # 48 layers, prefill 512, decode 32
+    .venv/bin/python bench/full_size.py --layers 4 --llama_cpp_bin DIR     # the same pipeline on a small file
+    .venv/bin/python bench/full_size.py --prefill 512,4096 --decode 16 --timeout 900
+
+The model (written once into .cache/models/, ~17.3 GiB at 48 layers): arch ``qwen3moe``, hidden
+2048, 32 heads / 4 KV heads of 128, 128 experts, top-8, expert FFN 768, vocab 151936, rope theta
+1e6, context 40960; names and metadata from ``ktransformers.convert`` (``plan``/``metadata_for``/
+``write_gguf``), a placeholder vocabulary (bench/e2e.py), and llama-quantize's Q4_K_M type mix
+(``convert.PresetPolicy``): Q4_K for attn_q/k/output, gate/up experts and token_embd; Q6_K for
+output, and for attn_v and the down experts in half the layers (the first and last eighth and
+every third in between; Q4_K in the others); F32 for norms and routers.  The quantized tensors are
+random valid blocks written directly (slices of one random buffer per type, fp16 scales set to
+normal values that give the weights an rms of ~0.02); norms ~1, routers small.  Each of our runs
+checks that its logits are finite.
+
+Rows, in this order, each side in its own process under ``/usr/bin/time -v``, same file and threads:
+* load: wall seconds from process start to the first token's logits (ours: ``load_model`` + a
+  one-token prefill; llama.cpp: ``llama-bench -p 1 -n 0 -r 1``);
+* decode N (--decode) at depth 0: tok/s (ours: ``Generator.generate`` from a one-token prompt,
+  N decode steps; llama.cpp: ``llama-bench -p 0 -n N``);
+* prefill P for P in --prefill: tok/s, best of --repeats after a short warm-up (ours:
+  ``Generator.prefill``; llama.cpp: ``llama-bench -p P -n 0``).
+Each row also gives both sides' peak RSS (mapped file pages touched included).  The file is
+read through the page cache, so the first process after writing it may find it warm.
+Without ``--llama_cpp_bin`` (or ``KT_LLAMA_CPP_BIN``) only our rows print.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from e2e import MODELS, _NullTokenizer, _placeholder_vocab  # bench/ is on sys.path
+
+SHAPE = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+             num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144, vocab_size=151936,
+             max_position_embeddings=40960, rms_norm_eps=1e-6, norm_topk_prob=True, tie_word_embeddings=False,
+             rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+LLAMA_FTYPE_Q4_K_M = 15
+BUFFER_BYTES = 256 << 20
+
+
+def model_path(layers: int) -> Path:
+    return MODELS / f"bench-qwen3moe-30b-a3b-shape-{layers}l-q4km.gguf"
+
+
+def random_blocks(t: str, rng: np.random.Generator) -> np.ndarray:
+    """~256 MiB of random but valid ``t`` blocks (flat uint8); any block-aligned slice is valid.
+
+    Q4_K (d, dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles): w = d*sc*q - dmin*m with
+    sc, m in [0, 63], q in [0, 15]; dmin = 7.5 d centres the weights, d = 8e-5 gives rms ~0.02.
+    Q6_K (128 + 64 bytes of 6-bit q - 32, 16 int8 scales, d): scales drawn from [-32, 31] so that
+    d = 6.5e-5 (just above fp16's smallest normal) gives rms ~0.02."""
+    bb = {"Q4_K": 144, "Q6_K": 210}[t]
+    raw = rng.integers(0, 256, size=(BUFFER_BYTES // bb, bb), dtype=np.uint8)
+    f16 = lambda v: np.full(len(raw), v, np.float16).view(np.uint8).reshape(-1, 2)  # noqa: E731
+    if t == "Q4_K":
+        raw[:, 0:2], raw[:, 2:4] = f16(8e-5), f16(6e-4)
+    else:
+        raw[:, 192:208] = ((raw[:, 192:208] & 0x3F).astype(np.int8) - 32).view(np.uint8)
+        raw[:, 208:210] = f16(6.5e-5)
+    return raw.reshape(-1)
+
+
+class _Shapes:
+    """What ``convert.plan`` asks of a checkpoint; every tensor's data comes from our producers."""
+
+    path = Path("<random>")
+
+    def has(self, name):
+        return True
+
+
+def write_model(layers: int) -> Path:
+    from transformers import AutoConfig
+
+    from ktransformers import convert as kc
+    from ktransformers.weights.ggml_types import ggml_type_info
+
+    p = model_path(layers)
+    if p.is_file():
+        print(f"model: {p} ({p.stat().st_size / 2**30:.2f} GiB, cached)", flush=True)
+        return p
+    cfg = AutoConfig.for_model("qwen3_moe", num_hidden_layers=layers, **SHAPE)
+    cfg.architectures = ["Qwen3MoeForCausalLM"]
+    arch, outs = kc.plan(cfg, _Shapes(), kc.PresetPolicy.for_config("Q4_K_M", cfg, "qwen3moe"))
+    rng = np.random.default_rng(0)
+    buffers = {}
+    for o in outs:
+        if o.ggml_type != "F32":
+            buf = buffers.get(o.ggml_type)
+            if buf is None:
+                buf = buffers[o.ggml_type] = random_blocks(o.ggml_type, rng)
+            bb = ggml_type_info(o.ggml_type).block_bytes
+            start = int(rng.integers(0, (len(buf) - o.nbytes) // bb + 1)) * bb
+            o.produce = lambda buf=buf, a=start, n=o.nbytes: buf[a:a + n]
+        elif len(o.shape) == 1:  # norms
+            o.produce = lambda s=o.shape, r=np.random.default_rng(len(o.name)): \
+                (1.0 + 0.05 * r.standard_normal(s)).astype(np.float32)
+        else:  # router
+            o.produce = lambda s=o.shape, r=np.random.default_rng(len(o.name)): \
+                (0.02 * r.standard_normal(s)).astype(np.float32)
+    md = kc.metadata_for(cfg, arch, [o.name for o in outs])
+    md["general.name"] = ("str", "bench-qwen3moe-30b-a3b-shaped")
+    md["general.file_type"] = ("u32", LLAMA_FTYPE_Q4_K_M)
+    md.update(_placeholder_vocab(cfg.vocab_size))
+    print(f"writing {p} ...", flush=True)
+    t0 = time.perf_counter()
+    kc.write_gguf(p, md, outs)
+    print(f"written in {time.perf_counter() - t0:.0f} s: {p.stat().st_size / 2**30:.2f} GiB "
+          f"({p.stat().st_size} bytes)", flush=True)
+    return p
+
+
+# ---------------------------------------------------------------------------------- running
+
+
+def timed_run(cmd: list[str], timeout: float | None) -> dict:
+    """Run ``cmd`` under ``/usr/bin/time -v``: its stdout, exit status, wall seconds, peak RSS (GB)."""
+    p = subprocess.Popen(["/usr/bin/time", "-v", *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+        status = None
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        status = f"timed out after {timeout:.0f} s"
+    rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", err)
+    wall = re.search(r"Elapsed \(wall clock\) time .*: (?:(\d+):)?(\d+):([\d.]+)", err)
+    sig = re.search(r"Command terminated by signal (\d+)", err)
+    if status is None and (sig or p.returncode):
+        status = f"killed by signal {sig.group(1)}" if sig else f"exit {p.returncode}"
+        tail = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("\t")][-2:]
+        print(f"note: {' '.join(cmd[:4])} ... {status}: {' | '.join(tail)[-300:]}", flush=True)
+    return {"out": out, "status": status, "rss_gb": int(rss.group(1)) * 1024 / 1e9 if rss else None,
+            "wall_s": (int(wall.group(1) or 0) * 3600 + int(wall.group(2)) * 60 + float(wall.group(3)))
+            if wall else None}
+
+
+def ours(path: Path, job: str, args) -> dict:
+    r = timed_run([sys.executable, __file__, "--child", job, "--model", str(path), "--threads", str(args.threads),
+                   "--repeats", str(args.repeats)], args.timeout)
+    for line in r["out"].splitlines():
+        if line.startswith("RESULT "):
+            r.update(json.loads(line[7:]))
+    return r
+
+
+def llama(path: Path, p: int, n: int, args, repeats: int) -> dict:
+    cmd = [str(args.llama_bin / "llama-bench"), "-m", str(path), "-p", str(p), "-n", str(n), "-t", str(args.threads),
+           "-r", str(repeats), "-o", "json", *args.llama_args.split()]
+    r = timed_run(cmd, args.timeout)
+    if r["status"] is None:
+        row = json.loads(r["out"])[0]
+        r["tps"], r["sd"] = row["avg_ts"], row["stddev_ts"]
+    return r
+
+
+def child(args) -> int:
+    """One of our measurements in this process: ``load``, ``prefill:P`` or ``decode:N``."""
+    import torch
+
+    from ktransformers import load_model
+    from ktransformers.generation import Generator, SamplingParams
+    from ktransformers.operators.cpu_threads import use_threads
+
+    use_threads(args.threads)
+    t0 = time.perf_counter()
+    model = load_model(args.model)
+    res = {"load_model_s": time.perf_counter() - t0}
+    gen = Generator(model, _NullTokenizer())
+    gen.eos_ids = set()
+    job, _, n = args.child.partition(":")
+    if job == "load":
+        logits = gen.prefill([100], gen.new_cache(2))
+        import ktransformers.kernels as K
+
+        res["dram_gbs"] = K.cpu_infer(args.threads).probe_read_bw(1 << 28, 3)
+    elif job == "prefill":
+        ids = [int(i) for i in np.random.default_rng(0).integers(100, 30000, int(n))]
+        gen.prefill(ids[:16], gen.new_cache(32))  # warm-up
+        best = float("inf")
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            logits = gen.prefill(ids, gen.new_cache(len(ids) + 1))
+            best = min(best, time.perf_counter() - t0)
+        res["tps"] = len(ids) / best
+    else:
+        gen.generate([100], SamplingParams(max_new_tokens=4))  # warm-up
+        rates = []
+        for _ in range(args.repeats):
+            gen.generate([100], SamplingParams(max_new_tokens=int(n) + 1))
+            rates.append(gen.last_stats.decode_tps)
+        res["tps"] = max(rates)
+        logits = gen.prefill([100, 101], gen.new_cache(3))
+    res["finite"] = bool(torch.isfinite(logits).all())
+    print("RESULT " + json.dumps(res), flush=True)
+    return 0
+
+
+def machine_line(dram_gbs: float | None) -> str:
+    try:
+        from ktransformers.kernels import isa_tier
+
+        tier = isa_tier()
+    except (ImportError, ValueError) as e:
+        tier = f"? ({e})"
+    info = Path("/proc/cpuinfo").read_text()
+    field = lambda k: (re.search(rf"^{k}\s*:\s*(.*)$", info, re.M) or [None, "?"])[1]  # noqa: E731
+    dram = f", DRAM read probe {dram_gbs:.1f} GB/s" if dram_gbs else ""
+    return (f"machine: {field('model name')} (family {field('cpu family')}, model {field('model')}), "
+            f"{os.cpu_count()} CPUs, ISA tier {tier}{dram}")
+
+
+# -------------------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=48, help="decoder layers of the model file (default 48)")
+    ap.add_argument("--prefill", default="512", help="comma list of prompt lengths (e.g. 512,4096,16384)")
+    ap.add_argument("--decode", type=int, default=32, help="tokens for the decode row")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2, help="best of N (ours) / llama-bench -r N")
+    ap.add_argument("--timeout", type=float, default=None, help="seconds per measured process")
+    ap.add_argument("--llama_cpp_bin", default=os.environ.get("KT_LLAMA_CPP_BIN"),
+                    help="folder with llama.cpp's llama-bench (default: $KT_LLAMA_CPP_BIN)")
+    ap.add_argument("--llama_args", default="", help="extra llama-bench flags, e.g. '--repack 0'")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        return child(args)
+    args.llama_bin = Path(args.llama_cpp_bin) if args.llama_cpp_bin else None
+    if args.llama_bin is not None and not (args.llama_bin / "llama-bench").is_file():
+        print(f"error: {args.llama_bin}/llama-bench not found (--llama_cpp_bin)", file=sys.stderr)
+        return 2
+    if args.llama_bin is None:
+        print("note: no --llama_cpp_bin / KT_LLAMA_CPP_BIN: llama.cpp columns are skipped")
+    path = write_model(args.layers)
+
+    # decode before the prefills: a long prefill's memory can push the file out of the page cache
+    jobs = [("load", "load", (1, 0, 1)),
+            (f"decode {args.decode}", f"decode:{args.decode}", (0, args.decode, args.repeats))]
+    jobs += [(f"prefill {p}", f"prefill:{p}", (p, 0, args.repeats)) for p in map(int, args.prefill.split(","))]
+    rows, dram, load0 = [], None, os.getloadavg()[0]
+    for label, job, (p, n, r) in jobs:
+        print(f"running {label} ...", flush=True)
+        a = ours(path, job, args)
+        dram = dram or a.get("dram_gbs")
+        if a.get("finite") is False:
+            print(f"warning: our logits are not finite ({label})")
+        rows.append((label, a, llama(path, p, n, args, r) if args.llama_bin else None))
+
+    print(f"\n{machine_line(dram)}; load average (1 min) {load0:.1f} at start, {os.getloadavg()[0]:.1f} at end")
+    print(f"model: {path.name} ({path.stat().st_size / 2**30:.2f} GiB, {args.layers} layers), "
+          f"threads {args.threads}" + (f", llama-bench in {args.llama_bin}" if args.llama_bin else ""))
+    print("\n| row | ktransformers | llama.cpp | ours/llama.cpp | peak RSS ours | peak RSS llama.cpp "
+          "| RSS ours/llama.cpp |\n|---|---|---|---|---|---|---|")
+    for label, a, b in rows:
+        key, unit = ("wall_s", "s") if label == "load" else ("tps", "tok/s")
+        va, vb = (x.get(key) if x and not x["status"] else None for x in (a, b))
+        ra, rb = (x["rss_gb"] if x and not (x["status"] or "").startswith("exit") else None for x in (a, b))
+        sa, sb = (f"{v:.2f} {unit}" if v else (x or {}).get("status") or "n/a" for v, x in ((va, a), (vb, b)))
+        if vb and b.get("sd"):
+            sb = sb.replace(" ", f" ± {b['sd']:.2f} ", 1)
+        if label == "load" and va:
+            sa += f" (load_model {a['load_model_s']:.1f} s)"
+        ratio = lambda u, v: f"{u / v:.2f}" if u and v else "n/a"  # noqa: E731
+        gb = lambda v: f"{v:.2f} GB" if v else "n/a"  # noqa: E731
+        print(f"| {label} | {sa} | {sb} | {ratio(va, vb)} | {gb(ra)} | {gb(rb)} | {ratio(ra, rb)} |")
+    print("\n(load: lower is better; prefill/decode: higher is better; RSS: lower is better)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
