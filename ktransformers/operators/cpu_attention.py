@@ -7,7 +7,8 @@ query sees, no ``T x S`` matrix; fp32 scores and sums, the probability x value p
 pairs: 1.5-2.5x torch's CPU flash kernel, bench/attention.py; ``KT_FLASH_ATTN=fp32`` keeps that
 product in fp32 too, as fast as torch's, for results within fp32 rounding of transformers').
 Everything else goes to transformers' ``sdpa`` function unchanged: decode
-(one query: the lean decode step or sdpa), training (the kernel has no backward), batches, CUDA tensors, attention sinks, soft-capping, a
+(one query: the lean decode step or sdpa), training (the kernel has no backward, and a
+checkpointed forward must match its recomputation), batches, CUDA tensors, attention sinks, soft-capping, a
 non-causal module, tiers without AVX512-BF16, ``KT_FLASH_ATTN=0``, and any mask that is not the
 causal (or sliding-window) one for the positions given -- checked, not assumed.
 
@@ -58,6 +59,7 @@ def flash_eligible(module, query, key, value, attention_mask, dropout, is_causal
     """``(start, window)`` when the call can take the flash kernel, else None."""
     B, H, T, D = query.shape
     if (B != 1 or T < 2 or dropout or is_causal is False or not getattr(module, "is_causal", True)
+            or getattr(module, "training", False)
             or query.device.type != "cpu" or query.dtype != torch.float32 or key.dtype != torch.float32
             or value.dtype != torch.float32 or key.shape != value.shape or key.stride() != value.stride()
             or query.stride(3) != 1 or key.stride(3) != 1 or D % 64 or D > 512 or H % key.shape[1]

@@ -6,7 +6,9 @@ torch took 7-30 ms a layer at 512 tokens where one C++ pass takes well under one
 of an injected model is probed once with a small random input and switched only if it computes
 ``w * x / rms(x)`` or Gemma's ``(1 + w) * x / rms(x)`` (in fp32, within 1e-5) -- whatever its class
 -- so that a family with another formula keeps its own forward.  The fast path takes contiguous
-fp32 CPU inputs under no gradient; anything else, and ``KT_FAST_NORM=0``, runs the original.
+fp32 CPU inputs of a module in eval mode under no gradient; anything else (training: a
+checkpointed forward runs without gradients, its recomputation with them, and both must agree),
+and ``KT_FAST_NORM=0``, runs the original.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def _formula(module) -> str | None:
 
 def _fast_forward(self, hidden_states):
     x = hidden_states
-    if (x.device.type != "cpu" or self.weight.device.type != "cpu" or x.dtype != torch.float32
+    if (self.training or x.device.type != "cpu" or self.weight.device.type != "cpu" or x.dtype != torch.float32
             or not x.is_contiguous() or x.numel() == 0 or x.shape[-1] != self.weight.numel()
             or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
             or os.environ.get("KT_FAST_NORM", "1") == "0"):

@@ -107,7 +107,7 @@ def test_mask_that_is_not_causal_goes_to_sdpa():
     k = torch.randn(1, 2, 8, 64)
     v = torch.randn(1, 2, 8, 64)
     pos = {"position_ids": torch.arange(3, 8)[None]}
-    module = torch.nn.Module()
+    module = torch.nn.Module().eval()
     causal = ca._visible(3, 5, 8, 0)[None, None]
     with torch.no_grad():
         expect = None if not flash_attention_supported() else (3, 0)
@@ -118,8 +118,9 @@ def test_mask_that_is_not_causal_goes_to_sdpa():
         assert ca.flash_eligible(module, q, k, v, causal, 0.0, None, {"position_ids": torch.arange(5)[None]}) is None
         assert ca.flash_eligible(module, q, k, v, causal, 0.0, None, dict(pos, s_aux=torch.zeros(4))) is None
         assert ca.flash_eligible(module, q, k, v, causal.float(), 0.0, None, pos) is None
-    # gradients wanted (training): the kernel has no backward
-    assert ca.flash_eligible(module, q.requires_grad_(), k, v, causal, 0.0, None, pos) is None
+    # training mode, or gradients wanted: the kernel has no backward
+    assert ca.flash_eligible(module.train(), q, k, v, causal, 0.0, None, pos) is None
+    assert ca.flash_eligible(module.eval(), q.requires_grad_(), k, v, causal, 0.0, None, pos) is None
 
 
 def test_models_that_branch_on_the_name_keep_sdpa(tiny_model_dir):

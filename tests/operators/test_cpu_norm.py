@@ -48,6 +48,8 @@ def test_fast_norm_matches_the_module_and_skips_unknown_formulas():
     xt = x.transpose(1, 2)
     with torch.no_grad():
         assert torch.equal(mods["qwen"](xt), mods["qwen"]._kt_original_forward(xt))
+        mods["qwen"].train()  # training mode: the original even without gradients
+        assert torch.equal(mods["qwen"](x), mods["qwen"]._kt_original_forward(x))
 
 
 def test_injected_model_norms_switched(tiny_model_dir):
