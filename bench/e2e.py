@@ -491,6 +491,18 @@ class _NullTokenizer:
         return ""
 
 
+def llama_bench_dir(value: str | None) -> Path | None:
+    """The folder of ``llama-bench`` (--llama_cpp_bin / KT_LLAMA_CPP_BIN), None without one; exits
+    naming the folder when it has no llama-bench."""
+    if not value:
+        print("note: no --llama_cpp_bin / KT_LLAMA_CPP_BIN: llama.cpp columns are skipped")
+        return None
+    d = Path(value)
+    if not (d / "llama-bench").is_file():
+        sys.exit(f"error: {d}/llama-bench not found (--llama_cpp_bin)")
+    return d
+
+
 def bench_llama_bench(path: Path, args) -> dict:
     """llama.cpp's own benchmark on the same file and thread count: prefill (pp) and decode (tg)."""
     import json
@@ -565,12 +577,7 @@ def main(argv=None) -> int:
     args.prefill = [int(x) for x in args.prefill.split(",") if x]
     only = set(args.only.split(","))
     use_threads(args.threads)
-    args.llama_bin = Path(args.llama_cpp_bin) if args.llama_cpp_bin else None
-    if args.llama_bin is not None and not (args.llama_bin / "llama-bench").is_file():
-        print(f"error: {args.llama_bin}/llama-bench not found (--llama_cpp_bin)", file=sys.stderr)
-        return 2
-    if args.llama_bin is None:
-        print("note: no --llama_cpp_bin / KT_LLAMA_CPP_BIN: llama.cpp columns are skipped")
+    args.llama_bin = llama_bench_dir(args.llama_cpp_bin)
     import ktransformers.kernels as K
 
     print(f"threads: {args.threads}, torch {torch.__version__}, kernel tier {K.isa_tier()}")

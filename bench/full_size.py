@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from e2e import MODELS, _NullTokenizer, _placeholder_vocab  # bench/ is on sys.path
+from e2e import MODELS, _NullTokenizer, _placeholder_vocab, llama_bench_dir  # bench/ is on sys.path
 
 SHAPE = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
              num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144, vocab_size=151936,
@@ -243,12 +243,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.child:
         return child(args)
-    args.llama_bin = Path(args.llama_cpp_bin) if args.llama_cpp_bin else None
-    if args.llama_bin is not None and not (args.llama_bin / "llama-bench").is_file():
-        print(f"error: {args.llama_bin}/llama-bench not found (--llama_cpp_bin)", file=sys.stderr)
-        return 2
-    if args.llama_bin is None:
-        print("note: no --llama_cpp_bin / KT_LLAMA_CPP_BIN: llama.cpp columns are skipped")
+    args.llama_bin = llama_bench_dir(args.llama_cpp_bin)
     path = write_model(args.layers)
 
     # decode before the prefills: a long prefill's memory can push the file out of the page cache
