@@ -71,10 +71,11 @@ up_type, down_type, activation="silu", alpha=1.702, limit=7.0, gate_bias=None, u
     act(gate) * up): the input is quantised once per activation format.  ``.forward(x, out)``,
     fp32 contiguous CPU tensors.
 
-``flash_attention(pool, q, k, v, start, scale, window=0, out=None)``
-    Causal prompt attention (bf16 dot products, fp32 softmax and sums, no score matrix) where
-    ``flash_attention_supported()`` (AVX512-BF16 / AMX tiers): ``q [1, H, T, D]``, ``k``/``v [1, Hkv,
-    S, D]`` fp32 -> ``[1, T, H, D]`` (``kernels/attention.py``).
+``flash_attention(pool, q, k, v, start, scale, window=0, out=None, bf16_pv=False)``
+    Causal prompt attention (fp32 scores, softmax and sums, no score matrix; ``bf16_pv`` rounds the
+    probability x value product to bf16 pairs) where ``flash_attention_supported()`` (AVX512-BF16 /
+    AMX tiers): ``q [1, H, T, D]``, ``k``/``v [1, Hkv, S, D]`` fp32 -> ``[1, T, H, D]``
+    (``kernels/attention.py``).
 
 ``row_bytes(type, cols)``, ``type_info(type)``, ``dequantize(raw, type, n)`` (ggml reference
 values, used by tests), ``activation_format(type)`` (what the tier's kernel rounds activations to).
