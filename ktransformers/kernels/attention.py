@@ -17,6 +17,14 @@ def flash_attention_supported() -> bool:
     return bool(_ext.flash_attn_supported())
 
 
+def same_kv_strides(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether k and v ``[B, Hkv, S, D]`` are read with the same head and token strides (the kernel
+    takes one pair): a stride of a dimension of size 1 is never used, so it may differ (one KV head
+    cut from a concatenation, Gemma-3's sliding layers)."""
+    return (k.shape == v.shape and k.stride(2) == v.stride(2) and k.stride(3) == v.stride(3)
+            and (k.shape[1] == 1 or k.stride(1) == v.stride(1)))
+
+
 def flash_attention(pool: CPUInfer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                     scale: float, window: int = 0, out: torch.Tensor | None = None,
                     bf16_pv: bool = False) -> torch.Tensor:
@@ -39,7 +47,7 @@ def flash_attention(pool: CPUInfer, q: torch.Tensor, k: torch.Tensor, v: torch.T
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(3) != 1:
             raise ValueError(f"flash_attention: {name} must be float32 on the CPU with a contiguous last dim")
-    if k.stride() != v.stride():
+    if not same_kv_strides(k, v):
         raise ValueError("flash_attention: k and v must have the same strides")
     if out is None:
         out = torch.empty(1, T, H, D, dtype=torch.float32)

@@ -29,7 +29,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from ..kernels.attention import flash_attention, flash_attention_supported
+from ..kernels.attention import flash_attention, flash_attention_supported, same_kv_strides
 from .cpu_threads import kernel_pool
 
 NAME = "kt_sdpa"
@@ -62,7 +62,7 @@ def flash_eligible(module, query, key, value, attention_mask, dropout, is_causal
     if (B != 1 or T < 2 or dropout or is_causal is False or not getattr(module, "is_causal", True)
             or getattr(module, "training", False)
             or query.device.type != "cpu" or query.dtype != torch.float32 or key.dtype != torch.float32
-            or value.dtype != torch.float32 or key.shape != value.shape or key.stride() != value.stride()
+            or value.dtype != torch.float32 or not same_kv_strides(key, value)
             or query.stride(3) != 1 or key.stride(3) != 1 or D % 64 or D > 512 or H % key.shape[1]
             or kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None
             or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
@@ -76,13 +76,32 @@ def flash_eligible(module, query, key, value, attention_mask, dropout, is_causal
     window = kwargs.get("sliding_window") or 0
     if window and attention_mask is None:
         return None  # a sliding layer's cache may hold a rolled window: trust only its mask
-    if attention_mask is not None:
-        m = attention_mask
-        end = start + T
-        if (m.dtype != torch.bool or m.dim() != 4 or tuple(m.shape[:3]) != (1, 1, T) or m.shape[3] < end
-                or bool(m[0, 0, :, end:].any()) or not torch.equal(m[0, 0, :, :end], _visible(start, T, end, window))):
-            return None
+    if attention_mask is not None and not _plain_mask(attention_mask, start, T, window):
+        return None
     return start, int(window)
+
+
+#: the last mask found plain: (the mask, its address / shape / strides, start, T, window).  A model's
+#: forward builds one mask per layer type and hands the same tensor to each of its layers, so a
+#: T x S check runs once per forward, not once per layer (85 ms a layer at 8192 tokens).
+_last_plain: list = [None]
+
+
+def _plain_mask(m: torch.Tensor, start: int, T: int, window: int) -> bool:
+    """Whether ``m`` ``[1, 1, T, S]`` (bool) is exactly the causal (sliding-window) mask of the chunk."""
+    if m.dtype != torch.bool or m.dim() != 4 or tuple(m.shape[:3]) != (1, 1, T) or m.shape[3] < start + T:
+        return False
+    # a normal tensor's version counter sees an in-place change; an inference tensor (the Generator's
+    # prompt, under inference mode) has none: such a mask is trusted not to change between the layers
+    key = (m.data_ptr(), tuple(m.shape), m.stride(), None if m.is_inference() else m._version, start, T, window)
+    last = _last_plain[0]
+    if last is not None and last[0] is m and last[1] == key:
+        return True
+    end = start + T
+    if bool(m[0, 0, :, end:].any()) or not torch.equal(m[0, 0, :, :end], _visible(start, T, end, window)):
+        return False
+    _last_plain[0] = (m, key)
+    return True
 
 
 def kt_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,

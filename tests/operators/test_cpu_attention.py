@@ -123,6 +123,38 @@ def test_mask_that_is_not_causal_goes_to_sdpa():
     assert ca.flash_eligible(module.eval(), q.requires_grad_(), k, v, causal, 0.0, None, pos) is None
 
 
+def test_a_mask_changed_in_place_is_checked_again():
+    q, k = torch.randn(1, 4, 5, 64), torch.randn(1, 2, 8, 64)
+    pos = {"position_ids": torch.arange(3, 8)[None]}
+    module = torch.nn.Module().eval()
+    mask = ca._visible(3, 5, 8, 0)[None, None].clone()
+    with torch.no_grad():
+        if flash_attention_supported():
+            assert ca.flash_eligible(module, q, k, k.clone(), mask, 0.0, None, pos) == (3, 0)
+        mask[..., 1] = False  # the same tensor, now with a padding column
+        assert ca.flash_eligible(module, q, k, k.clone(), mask, 0.0, None, pos) is None
+
+
+@needs_kernel
+def test_one_kv_head_cut_from_a_concatenation_takes_the_kernel():
+    """Gemma-3's sliding layers hand k and v [1, 1, S, D] whose (unused) head strides differ."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 4, 40, 64, generator=g)
+    k2 = torch.randn(1, 1, 40, 128, generator=g)[..., :64]  # token stride 128, head stride 5120
+    v2 = torch.randn(1, 1, 40, 128, generator=g)[..., :64]
+    v2 = v2.as_strided(v2.shape, (v2.stride(0), 7, v2.stride(2), 1))  # another head stride, one head
+    assert k2.stride() != v2.stride()
+    module = torch.nn.Module().eval()
+    pos = {"position_ids": torch.arange(40)[None], "sliding_window": 16}
+    mask = ca._visible(0, 40, 40, 16)[None, None]
+    with torch.no_grad():
+        assert ca.flash_eligible(module, q, k2, v2, mask, 0.0, None, pos) == (0, 16)
+        out, _ = ca.kt_sdpa_attention(module, q, k2, v2, mask, scaling=0.125, **pos)
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k2.expand(1, 4, 40, 64), v2.expand(1, 4, 40, 64),
+                                                               attn_mask=mask, scale=0.125).transpose(1, 2)
+    assert (out - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
+
+
 def test_models_that_branch_on_the_name_keep_sdpa(tiny_model_dir):
     d = tiny_model_dir("deepseek_v32")
     model = load_model(d, model_path=d)
