@@ -274,6 +274,7 @@ def bench_model(name: str, path: Path, args, chat: bool = False) -> list[tuple]:
         gen.generate(ids, SamplingParams(max_new_tokens=args.decode))
         rates.append(gen.last_stats.decode_tps)
     kt[f"decode {args.decode}"] = max(rates)
+    GENERATE_ROWS.append((name, *generate_vs_generator(model, gen, ids, args)))
     if args.breakdown:
         print(f"  decode step of {name}: " + decode_breakdown(gen, ids, args.decode), flush=True)
         print(decode_ops_breakdown(gen, ids, args.decode), flush=True)
@@ -297,6 +298,43 @@ def bench_model(name: str, path: Path, args, chat: bool = False) -> list[tuple]:
     return rows
 
 
+#: (model, generate() tok/s, Generator tok/s, same greedy tokens?) of each bench_model run
+GENERATE_ROWS: list[tuple] = []
+
+
+def generate_vs_generator(model, gen, ids: list[int], args) -> tuple[float, float, bool]:
+    """Decode tokens/s of transformers' ``model.generate()`` (greedy, its default dynamic cache, no
+    EOS so every run makes all tokens) next to the Generator's on the same prompt, measured
+    interleaved (best of ``repeats``), and whether both give the same greedy tokens.  Decode rate =
+    (n - 1) / (time of n new tokens - time of 1)."""
+    from transformers import GenerationConfig
+
+    from ktransformers.generation import SamplingParams
+
+    n = args.decode
+    cfg = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0)
+    x = torch.tensor([ids])
+
+    def hf(k):
+        with torch.no_grad():
+            return model.generate(x, generation_config=cfg, max_new_tokens=k)
+
+    def ours(k):
+        return gen.generate(ids, SamplingParams(max_new_tokens=k))[1]
+
+    hf(4), ours(4)
+    t = {}
+    for _ in range(max(args.repeats, 3)):
+        for name, fn in (("hf", hf), ("ours", ours)):
+            for k in (1, n):
+                t0 = time.perf_counter()
+                fn(k)
+                t[name, k] = min(t.get((name, k), float("inf")), time.perf_counter() - t0)
+    same = hf(n)[0, len(ids):].tolist() == list(ours(n))
+    rate = {name: (n - 1) / max(t[name, n] - t[name, 1], 1e-9) for name in ("hf", "ours")}
+    return rate["hf"], rate["ours"], same
+
+
 def decode_breakdown(gen, ids, n: int) -> str:
     """Where a decode token's time goes: CPU-kernel calls (linears and experts, incl. waiting for
     submitted expert work; the lean decode step's grouped calls), sampling, and the rest
@@ -305,7 +343,7 @@ def decode_breakdown(gen, ids, n: int) -> str:
     import ktransformers.kernels as K
     from ktransformers.generation import SamplingParams
     from ktransformers.generation import engine as E
-    from ktransformers.operators import decode as D
+    from ktransformers.generation import decode_step as D
 
     spent = {"kernels": 0.0, "sampling": 0.0}
 
@@ -610,6 +648,11 @@ def main(argv=None) -> int:
             ratio = f"{kt / ref:.2f}" if ref and kt else "n/a"
             k = f"{kt:.1f}{unit}" if kt else "n/a"
             print(f"| {m} | {phase} | {k} | {r} | {ratio} |")
+    if GENERATE_ROWS:
+        print(f"\n| model | transformers generate() decode {args.decode} | Generator | ratio (target >= 0.9) "
+              "| same greedy tokens |\n|---|---|---|---|---|")
+        for m, hf, ours, same in GENERATE_ROWS:
+            print(f"| {m} | {hf:.1f} tok/s | {ours:.1f} tok/s | {hf / ours:.2f} | {'yes' if same else 'NO'} |")
     return 0
 
 

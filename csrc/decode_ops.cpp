@@ -1,6 +1,7 @@
-// fp32 helpers of the lean single-token decode step (ktransformers/operators/decode.py): each
+// fp32 helpers of the lean single-token decode step (ktransformers/generation/decode_step.py): each
 // replaces several torch ops (an RMSNorm is ~10 of them on the CPU) with one call on the calling
-// thread.  Pointers are plain ints from data_ptr(); the Python side owns and checks the buffers.
+// thread (the attention of a deep cache on the kernels' pool).  Pointers are plain ints from
+// data_ptr(); the Python side owns and checks the buffers.
 #include <pybind11/pybind11.h>
 
 #include <cmath>
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "thread_pool.h"
 
 namespace py = pybind11;
 
@@ -73,18 +75,126 @@ void rope(uintptr_t x, int rows, int d, uintptr_t cos, uintptr_t sin) {
   }
 }
 
-// Store one token's k, v [hkv, d] into a static cache layer (keys/values [hkv, cap, d]) at `slot`
-// (roll != 0: shift every head's entries left by one first and store last, the layout of a full
-// sliding-window layer), add 1 to *len (an int64 counter; 0 = none), then attend the hq query
-// heads (GQA: head i reads kv head i / (hq / hkv)) to the first n entries: out [hq, d].
-inline void axpy(float* __restrict y, float a, const float* __restrict x, int n) {
-  for (int i = 0; i < n; ++i) y[i] += a * x[i];
+// Store one token's k, v [hkv, d] into a cache layer (keys/values [hkv, cap, d], head stride cap * d)
+// at `slot` (roll != 0: shift every head's entries left by one first and store last, the layout of
+// a full sliding-window layer), add 1 to *len (an int64 counter; 0 = none), then attend the hq
+// query heads (GQA: head i reads kv head i / (hq / hkv)) to the first n entries: out [hq, d].
+//
+// The attention is split like flash-decoding: the n entries are cut into chunks of kChunk keys (a
+// fixed size, so the result is the same for any thread count), a pool task (kv head, chunk)
+// computes for the query heads reading that kv head the chunk's max m, sum l and unnormalised
+// P V, and the calling thread merges each head's chunks in order.  At depth (thousands of
+// entries) this reads the cache on every core; a single chunk (n <= kChunk) is plain softmax.
+constexpr int kChunk = 256;
+constexpr float kLog2e = 1.4426950408889634f;
+
+// 2^x for x <= 0 (a score minus its max): degree-7 polynomial of the fraction times 2^floor (set
+// in the exponent bits), clamped at -126 (2^-126 next to the max's 1 is nothing); branch-free, so
+// the loops calling it vectorise.  Relative error < 2e-7.
+inline __attribute__((always_inline)) float exp2_neg(float x) {
+  x = x < -126.f ? -126.f : x;
+  const float fl = __builtin_floorf(x);
+  const float f = x - fl;
+  float p = 1.5252733e-5f;
+  p = p * f + 1.5403530e-4f;
+  p = p * f + 1.3333558e-3f;
+  p = p * f + 9.6181291e-3f;
+  p = p * f + 5.5504109e-2f;
+  p = p * f + 2.4022651e-1f;
+  p = p * f + 6.9314718e-1f;
+  p = p * f + 1.0f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int>(fl) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
 }
 
-// (inlined into a baseline and an AVX2+FMA copy below; the tier in force picks one)
-inline __attribute__((always_inline)) void attend_body(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t keys,
-                                                       uintptr_t values, int hq, int hkv, int d, int cap, int slot,
-                                                       int roll, int n, float scale, uintptr_t len, uintptr_t out) {
+// 16 partial sums (one zmm, two ymm), folded in a fixed tree
+inline __attribute__((always_inline)) float dot16(const float* __restrict a, const float* __restrict b, int n) {
+  float acc[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+  int i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int t = 0; t < 16; ++t) acc[t] += a[i + t] * b[i + t];
+  for (int t = 0; t < 8; ++t) acc[t] += acc[t + 8];
+  float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+struct AttendJob {
+  const float* q;  // [hq, d]
+  const float* K;  // head g at K + g * head
+  const float* V;
+  size_t head;
+  int hq, hkv, d, n, nchunk;
+  float scale;
+  float* part;  // [hkv][nchunk][group][d + 2]: P V, m, l
+};
+
+// One task: kv head g, keys [c * kChunk, ...) for the group's query heads.
+inline __attribute__((always_inline)) void attend_chunk_body(const AttendJob& a, int g, int c) {
+  const int group = a.hq / a.hkv, d = a.d;
+  const int j0 = c * kChunk;
+  const int nk = a.n - j0 < kChunk ? a.n - j0 : kChunk;
+  const float* K = a.K + g * a.head + static_cast<size_t>(j0) * d;
+  const float* V = a.V + g * a.head + static_cast<size_t>(j0) * d;
+  thread_local std::vector<float> qs, sc;
+  if (qs.size() < static_cast<size_t>(group) * d) qs.resize(static_cast<size_t>(group) * d);
+  if (sc.size() < static_cast<size_t>(group) * kChunk) sc.resize(static_cast<size_t>(group) * kChunk);
+  const float qscale = a.scale * kLog2e;
+  for (int h = 0; h < group; ++h)
+    for (int i = 0; i < d; ++i) qs[h * d + i] = a.q[static_cast<size_t>(g * group + h) * d + i] * qscale;
+  for (int j = 0; j < nk; ++j) {  // every key once, for all heads of the group
+    const float* kj = K + static_cast<size_t>(j) * d;
+    for (int h = 0; h < group; ++h) sc[h * kChunk + j] = dot16(qs.data() + h * d, kj, d);
+  }
+  float* part = a.part + static_cast<size_t>(g * a.nchunk + c) * group * (d + 2);
+  for (int h = 0; h < group; ++h) {
+    float* s = sc.data() + h * kChunk;
+    float m = -INFINITY;
+    for (int j = 0; j < nk; ++j) m = s[j] > m ? s[j] : m;
+    for (int j = 0; j < nk; ++j) s[j] = exp2_neg(s[j] - m);
+    float l8[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int j = 0;
+    for (; j + 8 <= nk; j += 8)
+      for (int t = 0; t < 8; ++t) l8[t] += s[j + t];
+    float l = ((l8[0] + l8[4]) + (l8[1] + l8[5])) + ((l8[2] + l8[6]) + (l8[3] + l8[7]));
+    for (; j < nk; ++j) l += s[j];
+    float* acc = part + h * (d + 2);
+    std::memset(acc, 0, sizeof(float) * d);
+    acc[d] = m;
+    acc[d + 1] = l;
+  }
+  for (int j = 0; j < nk; ++j) {  // every value once, for all heads of the group
+    const float* vj = V + static_cast<size_t>(j) * d;
+    for (int h = 0; h < group; ++h) {
+      float* __restrict acc = part + h * (d + 2);
+      const float p = sc[h * kChunk + j];
+      for (int i = 0; i < d; ++i) acc[i] += p * vj[i];
+    }
+  }
+}
+
+void attend_chunk_base(const AttendJob& a, int g, int c) { attend_chunk_body(a, g, c); }
+__attribute__((target("avx2,fma"))) void attend_chunk_avx2(const AttendJob& a, int g, int c) {
+  attend_chunk_body(a, g, c);
+}
+__attribute__((target("avx512f,avx512vl,avx2,fma"))) void attend_chunk_avx512(const AttendJob& a, int g, int c) {
+  attend_chunk_body(a, g, c);
+}
+
+using ChunkFn = void (*)(const AttendJob&, int, int);
+ChunkFn chunk_fn() {
+  const IsaTier t = active_tier();
+  if (t >= IsaTier::AVX512) return attend_chunk_avx512;
+  if (t >= IsaTier::AVX2 && cpu_features().fma) return attend_chunk_avx2;
+  return attend_chunk_base;
+}
+
+void attend(CPUInfer& ci, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t keys, uintptr_t values, int hq, int hkv,
+            int d, int cap, int slot, int roll, int n, float scale, uintptr_t len, uintptr_t out) {
+  if (hkv <= 0 || hq % hkv != 0 || d <= 0 || n <= 0 || n > cap || slot < 0 || slot >= cap)
+    throw std::invalid_argument("attend: need hq % hkv == 0, 0 < n <= cap, 0 <= slot < cap");
   float* K = ptr<float>(keys);
   float* V = ptr<float>(values);
   const size_t head = static_cast<size_t>(cap) * d;
@@ -100,44 +210,37 @@ inline __attribute__((always_inline)) void attend_body(uintptr_t q, uintptr_t k,
     std::memcpy(vh + static_cast<size_t>(slot) * d, ptr<const float>(v) + static_cast<size_t>(g) * d, sizeof(float) * d);
   }
   if (len) ++*ptr<int64_t>(len);
-  thread_local std::vector<float> p;
-  if (static_cast<int>(p.size()) < n) p.resize(n);
   const int group = hq / hkv;
-  for (int hi = 0; hi < hq; ++hi) {
-    const float* qh = ptr<const float>(q) + static_cast<size_t>(hi) * d;
-    const float* kh = K + (hi / group) * head;
-    const float* vh = V + (hi / group) * head;
-    float m = -INFINITY;
-    for (int j = 0; j < n; ++j) {
-      p[j] = dot(qh, kh + static_cast<size_t>(j) * d, d) * scale;
-      m = p[j] > m ? p[j] : m;
-    }
-    float sum = 0;
-    for (int j = 0; j < n; ++j) {
-      p[j] = std::exp(p[j] - m);
-      sum += p[j];
-    }
-    const float inv = 1.0f / sum;
+  const int nchunk = (n + kChunk - 1) / kChunk;
+  thread_local std::vector<float> part;
+  part.resize(static_cast<size_t>(hkv) * nchunk * group * (d + 2));
+  const AttendJob job{ptr<const float>(q), K, V, head, hq, hkv, d, n, nchunk, scale, part.data()};
+  static const ChunkFn fn = chunk_fn();
+  const int tasks = hkv * nchunk;
+  if (static_cast<size_t>(n) * hkv * d < 32768) {  // under ~256 KB of keys and values: not worth a wake-up
+    for (int t = 0; t < tasks; ++t) fn(job, t / nchunk, t % nchunk);
+  } else {
+    py::gil_scoped_release nogil;
+    ci.run_now([&] { ci.pool().parallel_for(tasks, [&](int t, int) { fn(job, t / nchunk, t % nchunk); }); });
+  }
+  for (int hi = 0; hi < hq; ++hi) {  // merge each head's chunks in order
+    const int g = hi / group, h = hi % group;
+    const float* p0 = part.data() + (static_cast<size_t>(g) * nchunk * group + h) * (d + 2);
+    const size_t stride = static_cast<size_t>(group) * (d + 2);
+    float M = -INFINITY;
+    for (int c = 0; c < nchunk; ++c) M = p0[c * stride + d] > M ? p0[c * stride + d] : M;
     float* o = ptr<float>(out) + static_cast<size_t>(hi) * d;
     std::memset(o, 0, sizeof(float) * d);
-    for (int j = 0; j < n; ++j) axpy(o, p[j] * inv, vh + static_cast<size_t>(j) * d, d);
+    float denom = 0;
+    for (int c = 0; c < nchunk; ++c) {
+      const float* pc = p0 + c * stride;
+      const float w = std::exp2(pc[d] - M);
+      denom += w * pc[d + 1];
+      for (int i = 0; i < d; ++i) o[i] += w * pc[i];
+    }
+    const float inv = 1.0f / denom;
+    for (int i = 0; i < d; ++i) o[i] *= inv;
   }
-}
-
-void attend_base(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t keys, uintptr_t values, int hq, int hkv, int d,
-                 int cap, int slot, int roll, int n, float scale, uintptr_t len, uintptr_t out) {
-  attend_body(q, k, v, keys, values, hq, hkv, d, cap, slot, roll, n, scale, len, out);
-}
-__attribute__((target("avx2,fma"))) void attend_avx2(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t keys,
-                                                     uintptr_t values, int hq, int hkv, int d, int cap, int slot,
-                                                     int roll, int n, float scale, uintptr_t len, uintptr_t out) {
-  attend_body(q, k, v, keys, values, hq, hkv, d, cap, slot, roll, n, scale, len, out);
-}
-
-void attend(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t keys, uintptr_t values, int hq, int hkv, int d, int cap,
-            int slot, int roll, int n, float scale, uintptr_t len, uintptr_t out) {
-  static const bool wide = active_tier() >= IsaTier::AVX2 && cpu_features().fma;
-  (wide ? attend_avx2 : attend_base)(q, k, v, keys, values, hq, hkv, d, cap, slot, roll, n, scale, len, out);
 }
 
 // The softmax-top-k router of transformers' Qwen2/3-MoE for one token: p = softmax(logits[E]),
@@ -184,7 +287,7 @@ void register_decode_ops(py::module_& m) {
   d.def("residual_norm", &residual_norm, py::arg("x"), py::arg("a"), py::arg("wa"), py::arg("eps_a"), py::arg("w"),
         py::arg("eps"), py::arg("out"), py::arg("n"));
   d.def("rope", &rope, py::arg("x"), py::arg("rows"), py::arg("d"), py::arg("cos"), py::arg("sin"));
-  d.def("attend", &attend, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("keys"), py::arg("values"),
+  d.def("attend", &attend, py::arg("cpu_infer"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("keys"), py::arg("values"),
         py::arg("hq"), py::arg("hkv"), py::arg("d"), py::arg("cap"), py::arg("slot"), py::arg("roll"), py::arg("n"),
         py::arg("scale"), py::arg("len"), py::arg("out"));
   d.def("moe_route", &moe_route, py::arg("logits"), py::arg("num_experts"), py::arg("top_k"), py::arg("norm"),

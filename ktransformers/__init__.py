@@ -17,7 +17,7 @@ from .errors import ConfigError, KTError, RuleError, WeightError
 # torch and transformers load lazily, so a CLI's --help or a bad flag answers at once
 _LAZY = {
     "build_model": "optimize", "explain_plan": "optimize", "format_explanation": "optimize",
-    "inject": "optimize", "optimize_and_load_gguf": "optimize", "plan_model": "optimize",
+    "inject": "util.loading", "optimize_and_load_gguf": "optimize", "plan_model": "optimize",
     "load_config": "util.loading", "load_model": "util.loading", "open_weights": "weights",
 }
 

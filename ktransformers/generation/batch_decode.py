@@ -4,7 +4,7 @@ The generic ``BatchRunner`` step runs the transformers forward per layer (module
 ops, mask and index building per step); on a small model that Python/dispatch cost is the whole
 step.  ``BatchDecodeStep`` does the same arithmetic for the decode-only step (every sequence
 contributes one token, the steady state of serving) with the weights bound once, the way
-``operators/decode.py``'s ``DecodeStep`` does for one sequence, and with its per-layer pieces
+``generation/decode_step.py``'s ``DecodeStep`` does for one sequence, and with its per-layer pieces
 (``_Layer``: the projections as ``LinearGroupKernel`` s, the norm weights):
 
 * per layer for the N rows: q/k/v in one kernel call over N rows (input quantised once), then
@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from ..operators.decode import Unsupported, _cpu_kernel, _Layer, _norm_weight, _Proj, lean_parts
+from .decode_step import Unsupported, _cpu_kernel, _Layer, _norm_weight, _Proj, lean_parts
 from .devices import module_device
 
 log = logging.getLogger("ktransformers.batch_decode")

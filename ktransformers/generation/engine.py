@@ -198,10 +198,10 @@ class Generator:
         return out.logits[:, -1].float()
 
     def _decode_step(self):
-        """The lean single-token step (operators/decode.py) unless ``KT_LEAN_DECODE=0``."""
+        """The lean single-token step (generation/decode_step.py) unless ``KT_LEAN_DECODE=0``."""
         step = self.__dict__.get("_step", False)
         if step is False:
-            from ..operators.decode import decode_step_for
+            from .decode_step import decode_step_for
 
             step = decode_step_for(self.model) if os.environ.get("KT_LEAN_DECODE", "1") != "0" else None
             self._step = step

@@ -10,12 +10,23 @@ import torch
 
 from ..errors import ConfigError, RuleError
 from ..optimize.device_map import load_rules_mapped, parse_device_map
-from ..optimize.inject import build_model, check_transfer_maps, inject
+from ..generation.hf_generate import use_lean_generate
+from ..optimize.inject import inject as inject_rules
+from ..optimize.inject import build_model, check_transfer_maps
 from ..optimize.plan import check_devices_available, plan_model
 from ..optimize_rules import default_rule_file
 from ..weights import WeightSource, open_weights
 from ..weights.model_config import load_config, weights_folder  # noqa: F401 - load_config is public here too
 from .peft_adapter import read_adapter
+
+
+def inject(model, rules, weights, **kwargs):
+    """:func:`ktransformers.optimize.inject` (rules -> plan -> operators -> weights), with the injected
+    model's ``generate()`` decoding on the lean step that local_chat runs (``generation.hf_generate``).
+    This is ``ktransformers.inject``, the entry point of a user's own script; same arguments."""
+    model = inject_rules(model, rules, weights, **kwargs)
+    use_lean_generate(model)
+    return model
 
 
 def load_model(

@@ -1,4 +1,4 @@
-"""The lean single-token decode step (operators/decode.py) against the generic forward and HF.
+"""The lean single-token decode step (generation/decode_step.py) against the generic forward and HF.
 
 Tolerances:
 * tiny fp32 models (F32 weights on the CPU kernels, no activation quantisation): the lean step's
@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from ktransformers import load_model
 from ktransformers.generation import Generator, SamplingParams
-from ktransformers.operators.decode import DecodeStep, decode_step_for
+from ktransformers.generation.decode_step import DecodeStep, decode_step_for
 
 LEAN_ARCHS = ["llama", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe"]
 MOE_ARCHS = ("qwen3_moe", "qwen2_moe")
@@ -117,7 +117,14 @@ def test_gate_falls_back_to_the_generic_forward(tiny_model_dir, monkeypatch, one
         assert step.accepts(cache)
         dyn = DynamicCache(config=model.config)
         model(input_ids=torch.tensor([ids]), cache=dyn, use_cache=True)
-        assert not step.accepts(dyn)
+        assert step.accepts(dyn)  # served too (tests/generation/test_hf_generate.py)
+
+        class OwnCache(DynamicCache):  # a subclass may keep its entries elsewhere: not served
+            pass
+
+        own = OwnCache(config=model.config)
+        model(input_ids=torch.tensor([ids]), cache=own, use_cache=True)
+        assert not step.accepts(own)
     assert not step.accepts(cache)  # outside inference mode (autograd may be recording)
     called = []
     monkeypatch.setattr(DecodeStep, "step", lambda self, *a: called.append(a) or None)

@@ -46,6 +46,13 @@ FAMILIES = {"gemma3_text": True, "llama": False, "mistral": False, "qwen2": Fals
 GLU = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
+def _layer_kinds():
+    from transformers.cache_utils import (DynamicLayer, DynamicSlidingWindowLayer, StaticLayer,
+                                          StaticSlidingWindowLayer)
+
+    return (StaticLayer, StaticSlidingWindowLayer), (DynamicLayer, DynamicSlidingWindowLayer)
+
+
 class Unsupported(Exception):
     """The model has a part the lean step does not reproduce; the generic forward serves it."""
 
@@ -62,7 +69,7 @@ def _norm_weight(norm, gemma: bool) -> tuple[torch.Tensor, float]:
 
 def _cpu_kernel(linear):
     """The ``KLinearCPU`` op that serves ``linear`` at T=1 with its output on the CPU, or None."""
-    from .cpu_linear import KLinearCPU
+    from ..operators.cpu_linear import KLinearCPU
 
     if not hasattr(linear, "generate_op") or getattr(linear, "out_device", None) not in (None, "cpu"):
         return None
@@ -78,7 +85,7 @@ def _embedding_rows(embed, hidden: int):
     embedding is ``KEmbeddingQuant`` on a type the kernels dequantize: the step dequantizes its one
     row with the C++ ``dequantize`` (the torch block dequantizer costs ~0.25 ms a token on
     Q4_K).  None otherwise: the module is called."""
-    from .embedding import KEmbeddingQuant, KTransformersEmbedding
+    from ..operators.embedding import KEmbeddingQuant, KTransformersEmbedding
 
     op = getattr(embed, "generate_op", None)
     if type(embed) is not KTransformersEmbedding or not isinstance(op, KEmbeddingQuant):
@@ -130,7 +137,7 @@ SOFTMAX_TOPK_ROUTERS = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter")
 
 def _experts_op(experts):
     """The ``KExpertsCPU`` op that serves ``experts`` at T=1 with its output on the CPU, or None."""
-    from .cpu_experts import KExpertsCPU
+    from ..operators.cpu_experts import KExpertsCPU
 
     if not hasattr(experts, "generate_op") or getattr(experts, "out_device", None) not in (None, "cpu"):
         return None
@@ -332,31 +339,41 @@ class DecodeStep:
     @classmethod
     def build(cls, model) -> "DecodeStep | None":
         try:
-            return cls(model)
+            # the step's buffers are normal tensors, whichever mode builds it: the Generator steps
+            # in inference mode, transformers' generate() under no_grad
+            with torch.inference_mode(False), torch.no_grad():
+                return cls(model)
         except Unsupported as e:
             log.debug("lean decode step not used: %s", e)
             return None
 
     # ---------------------------------------------------------------------------------- gate
     def accepts(self, cache) -> bool:
-        """Whether the next single-token step on ``cache`` can take this path."""
-        from transformers import StaticCache
-        from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+        """Whether the next single-token step on ``cache`` can take this path: a ``StaticCache``
+        (static / sliding layers) or a ``DynamicCache`` (dynamic / dynamic sliding layers, the
+        sliding ones not recording their past), initialised by a prefill, fp32 batch 1 on the CPU,
+        with autograd off (inference mode or ``no_grad``: the cache is written in place)."""
+        from transformers import DynamicCache, StaticCache
 
-        if type(cache) is not StaticCache or getattr(cache, "offloading", False):
+        if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
             return False
-        if not torch.is_inference_mode_enabled() or len(cache.layers) != len(self.layers):
+        if getattr(cache, "offloading", False) or len(getattr(cache, "layers", ())) != len(self.layers):
             return False
-        for lay in cache.layers:
-            t = type(lay)
-            if (t is not StaticLayer and t is not StaticSlidingWindowLayer) or not lay.is_initialized:
+        static, dynamic = _layer_kinds()
+        kinds = static if type(cache) is StaticCache else dynamic if type(cache) is DynamicCache else None
+        if kinds is None:
+            return False
+        for lay, cl in zip(self.layers, cache.layers):
+            if type(cl) not in kinds or not cl.is_initialized or getattr(cl, "record_past", False):
                 return False
-            if lay.keys.dtype is not torch.float32 or lay.keys.shape[0] != 1 or lay.keys.device.type != "cpu":
+            k = cl.keys
+            if (k.dtype is not torch.float32 or k.dim() != 4 or k.shape[0] != 1 or k.device.type != "cpu"
+                    or k.shape[1] != lay.hkv or k.shape[3] != lay.d):
                 return False
         return True
 
-    # ---------------------------------------------------------------------------------- step
-    def _cache_plan(self, cache):
+    # ---------------------------------------------------------------------------------- caches
+    def _static_plan(self, cache):
         """Per layer: (layer, keys / values / counter pointers, capacity, sliding?) of ``cache``,
         made once per cache (static layers keep their tensors' addresses for their lifetime)."""
         plan = cache.__dict__.get("_kt_lean_plan")
@@ -373,6 +390,101 @@ class DecodeStep:
             plan = (cache.layers[0].keys.data_ptr(), rows, full)
             cache.__dict__["_kt_lean_plan"] = plan
         return plan[1], plan[2]
+
+    def attended(self, cache, pos: int) -> dict[str, int]:
+        """Per layer type, how many of its cache entries (from the first) the query at ``pos``
+        attends to on this cache: what a mask built for the step's own layout must show."""
+        seen = {}
+        for lay, cl in zip(self.layers, cache.layers):
+            if getattr(cl, "is_sliding", False):
+                cur = cl.cumulative_length_int if hasattr(cl, "cumulative_length_int") else cl.keys.shape[-2]
+                cap = int(getattr(cl, "max_cache_len", cur + 1))
+                seen[lay.layer_type] = min(cur + 1, cap)
+            else:
+                seen[lay.layer_type] = pos + 1
+        return seen
+
+    def _static_slots(self, cache, pos: int):
+        """Per layer (keys, values, head stride, slot, roll, entries, counter pointer) for writing
+        position ``pos`` into a ``StaticCache`` as its layers' own ``update`` would, or None."""
+        plan, full = self._static_plan(cache)
+        if full is not None:
+            cl, cap = plan[full][0], plan[full][4]
+            if pos >= cap or int(cl.cumulative_length) != pos:
+                return None
+        slots = []
+        for cl, kp, vp, lp, cap, sliding in plan:
+            if sliding:
+                cur = cl.cumulative_length_int
+                cl.cumulative_length_int = cur + 1
+                if cur < cap:
+                    slots.append((kp, vp, cap, cur, 0, cur + 1, lp))
+                else:  # a full window: shifted left by one, newest last (the layer's own layout)
+                    slots.append((kp, vp, cap, cap - 1, 1, cap, 0))
+            else:
+                slots.append((kp, vp, cap, pos, 0, pos + 1, lp))
+        return slots, None
+
+    def _dynamic_slots(self, cache, pos: int):
+        """The same for a ``DynamicCache``.  Its layers grow by concatenation in their own
+        ``update``; here each layer's keys / values become views of a buffer with room to grow (kept
+        on the layer, ``_kt_grow``), so a token is one row written, not the cache copied.  The
+        layers end as their ``update`` leaves them: a dynamic layer holds every position, a sliding
+        one its last ``window - 1`` (the views' offset moves; the buffer is compacted when full).
+        A generic forward in between replaces the views by its own tensors; they are adopted again."""
+        for lay, cl in zip(self.layers, cache.layers):
+            n = cl.keys.shape[-2]
+            if (cl.cumulative_length if cl.is_sliding else n) != pos:
+                return None
+        slots, after = [], []
+        for lay, cl in zip(self.layers, cache.layers):
+            k, v, n = cl.keys, cl.values, cl.keys.shape[-2]
+            row = 4 * lay.d
+            grow = cl.__dict__.get("_kt_grow")
+            off = -1
+            if grow is not None and k.dim() == 4 and v.shape == k.shape:
+                kb, vb = grow
+                delta = k.data_ptr() - kb.data_ptr()
+                if (delta == v.data_ptr() - vb.data_ptr() and delta % row == 0 and k.stride() == kb.stride()
+                        and v.stride() == vb.stride() and 0 <= delta // row and delta // row + n < kb.shape[2]):
+                    off = delta // row
+            if off < 0:  # adopt: a buffer with room for the next positions (a window and a half when sliding)
+                cap = (2 * int(cl.sliding_window) + 64) if cl.is_sliding else max(n + 256, n + n // 2)
+                kb = torch.empty(1, lay.hkv, cap, lay.d)
+                vb = torch.empty(1, lay.hkv, cap, lay.d)
+                kb[:, :, :n].copy_(k)
+                vb[:, :, :n].copy_(v)
+                cl.__dict__["_kt_grow"] = (kb, vb)
+                off = 0
+            cap = kb.shape[2]
+            slots.append((kb.data_ptr() + off * row, vb.data_ptr() + off * row, cap, n, 0, n + 1, 0))
+            if cl.is_sliding:
+                keep = min(n + 1, int(cl.sliding_window) - 1)
+                start = off + n + 1 - keep
+                if start + keep + 1 > cap:  # no room for the next token: compact after this one
+                    after.append((cl, kb, vb, start, keep, True))
+                else:
+                    after.append((cl, kb, vb, start, keep, False))
+            else:
+                after.append((cl, kb, vb, off, n + 1, False))
+        return slots, after
+
+    @staticmethod
+    def _static(cache) -> bool:
+        from transformers import StaticCache
+
+        return type(cache) is StaticCache
+
+    @staticmethod
+    def _finish_dynamic(after) -> None:
+        for cl, kb, vb, start, keep, compact in after:
+            if compact:
+                kb[:, :, :keep].copy_(kb[:, :, start:start + keep].clone())
+                vb[:, :, :keep].copy_(vb[:, :, start:start + keep].clone())
+                start = 0
+            cl.keys, cl.values = kb[:, :, start:start + keep], vb[:, :, start:start + keep]
+            if cl.is_sliding:
+                cl.cumulative_length += 1
 
     def embed_into_x(self, token: int) -> torch.Tensor:
         """The embedding of ``token``, in the step's ``x``."""
@@ -397,13 +509,12 @@ class DecodeStep:
     def _step(self, token: int, pos: int, cache) -> torch.Tensor | None:
         ops = self._ops
         try:
-            plan, full = self._cache_plan(cache)
+            got = (self._static_slots if self._static(cache) else self._dynamic_slots)(cache, pos)
         except Unsupported:
             return None
-        if full is not None:
-            cl, cap = plan[full][0], plan[full][4]
-            if pos >= cap or int(cl.cumulative_length) != pos:
-                return None
+        if got is None:
+            return None
+        slots, after = got
         self._pos_t[0, 0] = pos
         x = self.embed_into_x(token)
         rope = {}
@@ -412,10 +523,11 @@ class DecodeStep:
             cos, sin = cos.reshape(-1).float().contiguous(), sin.reshape(-1).float().contiguous()
             rope[lt] = (cos, sin, cos.data_ptr(), sin.data_ptr())
         H, xp, h, hp, attp = self.hidden, self.x_ptr, self.h, self.h_ptr, self.att_ptr
+        cpu = self.head._pool  # attention at depth runs on the kernels' pool
         first = self.layers[0]
         ops.rms_norm(xp, first.in_norm[2], hp, 1, H, 0, first.in_norm[1])
         n_layers = len(self.layers)
-        for i, (lay, (cl, kp, vp, lp, cap, sliding)) in enumerate(zip(self.layers, plan)):
+        for i, (lay, (kp, vp, cap, slot, roll, n, lenp)) in enumerate(zip(self.layers, slots)):
             hq, hkv, d = lay.hq, lay.hkv, lay.d
             qkv = lay.qkv(h)
             qp = qkv.data_ptr()
@@ -423,16 +535,7 @@ class DecodeStep:
                 ops.rms_norm(qp, lay.qk_norm[2], qp, hq + hkv, d, d, lay.qk_norm[1])
             r = rope[lay.layer_type]
             ops.rope(qp, hq + hkv, d, r[2], r[3])
-            if sliding:
-                cur = cl.cumulative_length_int
-                cl.cumulative_length_int = cur + 1
-                if cur < cap:
-                    slot, roll, n, lenp = cur, 0, cur + 1, lp
-                else:  # a full window: shifted left by one, newest last (the layer's own layout)
-                    slot, roll, n, lenp = cap - 1, 1, cap, 0
-            else:
-                slot, roll, n, lenp = pos, 0, pos + 1, lp
-            ops.attend(qp, qp + 4 * hq * d, qp + 4 * (hq + hkv) * d, kp, vp, hq, hkv, d, cap, slot, roll, n,
+            ops.attend(cpu, qp, qp + 4 * hq * d, qp + 4 * (hq + hkv) * d, kp, vp, hq, hkv, d, cap, slot, roll, n,
                        lay.scaling, lenp, attp)
             a = lay.o(lay.att_view)
             if lay.gemma:
@@ -452,6 +555,8 @@ class DecodeStep:
                 ops.residual_norm(xp, m.data_ptr(), lay.post_mlp_norm[2], lay.post_mlp_norm[1], nxt[2], nxt[1], hp, H)
             else:
                 ops.residual_norm(xp, m.data_ptr(), 0, 0.0, nxt[2], nxt[1], hp, H)
+        if after is not None:
+            self._finish_dynamic(after)
         logits = self.head(h)
         if self.softcap is not None:
             logits.div_(self.softcap).tanh_().mul_(self.softcap)
