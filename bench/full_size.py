@@ -20,8 +20,12 @@ Rows, in this order, each side in its own process under ``/usr/bin/time -v``, sa
   one-token prefill; llama.cpp: ``llama-bench -p 1 -n 0 -r 1``);
 * decode N (--decode) at depth 0: tok/s (ours: ``Generator.generate`` from a one-token prompt,
   N decode steps; llama.cpp: ``llama-bench -p 0 -n N``);
+* decode N at depth D for D in --depth: tok/s of N decode steps after a D-token prompt, one run
+  (ours: ``Generator.generate`` of a D-token prompt; llama.cpp: ``llama-bench -p 0 -n N -d D``);
 * prefill P for P in --prefill: tok/s, best of --repeats after a short warm-up (ours:
   ``Generator.prefill``; llama.cpp: ``llama-bench -p P -n 0``).
+``--gguf FILE`` runs the same rows on another file (the long-context rows use Gemma-3-270M Q4_K_M:
+``--gguf .cache/models/gemma-3-270m-q4_k_m.gguf --prefill 8192,32000 --depth 8192,32000``).
 Each row also gives both sides' peak RSS (mapped file pages touched included).  The file is
 read through the page cache, so the first process after writing it may find it warm.
 Without ``--llama_cpp_bin`` (or ``KT_LLAMA_CPP_BIN``) only our rows print.
@@ -149,18 +153,18 @@ def timed_run(cmd: list[str], timeout: float | None) -> dict:
             if wall else None}
 
 
-def ours(path: Path, job: str, args) -> dict:
+def ours(path: Path, job: str, args, repeats: int) -> dict:
     r = timed_run([sys.executable, __file__, "--child", job, "--model", str(path), "--threads", str(args.threads),
-                   "--repeats", str(args.repeats)], args.timeout)
+                   "--repeats", str(repeats)], args.timeout)
     for line in r["out"].splitlines():
         if line.startswith("RESULT "):
             r.update(json.loads(line[7:]))
     return r
 
 
-def llama(path: Path, p: int, n: int, args, repeats: int) -> dict:
+def llama(path: Path, p: int, n: int, args, repeats: int, depth: int = 0) -> dict:
     cmd = [str(args.llama_bin / "llama-bench"), "-m", str(path), "-p", str(p), "-n", str(n), "-t", str(args.threads),
-           "-r", str(repeats), "-o", "json", *args.llama_args.split()]
+           "-r", str(repeats), "-o", "json", *(["-d", str(depth)] if depth else []), *args.llama_args.split()]
     r = timed_run(cmd, args.timeout)
     if r["status"] is None:
         row = json.loads(r["out"])[0]
@@ -169,7 +173,7 @@ def llama(path: Path, p: int, n: int, args, repeats: int) -> dict:
 
 
 def child(args) -> int:
-    """One of our measurements in this process: ``load``, ``prefill:P`` or ``decode:N``."""
+    """One of our measurements in this process: ``load``, ``prefill:P``, ``decode:N`` or ``depth:D:N``."""
     import torch
 
     from ktransformers import load_model
@@ -197,6 +201,15 @@ def child(args) -> int:
             logits = gen.prefill(ids, gen.new_cache(len(ids) + 1))
             best = min(best, time.perf_counter() - t0)
         res["tps"] = len(ids) / best
+    elif job == "depth":  # N decode steps after a D-token prompt (the prompt not timed)
+        d, _, n = n.partition(":")
+        ids = [int(i) for i in np.random.default_rng(0).integers(100, 30000, int(d))]
+        rates = []
+        for _ in range(args.repeats):
+            gen.generate(ids, SamplingParams(max_new_tokens=int(n) + 1))
+            rates.append(gen.last_stats.decode_tps)
+        res["tps"] = max(rates)
+        logits = gen.prefill([100, 101], gen.new_cache(3))
     else:
         gen.generate([100], SamplingParams(max_new_tokens=4))  # warm-up
         rates = []
@@ -231,7 +244,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=48, help="decoder layers of the model file (default 48)")
     ap.add_argument("--prefill", default="512", help="comma list of prompt lengths (e.g. 512,4096,16384)")
-    ap.add_argument("--decode", type=int, default=32, help="tokens for the decode row")
+    ap.add_argument("--decode", type=int, default=32, help="tokens for the decode rows")
+    ap.add_argument("--depth", default="", help="comma list of cache depths for decode rows (e.g. 4096,16384); "
+                    "one run each (a prompt of that length is prefilled first)")
+    ap.add_argument("--gguf", help="measure this GGUF instead of writing the Qwen3-30B-A3B-shaped one "
+                    "(e.g. Gemma-3-270M for the long-context rows)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2, help="best of N (ours) / llama-bench -r N")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per measured process")
@@ -244,23 +261,26 @@ def main(argv=None) -> int:
     if args.child:
         return child(args)
     args.llama_bin = llama_bench_dir(args.llama_cpp_bin)
-    path = write_model(args.layers)
+    path = Path(args.gguf) if args.gguf else write_model(args.layers)
 
     # decode before the prefills: a long prefill's memory can push the file out of the page cache
     jobs = [("load", "load", (1, 0, 1)),
             (f"decode {args.decode}", f"decode:{args.decode}", (0, args.decode, args.repeats))]
-    jobs += [(f"prefill {p}", f"prefill:{p}", (p, 0, args.repeats)) for p in map(int, args.prefill.split(","))]
+    jobs += [(f"decode {args.decode} at depth {d}", f"depth:{d}:{args.decode}", (0, args.decode, 1, d))
+             for d in map(int, filter(None, args.depth.split(",")))]
+    jobs += [(f"prefill {p}", f"prefill:{p}", (p, 0, args.repeats)) for p in map(int, filter(None, args.prefill.split(",")))]
     rows, dram, load0 = [], None, os.getloadavg()[0]
-    for label, job, (p, n, r) in jobs:
+    for label, job, (p, n, r, *depth) in jobs:
         print(f"running {label} ...", flush=True)
-        a = ours(path, job, args)
+        a = ours(path, job, args, repeats=1 if depth else args.repeats)
         dram = dram or a.get("dram_gbs")
         if a.get("finite") is False:
             print(f"warning: our logits are not finite ({label})")
-        rows.append((label, a, llama(path, p, n, args, r) if args.llama_bin else None))
+        rows.append((label, a, llama(path, p, n, args, r, *depth) if args.llama_bin else None))
 
     print(f"\n{machine_line(dram)}; load average (1 min) {load0:.1f} at start, {os.getloadavg()[0]:.1f} at end")
-    print(f"model: {path.name} ({path.stat().st_size / 2**30:.2f} GiB, {args.layers} layers), "
+    print(f"model: {path.name} ({path.stat().st_size / 2**30:.2f} GiB"
+          f"{'' if args.gguf else f', {args.layers} layers'}), "
           f"threads {args.threads}" + (f", llama-bench in {args.llama_bin}" if args.llama_bin else ""))
     print("\n| row | ktransformers | llama.cpp | ours/llama.cpp | peak RSS ours | peak RSS llama.cpp "
           "| RSS ours/llama.cpp |\n|---|---|---|---|---|---|---|")
