@@ -135,6 +135,7 @@ def inject(
     allow_unmatched: bool = False,
     progress: bool = False,
     lora=None,
+    plan: Plan | None = None,
 ) -> nn.Module:
     """Replace modules of ``model`` as ``rules`` say, then load ``weights`` onto their devices.
 
@@ -144,9 +145,14 @@ def inject(
     with ``model.kt_plan`` (the placement) and ``model.kt_load_report`` attached.  A rule that
     matches no module is an error unless ``allow_unmatched=True``.  ``lora`` names a PEFT-format
     LoRA adapter folder applied once the weights are in (``ktransformers.util.peft_adapter``).
+    ``plan``: the plan of ``rules`` on this very model, when the caller made it already (the load
+    pipeline checks it before reading any weight); it is not made twice.
     """
     source = weights if isinstance(weights, WeightSource) else open_weights(weights)
-    plan = plan_model(model, rules, default_device)
+    if plan is None:
+        plan = plan_model(model, rules, default_device)
+    elif plan.placements.get("") is None or plan.placements[""].module_class != type(model).__name__:
+        raise ValueError(f"inject: the plan given was made for another model, not {type(model).__name__}")
     if not allow_unmatched:
         unmatched = plan.unmatched_rules()
         if unmatched:

@@ -184,7 +184,8 @@ def load_for_generation(
     say(f"loading {n} tensors onto {', '.join(sorted(str(d) for d in plan.devices()))} ...")
     if lora is not None:
         read_adapter(lora)  # a bad adapter fails before the weights load
-    inject(model, rule_list, source, default_device=device, allow_unmatched=True, progress=progress, lora=lora)
+    inject(model, rule_list, source, default_device=device, allow_unmatched=True, progress=progress, lora=lora,
+           plan=plan)
     gen_cfg = Path(model_path) / "generation_config.json" if model_path else None
     if gen_cfg is not None and gen_cfg.is_file():
         from transformers import GenerationConfig
