@@ -190,13 +190,20 @@ PYBIND11_MODULE(KT_EXT_NAME, m) {
       .def("sync", &CPUInfer::sync, py::call_guard<py::gil_scoped_release>(),
            "wait for all submitted tasks; re-raises the first task error")
       .def("probe_read_bw", &probe_read_bw, py::arg("nbytes"), py::arg("reps") = 5, py::call_guard<py::gil_scoped_release>())
-      .def("probe_peak", &probe_peak, py::arg("kind"), py::arg("iters") = 20000000, py::call_guard<py::gil_scoped_release>());
+      .def("probe_peak", &probe_peak, py::arg("kind"), py::arg("iters") = 20000000, py::call_guard<py::gil_scoped_release>())
+      .def("checksum", [](CPUInfer& ci, uintptr_t data, size_t n) {
+             uint64_t h = 0;
+             py::gil_scoped_release nogil;
+             ci.run_now([&] { h = checksum_bytes(cptr<uint8_t>(data), n, ci.pool()); });
+             return h;
+           }, py::arg("data"), py::arg("nbytes"), "64-bit checksum of a buffer (weights.h checksum_bytes)");
 
   py::class_<MoE, std::shared_ptr<MoE>>(m, "MoE")
       .def(py::init([](std::shared_ptr<CPUInfer> ci, int E, int H, int I, int backend, uintptr_t gate, uintptr_t up,
                        uintptr_t down, int gt, int ut, int dt, int act, float alpha, float limit, uintptr_t gate_bias,
-                       uintptr_t up_bias, uintptr_t down_bias) {
+                       uintptr_t up_bias, uintptr_t down_bias, uintptr_t prepacked) {
              MoEConfig c;
+             c.prepacked = cptr<uint8_t>(prepacked);
              c.num_experts = E; c.hidden = H; c.intermediate = I; c.backend = to_backend(backend);
              c.gate = cptr<void>(gate); c.up = cptr<void>(up); c.down = cptr<void>(down);
              c.gate_type = gt; c.up_type = ut; c.down_type = dt;
@@ -210,8 +217,9 @@ PYBIND11_MODULE(KT_EXT_NAME, m) {
            py::arg("pool"), py::arg("num_experts"), py::arg("hidden"), py::arg("intermediate"), py::arg("backend"),
            py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("gate_type"), py::arg("up_type"), py::arg("down_type"),
            py::arg("activation") = 0, py::arg("alpha") = 1.702f, py::arg("limit") = 7.0f, py::arg("gate_bias") = 0,
-           py::arg("up_bias") = 0, py::arg("down_bias") = 0)
+           py::arg("up_bias") = 0, py::arg("down_bias") = 0, py::arg("prepacked") = 0)
       .def_property_readonly("packed_bytes", &MoE::packed_bytes)
+      .def_property_readonly("packed_ptr", [](const MoE& self) { return reinterpret_cast<uintptr_t>(self.packed_data()); })
       .def("submit", [](std::shared_ptr<MoE> self, std::shared_ptr<CPUInfer> ci, int T, int k, uintptr_t x, int xdt,
                         uintptr_t ids, uintptr_t w, uintptr_t out, int odt) {
              const DType xd = to_dtype(xdt), od = to_dtype(odt);

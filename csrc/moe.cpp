@@ -74,10 +74,21 @@ MoE::MoE(const MoEConfig& cfg, ThreadPool& pool) : cfg_(cfg) {
   down_ = describe_weights(cfg.backend, cfg.down, cfg.down_type, E, H, I, "down_proj " + shape_str(E, H, I));
   if (cfg.backend != Backend::Llamafile) {
     const size_t bg = kt::packed_bytes(gate_), bu = kt::packed_bytes(up_), bd = kt::packed_bytes(down_);
-    uint8_t* base = static_cast<uint8_t*>(packed_.ensure(bg + bu + bd));  // one allocation per layer
-    pack_weights(gate_, cfg.gate, base, pool);
-    pack_weights(up_, cfg.up, base + bg, pool);
-    pack_weights(down_, cfg.down, base + bg + bu, pool);
+    packed_size_ = bg + bu + bd;
+    if (cfg.prepacked) {
+      if (reinterpret_cast<uintptr_t>(cfg.prepacked) % 64)
+        throw std::invalid_argument("MoE: the prepacked copy must be 64-byte aligned");
+      packed_ptr_ = cfg.prepacked;
+      adopt_packed(gate_, packed_ptr_);
+      adopt_packed(up_, packed_ptr_ + bg);
+      adopt_packed(down_, packed_ptr_ + bg + bu);
+    } else {
+      uint8_t* base = static_cast<uint8_t*>(packed_.ensure(packed_size_));  // one allocation per layer
+      pack_weights(gate_, cfg.gate, base, pool);
+      pack_weights(up_, cfg.up, base + bg, pool);
+      pack_weights(down_, cfg.down, base + bg + bu, pool);
+      packed_ptr_ = base;
+    }
   }
 }
 

@@ -27,6 +27,10 @@ struct MoEConfig {
   const float* gate_bias = nullptr;
   const float* up_bias = nullptr;
   const float* down_bias = nullptr;
+  // Packed backends: a packed copy made earlier (packed_data() of a MoE of the same config, e.g. a
+  // mapped cache file of packed_bytes() bytes, 64-aligned) used in place instead of packing; it
+  // must outlive the object.  Null: pack from gate / up / down.
+  const uint8_t* prepacked = nullptr;
 };
 
 class MoE {
@@ -39,7 +43,9 @@ class MoE {
   void forward(ThreadPool& pool, int T, int k, const void* x, DType xdt, const int64_t* ids, const float* w,
                void* out, DType odt);
   const MoEConfig& config() const { return cfg_; }
-  size_t packed_bytes() const { return packed_.size(); }
+  size_t packed_bytes() const { return packed_size_; }
+  // The packed copy (gate, up, down back to back; what `prepacked` takes); null for Llamafile.
+  const uint8_t* packed_data() const { return packed_ptr_; }
   // The weights as the kernels read them (0 gate, 1 up, 2 down): the training path shares them.
   const ProjWeights& proj(int i) const { return i == 0 ? gate_ : (i == 1 ? up_ : down_); }
 
@@ -47,6 +53,8 @@ class MoE {
   MoEConfig cfg_;
   ProjWeights gate_, up_, down_;
   AlignedBuf packed_;
+  const uint8_t* packed_ptr_ = nullptr;
+  size_t packed_size_ = 0;
   // forward scratch (grow-only; the activation-sized buffers are the pool's, pool_scratch)
   std::vector<int> counts_, offsets_, pair_tok_, pair_of_, tasks_;
   std::vector<AlignedBuf> thr_;  // per pool thread: gate/up tiles + dequant scratch

@@ -240,9 +240,46 @@ void pack_weights(ProjWeights& p, const void* src, uint8_t* dst, ThreadPool& poo
             Q[32 * static_cast<size_t>(kp) + 2 * r + j] = f32_to_bf16(w[static_cast<size_t>(r) * p.Kpad + 2 * kp + j]);
     }
   });
+  adopt_packed(p, dst);
+}
+
+void adopt_packed(ProjWeights& p, const uint8_t* dst) {
+  if (p.backend == Backend::Llamafile) return;
+  const bool i8 = p.backend == Backend::AMXInt8;
+  const float* scales = i8 ? reinterpret_cast<const float*>(dst + p.mat_bytes * p.count) : nullptr;
   p.base = dst;
   p.scales = scales;
-  p.corr = corr;
+  p.corr = i8 ? reinterpret_cast<const int32_t*>(scales + static_cast<size_t>(p.rows_pad) * p.count) : nullptr;
+}
+
+uint64_t checksum_bytes(const uint8_t* data, size_t n, ThreadPool& pool) {
+  // 1 MiB chunks hashed independently (8 xxh32-style lanes each), folded in order: the same value
+  // for any thread count, at memory speed
+  constexpr size_t kChunk = size_t(1) << 20;
+  const size_t chunks = (n + kChunk - 1) / kChunk;
+  std::vector<uint64_t> h(chunks);
+  pool.parallel_for(static_cast<int>(chunks), [&](int c, int) {
+    const uint8_t* p = data + static_cast<size_t>(c) * kChunk;
+    const size_t len = std::min(kChunk, n - static_cast<size_t>(c) * kChunk);
+    uint32_t acc[8];
+    for (int l = 0; l < 8; ++l) acc[l] = 0x9E3779B1u * static_cast<uint32_t>(l + 1) + static_cast<uint32_t>(c);
+    size_t i = 0;
+    for (; i + 32 <= len; i += 32)
+      for (int l = 0; l < 8; ++l) {
+        uint32_t w;
+        std::memcpy(&w, p + i + 4 * l, 4);
+        uint32_t a = acc[l] + w * 0x85EBCA77u;
+        a = (a << 13) | (a >> 19);
+        acc[l] = a * 0x9E3779B1u;
+      }
+    uint64_t x = 0xCBF29CE484222325ull ^ len;
+    for (int l = 0; l < 8; ++l) x = (x ^ acc[l]) * 0x100000001B3ull;
+    for (; i < len; ++i) x = (x ^ p[i]) * 0x100000001B3ull;
+    h[c] = x;
+  });
+  uint64_t x = 0xCBF29CE484222325ull ^ n;
+  for (uint64_t v : h) x = (x ^ v) * 0x100000001B3ull + (x >> 29);
+  return x;
 }
 
 }  // namespace kt

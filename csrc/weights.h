@@ -64,5 +64,11 @@ size_t packed_bytes(const ProjWeights& p);
 // Requantise/repack p's source into dst (packed_bytes(p) bytes, 64-aligned) in parallel on the
 // pool and repoint p at it.
 void pack_weights(ProjWeights& p, const void* src, uint8_t* dst, ThreadPool& pool);
+// Point p at a packed copy made earlier by pack_weights (packed_bytes(p) bytes, 64-aligned, e.g. a
+// mapped cache file), without reading it.
+void adopt_packed(ProjWeights& p, const uint8_t* dst);
+// A 64-bit checksum of n bytes (not cryptographic: it catches a torn or corrupted cache file), the
+// same for any thread count; computed on the pool at memory speed.
+uint64_t checksum_bytes(const uint8_t* data, size_t n, ThreadPool& pool);
 
 }  // namespace kt

@@ -14,6 +14,14 @@ FIXTURES = ROOT.parent / "shared" / "fixtures"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# packed expert weights made by tests are cached in a folder of this run, never in ~/.cache
+if "KT_PACKED_CACHE" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["KT_PACKED_CACHE"] = tempfile.mkdtemp(prefix="kt-packed-cache-")
+    atexit.register(shutil.rmtree, os.environ["KT_PACKED_CACHE"], True)
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import cpuinfer_ext as _ext
-from .args import _desc, _empty_like, _weight, ggml_type, moe_call_args, positive_ints, rows_of
+from .args import _desc, _empty_like, _nbytes, _weight, ggml_type, moe_call_args, positive_ints, rows_of
 from .pool import CPUInfer
 
 BACKENDS = {"llamafile": 0, "AMXInt8": 1, "AMXBF16": 2, "AMXInt4": 3, "AMXInt4_1": 4}
@@ -34,7 +34,7 @@ class MoEKernel:
     def __init__(self, pool: CPUInfer, backend: str, num_experts: int, hidden: int, intermediate: int,
                  gate: Any, up: Any, down: Any, gate_type: Any, up_type: Any, down_type: Any,
                  activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
-                 gate_bias: Any = None, up_bias: Any = None, down_bias: Any = None):
+                 gate_bias: Any = None, up_bias: Any = None, down_bias: Any = None, prepacked: Any = None):
         if not isinstance(pool, CPUInfer):
             raise TypeError(f"pool: expected ktransformers.kernels.CPUInfer, got {type(pool).__name__}")
         positive_ints(num_experts=num_experts, hidden=hidden, intermediate=intermediate)
@@ -50,12 +50,23 @@ class MoEKernel:
         pd = _weight(down, dt, (E, H, I), "down")
         biases = (_bias(gate_bias, (E, I), "gate_bias"), _bias(up_bias, (E, I), "up_bias"),
                   _bias(down_bias, (E, H), "down_bias"))
+        pre = 0
+        if prepacked is not None:
+            if backend == "llamafile":
+                raise ValueError("prepacked: the llamafile backend reads the weights in place; nothing is packed")
+            pre, pdt, _ = _desc(prepacked, "prepacked")
+            if pdt != "uint8":
+                raise ValueError(f"prepacked: expected a uint8 buffer, got {pdt}")
         self._m = _ext.MoE(pool._c, E, H, I, _backend(backend), pg, pu, pd, gt.id, ut.id, dt.id,
-                           ACTIVATIONS[activation], float(alpha), float(limit), *biases)
+                           ACTIVATIONS[activation], float(alpha), float(limit), *biases, pre)
+        if prepacked is not None and _nbytes(prepacked) != self._m.packed_bytes:
+            n = _nbytes(prepacked)
+            self._m = None
+            raise ValueError(f"prepacked: {n} bytes, this layer's {backend} copy takes a different size")
         # zero-copy: the kernel reads these in place (llamafile weights; biases on every backend); the
-        # packed backends hold their own requantized copy, so the source weights can go
+        # packed backends hold their own requantized copy (or read `prepacked`), so the source weights can go
         keep = (gate, up, down) if backend == "llamafile" else ()
-        self._weights = (*keep, gate_bias, up_bias, down_bias)
+        self._weights = (*keep, gate_bias, up_bias, down_bias, prepacked)
 
     def submit(self, x: Any, ids: Any, weights: Any, out: Any) -> None:
         """Queue the layer; returns at once.  Read ``out`` only after ``pool.sync()``."""
@@ -74,3 +85,18 @@ class MoEKernel:
     @property
     def packed_bytes(self) -> int:
         return self._m.packed_bytes
+
+    def packed_view(self):
+        """The packed copy (what ``prepacked`` takes) as a read-only uint8 numpy view, valid while
+        this kernel lives; None for llamafile."""
+        import ctypes
+
+        import numpy as np
+
+        n, ptr = self._m.packed_bytes, self._m.packed_ptr
+        if not n or not ptr:
+            return None
+        a = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(ptr))
+        a.flags.writeable = False
+        return a
+

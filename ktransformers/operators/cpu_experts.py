@@ -80,14 +80,19 @@ class KExpertsCPU(ExpertsOp):
         b = self.biases(weights, torch.float32) or {}
         self._biases = b  # the kernel reads them in place
         self.pool = kernel_pool()
-        try:
-            self.kernel = K.MoEKernel(
-                self.pool, self.backend, self.num_experts, self.hidden, self.intermediate,
+        args = (self.pool, self.backend, self.num_experts, self.hidden, self.intermediate,
                 arrays["gate_proj"], arrays["up_proj"], arrays["down_proj"],
-                types["gate_proj"], types["up_proj"], types["down_proj"], activation=self._kernel_activation(),
-                alpha=self.alpha, limit=self.limit, gate_bias=b.get("gate_proj"), up_bias=b.get("up_proj"),
-                down_bias=b.get("down_proj"),
-            )
+                types["gate_proj"], types["up_proj"], types["down_proj"])
+        kw = dict(activation=self._kernel_activation(), alpha=self.alpha, limit=self.limit,
+                  gate_bias=b.get("gate_proj"), up_bias=b.get("up_proj"), down_bias=b.get("down_proj"))
+        try:
+            if self.backend == "llamafile":
+                self.kernel, self.packed_from = K.MoEKernel(*args, **kw), None
+            else:  # repacked once, then mapped from the packed-weight cache (kernels/packed_cache.py)
+                from ..kernels.packed_cache import packed_moe
+
+                self.kernel, self.packed_from = packed_moe(args[0], args[1], self.key, getattr(weights, "path", None),
+                                                           *args[2:], **kw)
         except (ValueError, TypeError) as e:
             from ..errors import WeightError
 
