@@ -3,6 +3,7 @@
     .venv/bin/python bench/full_size.py --llama_cpp_bin DIR                # 48 layers, prefill 512, decode 32
     .venv/bin/python bench/full_size.py --layers 4 --llama_cpp_bin DIR     # the same pipeline on a small file
     .venv/bin/python bench/full_size.py --prefill 512,4096 --decode 16 --timeout 900
+    .venv/bin/python bench/full_size.py --shape deepseek-v2-lite --llama_cpp_bin DIR
 
 The model (written once into .cache/models/, ~17.3 GiB at 48 layers): arch ``qwen3moe``, hidden
 2048, 32 heads / 4 KV heads of 128, 128 experts, top-8, expert FFN 768, vocab 151936, rope theta
@@ -10,7 +11,11 @@ The model (written once into .cache/models/, ~17.3 GiB at 48 layers): arch ``qwe
 ``write_gguf``), a placeholder vocabulary (bench/e2e.py), and llama-quantize's Q4_K_M type mix
 (``convert.PresetPolicy``): Q4_K for attn_q/k/output, gate/up experts and token_embd; Q6_K for
 output, and for attn_v and the down experts in half the layers (the first and last eighth and
-every third in between; Q4_K in the others); F32 for norms and routers.  The quantized tensors are
+every third in between; Q4_K in the others); F32 for norms and routers.
+``--shape deepseek-v2-lite`` writes a DeepSeek-V2-Lite-shaped file instead (27 layers, MLA with
+kv_lora_rank 512 and no q LoRA, 16 heads, 64 routed experts + 2 shared, top-6, expert FFN 1408,
+the first layer dense, vocab 102400, YaRN rope; the same preset, whose types for rows of 1408 fall
+back as llama-quantize's do: Q5_0 / Q8_0).  The quantized tensors are
 random valid blocks written directly (slices of one random buffer per type, fp16 scales set to
 normal values that give the weights an rms of ~0.02); norms ~1, routers small.  Each of our runs
 checks that its logits are finite.
@@ -47,33 +52,60 @@ import numpy as np
 
 from e2e import MODELS, _NullTokenizer, _placeholder_vocab, llama_bench_dir  # bench/ is on sys.path
 
-SHAPE = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
-             num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144, vocab_size=151936,
-             max_position_embeddings=40960, rms_norm_eps=1e-6, norm_topk_prob=True, tie_word_embeddings=False,
-             rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+#: bench shapes: (transformers model_type, GGUF arch, architectures, config, default layers)
+SHAPES = {
+    "qwen3moe-30b-a3b": ("qwen3_moe", "qwen3moe", "Qwen3MoeForCausalLM", dict(
+        hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144, vocab_size=151936,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, norm_topk_prob=True, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}), 48),
+    # MLA (kv_lora_rank 512, no q LoRA), 64 routed experts + 2 shared, top-6, the first layer dense
+    "deepseek-v2-lite": ("deepseek_v2", "deepseek2", "DeepseekV2ForCausalLM", dict(
+        hidden_size=2048, num_attention_heads=16, num_key_value_heads=16, intermediate_size=10944,
+        moe_intermediate_size=1408, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+        first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, vocab_size=102400, max_position_embeddings=163840, rms_norm_eps=1e-6, norm_topk_prob=False,
+        routed_scaling_factor=1.0, topk_method="greedy", n_group=1, topk_group=1, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                         "original_max_position_embeddings": 4096, "mscale": 0.707, "mscale_all_dim": 0.707,
+                         "beta_fast": 32.0, "beta_slow": 1.0}), 27),
+}
 LLAMA_FTYPE_Q4_K_M = 15
 BUFFER_BYTES = 256 << 20
 
 
-def model_path(layers: int) -> Path:
-    return MODELS / f"bench-qwen3moe-30b-a3b-shape-{layers}l-q4km.gguf"
+def model_path(shape: str, layers: int) -> Path:
+    return MODELS / f"bench-{shape}-shape-{layers}l-q4km.gguf"
 
 
 def random_blocks(t: str, rng: np.random.Generator) -> np.ndarray:
     """~256 MiB of random but valid ``t`` blocks (flat uint8); any block-aligned slice is valid.
+    Each type's fp16 scales are normal numbers that give the weights an rms of ~0.02.
 
     Q4_K (d, dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles): w = d*sc*q - dmin*m with
-    sc, m in [0, 63], q in [0, 15]; dmin = 7.5 d centres the weights, d = 8e-5 gives rms ~0.02.
+    sc, m in [0, 63], q in [0, 15]; dmin = 7.5 d centres the weights, d = 8e-5.
+    Q5_K (d, dmin, 12 bytes of scales/mins, 32 bytes of high bits, 128 of nibbles): q in [0, 31],
+    dmin = 15.5 d, d = 5e-5.
     Q6_K (128 + 64 bytes of 6-bit q - 32, 16 int8 scales, d): scales drawn from [-32, 31] so that
-    d = 6.5e-5 (just above fp16's smallest normal) gives rms ~0.02."""
-    bb = {"Q4_K": 144, "Q6_K": 210}[t]
+    d = 6.5e-5 (just above fp16's smallest normal).
+    Q5_0 (d, 4 bytes of high bits, 16 of nibbles): w = d*(q - 16), d = 2.2e-3.
+    Q8_0 (d, 32 int8): w = d*q, d = 2.7e-4."""
+    bb = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q5_0": 22, "Q8_0": 34}.get(t)
+    if bb is None:
+        raise SystemExit(f"bench/full_size.py: no random-block writer for {t}")
     raw = rng.integers(0, 256, size=(BUFFER_BYTES // bb, bb), dtype=np.uint8)
     f16 = lambda v: np.full(len(raw), v, np.float16).view(np.uint8).reshape(-1, 2)  # noqa: E731
     if t == "Q4_K":
         raw[:, 0:2], raw[:, 2:4] = f16(8e-5), f16(6e-4)
-    else:
+    elif t == "Q5_K":
+        raw[:, 0:2], raw[:, 2:4] = f16(5e-5), f16(7.75e-4)
+    elif t == "Q6_K":
         raw[:, 192:208] = ((raw[:, 192:208] & 0x3F).astype(np.int8) - 32).view(np.uint8)
         raw[:, 208:210] = f16(6.5e-5)
+    elif t == "Q5_0":
+        raw[:, 0:2] = f16(2.2e-3)
+    else:
+        raw[:, 0:2] = f16(2.7e-4)
     return raw.reshape(-1)
 
 
@@ -86,19 +118,20 @@ class _Shapes:
         return True
 
 
-def write_model(layers: int) -> Path:
+def write_model(shape: str, layers: int) -> Path:
     from transformers import AutoConfig
 
     from ktransformers import convert as kc
     from ktransformers.weights.ggml_types import ggml_type_info
 
-    p = model_path(layers)
+    p = model_path(shape, layers)
     if p.is_file():
         print(f"model: {p} ({p.stat().st_size / 2**30:.2f} GiB, cached)", flush=True)
         return p
-    cfg = AutoConfig.for_model("qwen3_moe", num_hidden_layers=layers, **SHAPE)
-    cfg.architectures = ["Qwen3MoeForCausalLM"]
-    arch, outs = kc.plan(cfg, _Shapes(), kc.PresetPolicy.for_config("Q4_K_M", cfg, "qwen3moe"))
+    model_type, gguf_arch, architecture, config, _ = SHAPES[shape]
+    cfg = AutoConfig.for_model(model_type, num_hidden_layers=layers, **config)
+    cfg.architectures = [architecture]
+    arch, outs = kc.plan(cfg, _Shapes(), kc.PresetPolicy.for_config("Q4_K_M", cfg, gguf_arch))
     rng = np.random.default_rng(0)
     buffers = {}
     for o in outs:
@@ -116,7 +149,7 @@ def write_model(layers: int) -> Path:
             o.produce = lambda s=o.shape, r=np.random.default_rng(len(o.name)): \
                 (0.02 * r.standard_normal(s)).astype(np.float32)
     md = kc.metadata_for(cfg, arch, [o.name for o in outs])
-    md["general.name"] = ("str", "bench-qwen3moe-30b-a3b-shaped")
+    md["general.name"] = ("str", f"bench-{shape}-shaped")
     md["general.file_type"] = ("u32", LLAMA_FTYPE_Q4_K_M)
     md.update(_placeholder_vocab(cfg.vocab_size))
     print(f"writing {p} ...", flush=True)
@@ -155,7 +188,7 @@ def timed_run(cmd: list[str], timeout: float | None) -> dict:
 
 def ours(path: Path, job: str, args, repeats: int) -> dict:
     r = timed_run([sys.executable, __file__, "--child", job, "--model", str(path), "--threads", str(args.threads),
-                   "--repeats", str(repeats)], args.timeout)
+                   "--repeats", str(repeats), *(["--backend", args.backend] if args.backend else [])], args.timeout)
     for line in r["out"].splitlines():
         if line.startswith("RESULT "):
             r.update(json.loads(line[7:]))
@@ -172,6 +205,20 @@ def llama(path: Path, p: int, n: int, args, repeats: int, depth: int = 0) -> dic
     return r
 
 
+def rules_for_backend(path: str, backend: str | None):
+    """The shipped CPU rule file of the model with its experts on ``backend`` (None: as shipped)."""
+    if not backend or backend == "llamafile":
+        return None
+    from ktransformers.optimize_rules import default_rule_file
+    from ktransformers.util.loading import load_config
+    from ktransformers.weights import open_weights
+
+    text = Path(default_rule_file(load_config(None, open_weights(path)), cuda=False)).read_text()
+    if "backend: llamafile" not in text:
+        raise SystemExit("bench/full_size.py: the shipped rule file names no llamafile backend to replace")
+    return text.replace("backend: llamafile", f"backend: {backend}")
+
+
 def child(args) -> int:
     """One of our measurements in this process: ``load``, ``prefill:P``, ``decode:N`` or ``depth:D:N``."""
     import torch
@@ -182,7 +229,7 @@ def child(args) -> int:
 
     use_threads(args.threads)
     t0 = time.perf_counter()
-    model = load_model(args.model)
+    model = load_model(args.model, rules=rules_for_backend(args.model, args.backend))
     res = {"load_model_s": time.perf_counter() - t0}
     gen = Generator(model, _NullTokenizer())
     gen.eos_ids = set()
@@ -242,7 +289,9 @@ def machine_line(dram_gbs: float | None) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=48, help="decoder layers of the model file (default 48)")
+    ap.add_argument("--shape", default="qwen3moe-30b-a3b", choices=sorted(SHAPES),
+                    help="the model shape written (default qwen3moe-30b-a3b)")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers of the model file (default: the shape's)")
     ap.add_argument("--prefill", default="512", help="comma list of prompt lengths (e.g. 512,4096,16384)")
     ap.add_argument("--decode", type=int, default=32, help="tokens for the decode rows")
     ap.add_argument("--depth", default="", help="comma list of cache depths for decode rows (e.g. 4096,16384); "
@@ -255,16 +304,28 @@ def main(argv=None) -> int:
     ap.add_argument("--llama_cpp_bin", default=os.environ.get("KT_LLAMA_CPP_BIN"),
                     help="folder with llama.cpp's llama-bench (default: $KT_LLAMA_CPP_BIN)")
     ap.add_argument("--llama_args", default="", help="extra llama-bench flags, e.g. '--repack 0'")
+    ap.add_argument("--backend", help="our experts' backend (default: the rule file's llamafile); a packed one "
+                    "(AMXInt8 / AMXBF16 / AMXInt4 / AMXInt4_1) adds rows for a load that packs and caches, then one "
+                    "that maps the cache (KT_PACKED_CACHE, default .cache/packed-bench)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         return child(args)
     args.llama_bin = llama_bench_dir(args.llama_cpp_bin)
-    path = Path(args.gguf) if args.gguf else write_model(args.layers)
+    args.layers = args.layers or SHAPES[args.shape][4]
+    path = Path(args.gguf) if args.gguf else write_model(args.shape, args.layers)
 
     # decode before the prefills: a long prefill's memory can push the file out of the page cache
-    jobs = [("load", "load", (1, 0, 1)),
+    jobs = []
+    if args.backend and args.backend != "llamafile":
+        import shutil
+
+        cache = Path(os.environ.setdefault("KT_PACKED_CACHE", str(MODELS.parent / "packed-bench")))
+        shutil.rmtree(cache, ignore_errors=True)
+        jobs += [(f"load, {args.backend} packed and cached", "load", (1, 0, 1)),
+                 (f"load, {args.backend} from the cache", "load", (1, 0, 1))]
+    jobs += [("load", "load", (1, 0, 1)),
             (f"decode {args.decode}", f"decode:{args.decode}", (0, args.decode, args.repeats))]
     jobs += [(f"decode {args.decode} at depth {d}", f"depth:{d}:{args.decode}", (0, args.decode, 1, d))
              for d in map(int, filter(None, args.depth.split(",")))]
@@ -285,13 +346,13 @@ def main(argv=None) -> int:
     print("\n| row | ktransformers | llama.cpp | ours/llama.cpp | peak RSS ours | peak RSS llama.cpp "
           "| RSS ours/llama.cpp |\n|---|---|---|---|---|---|---|")
     for label, a, b in rows:
-        key, unit = ("wall_s", "s") if label == "load" else ("tps", "tok/s")
+        key, unit = ("wall_s", "s") if label.startswith("load") else ("tps", "tok/s")
         va, vb = (x.get(key) if x and not x["status"] else None for x in (a, b))
         ra, rb = (x["rss_gb"] if x and not (x["status"] or "").startswith("exit") else None for x in (a, b))
         sa, sb = (f"{v:.2f} {unit}" if v else (x or {}).get("status") or "n/a" for v, x in ((va, a), (vb, b)))
         if vb and b.get("sd"):
             sb = sb.replace(" ", f" ± {b['sd']:.2f} ", 1)
-        if label == "load" and va:
+        if label.startswith("load") and va:
             sa += f" (load_model {a['load_model_s']:.1f} s)"
         ratio = lambda u, v: f"{u / v:.2f}" if u and v else "n/a"  # noqa: E731
         gb = lambda v: f"{v:.2f} GB" if v else "n/a"  # noqa: E731
