@@ -325,8 +325,9 @@ def main(argv=None) -> int:
         shutil.rmtree(cache, ignore_errors=True)
         jobs += [(f"load, {args.backend} packed and cached", "load", (1, 0, 1)),
                  (f"load, {args.backend} from the cache", "load", (1, 0, 1))]
-    jobs += [("load", "load", (1, 0, 1)),
-            (f"decode {args.decode}", f"decode:{args.decode}", (0, args.decode, args.repeats))]
+    else:
+        jobs += [("load", "load", (1, 0, 1))]
+    jobs += [(f"decode {args.decode}", f"decode:{args.decode}", (0, args.decode, args.repeats))]
     jobs += [(f"decode {args.decode} at depth {d}", f"depth:{d}:{args.decode}", (0, args.decode, 1, d))
              for d in map(int, filter(None, args.depth.split(",")))]
     jobs += [(f"prefill {p}", f"prefill:{p}", (p, 0, args.repeats)) for p in map(int, filter(None, args.prefill.split(",")))]
@@ -341,7 +342,7 @@ def main(argv=None) -> int:
 
     print(f"\n{machine_line(dram)}; load average (1 min) {load0:.1f} at start, {os.getloadavg()[0]:.1f} at end")
     print(f"model: {path.name} ({path.stat().st_size / 2**30:.2f} GiB"
-          f"{'' if args.gguf else f', {args.layers} layers'}), "
+          f"{'' if args.gguf else f', {args.layers} layers'}), our experts' backend {args.backend or 'llamafile'}, "
           f"threads {args.threads}" + (f", llama-bench in {args.llama_bin}" if args.llama_bin else ""))
     print("\n| row | ktransformers | llama.cpp | ours/llama.cpp | peak RSS ours | peak RSS llama.cpp "
           "| RSS ours/llama.cpp |\n|---|---|---|---|---|---|---|")
