@@ -4,6 +4,8 @@
 // data_ptr(); the Python side owns and checks the buffers.
 #include <pybind11/pybind11.h>
 
+#include <immintrin.h>
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -183,11 +185,98 @@ __attribute__((target("avx512f,avx512vl,avx2,fma"))) void attend_chunk_avx512(co
   attend_chunk_body(a, g, c);
 }
 
+// Register-blocked chunk kernels for head sizes 64 / 128 / 256 (decode_attend.inc), one copy per tier.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx2,fma")
+namespace z512 {
+using vec = __m512;
+constexpr int W = 16, CB = 8;
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vset1(float x) { return _mm512_set1_ps(x); }
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
+inline float vhmax(vec v) { return _mm512_reduce_max_ps(v); }
+inline vec vexp2(vec x) {  // exp2_neg on 16 lanes: the same polynomial, 2^floor by scalef
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+  const vec fl = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const vec f = _mm512_sub_ps(x, fl);
+  vec p = _mm512_set1_ps(1.5252733e-5f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530e-4f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, fl);
+}
+#include "decode_attend.inc"
+}  // namespace z512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace y256 {
+using vec = __m256;
+constexpr int W = 8, CB = 4;
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vset1(float x) { return _mm256_set1_ps(x); }
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(vec v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
+inline float vhmax(vec v) {
+  const __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+}
+inline vec vexp2(vec x) {  // exp2_neg on 8 lanes: the same polynomial, 2^floor set in the exponent bits
+  x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
+  const vec fl = _mm256_floor_ps(x);
+  const vec f = _mm256_sub_ps(x, fl);
+  vec p = _mm256_set1_ps(1.5252733e-5f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530e-4f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504109e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022651e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fl), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#include "decode_attend.inc"
+}  // namespace y256
+#pragma GCC pop_options
+
 using ChunkFn = void (*)(const AttendJob&, int, int);
-ChunkFn chunk_fn() {
+// The tier's kernel for head size d: register-blocked for 64 / 128 / 256, else the generic loops.
+ChunkFn chunk_fn(int d) {
   const IsaTier t = active_tier();
-  if (t >= IsaTier::AVX512) return attend_chunk_avx512;
-  if (t >= IsaTier::AVX2 && cpu_features().fma) return attend_chunk_avx2;
+  if (t >= IsaTier::AVX512) {
+    if (d == 64) return z512::attend_chunk<4>;
+    if (d == 128) return z512::attend_chunk<8>;
+    if (d == 256) return z512::attend_chunk<16>;
+    return attend_chunk_avx512;
+  }
+  if (t >= IsaTier::AVX2 && cpu_features().fma) {
+    if (d == 64) return y256::attend_chunk<8>;
+    if (d == 128) return y256::attend_chunk<16>;
+    if (d == 256) return y256::attend_chunk<32>;
+    return attend_chunk_avx2;
+  }
   return attend_chunk_base;
 }
 
@@ -215,7 +304,7 @@ void attend(CPUInfer& ci, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t keys,
   thread_local std::vector<float> part;
   part.resize(static_cast<size_t>(hkv) * nchunk * group * (d + 2));
   const AttendJob job{ptr<const float>(q), K, V, head, hq, hkv, d, n, nchunk, scale, part.data()};
-  static const ChunkFn fn = chunk_fn();
+  const ChunkFn fn = chunk_fn(d);
   const int tasks = hkv * nchunk;
   if (static_cast<size_t>(n) * hkv * d < 32768) {  // under ~256 KB of keys and values: not worth a wake-up
     for (int t = 0; t < tasks; ++t) fn(job, t / nchunk, t % nchunk);
