@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "exp2_simd.h"
 #include "thread_pool.h"
 
 namespace py = pybind11;
@@ -90,26 +91,8 @@ void rope(uintptr_t x, int rows, int d, uintptr_t cos, uintptr_t sin) {
 constexpr int kChunk = 256;
 constexpr float kLog2e = 1.4426950408889634f;
 
-// 2^x for x <= 0 (a score minus its max): degree-7 polynomial of the fraction times 2^floor (set
-// in the exponent bits), clamped at -126 (2^-126 next to the max's 1 is nothing); branch-free, so
-// the loops calling it vectorise.  Relative error < 2e-7.
-inline __attribute__((always_inline)) float exp2_neg(float x) {
-  x = x < -126.f ? -126.f : x;
-  const float fl = __builtin_floorf(x);
-  const float f = x - fl;
-  float p = 1.5252733e-5f;
-  p = p * f + 1.5403530e-4f;
-  p = p * f + 1.3333558e-3f;
-  p = p * f + 9.6181291e-3f;
-  p = p * f + 5.5504109e-2f;
-  p = p * f + 2.4022651e-1f;
-  p = p * f + 6.9314718e-1f;
-  p = p * f + 1.0f;
-  const uint32_t bits = static_cast<uint32_t>(static_cast<int>(fl) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
+// 2^x for x <= 0 (a score minus its max): exp2_simd.h
+inline __attribute__((always_inline)) float exp2_neg(float x) { return exp2_scalar(x); }
 
 // 16 partial sums (one zmm, two ymm), folded in a fixed tree
 inline __attribute__((always_inline)) float dot16(const float* __restrict a, const float* __restrict b, int n) {
@@ -201,20 +184,7 @@ inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
 inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
 inline float vhmax(vec v) { return _mm512_reduce_max_ps(v); }
-inline vec vexp2(vec x) {  // exp2_neg on 16 lanes: the same polynomial, 2^floor by scalef
-  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
-  const vec fl = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const vec f = _mm512_sub_ps(x, fl);
-  vec p = _mm512_set1_ps(1.5252733e-5f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530e-4f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, fl);
-}
+inline vec vexp2(vec x) { return exp2_ps512(x); }
 #include "decode_attend.inc"
 }  // namespace z512
 #pragma GCC pop_options
@@ -242,21 +212,7 @@ inline float vhmax(vec v) {
   const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
 }
-inline vec vexp2(vec x) {  // exp2_neg on 8 lanes: the same polynomial, 2^floor set in the exponent bits
-  x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
-  const vec fl = _mm256_floor_ps(x);
-  const vec f = _mm256_sub_ps(x, fl);
-  vec p = _mm256_set1_ps(1.5252733e-5f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530e-4f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504109e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022651e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fl), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
+inline vec vexp2(vec x) { return exp2_ps256(x); }
 #include "decode_attend.inc"
 }  // namespace y256
 #pragma GCC pop_options

@@ -15,6 +15,8 @@
 // 0.9 against llama.cpp's).
 #include "flash_attn.h"
 
+#include "exp2_simd.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -36,20 +38,7 @@ constexpr int kR = 4;   // rows per register tile
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kMasked = -1e30f;
 
-inline __m512 exp2_ps(__m512 x) {  // 2^x, |rel err| < 2e-7 on [-126, 0], 0 below -150
-  x = _mm512_max_ps(x, _mm512_set1_ps(-150.f));
-  const __m512 fl = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, fl);
-  __m512 p = _mm512_set1_ps(1.5252733e-5f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530e-4f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, fl);
-}
+inline __m512 exp2_ps(__m512 x) { return exp2_ps512(x); }  // exp2_simd.h
 
 
 struct Scratch {
