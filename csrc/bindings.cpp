@@ -241,6 +241,13 @@ PYBIND11_MODULE(KT_EXT_NAME, m) {
 
   bind_moe_train(m);
 
+  // bytes of one stack of `count` [rows, cols] matrices of ggml type `type` once packed for `backend`
+  // (0 for llamafile, which reads them in place): the memory plan's figure, read nothing
+  m.def("packed_weight_bytes", [](int backend, int type, int count, int rows, int cols) {
+        static const uint8_t placeholder = 0;  // describe_weights only checks the pointer is set
+        return packed_bytes(describe_weights(to_backend(backend), &placeholder, type, count, rows, cols, "weights"));
+      }, py::arg("backend"), py::arg("type"), py::arg("count"), py::arg("rows"), py::arg("cols"));
+
   py::class_<Linear, std::shared_ptr<Linear>>(m, "Linear")
       .def(py::init([](std::shared_ptr<CPUInfer> ci, int in_f, int out_f, int backend, uintptr_t weight, int wt) {
              std::shared_ptr<Linear> lin;

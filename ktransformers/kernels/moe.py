@@ -28,6 +28,13 @@ def _bias(b: Any, shape: tuple[int, int], name: str) -> int:
     return ptr
 
 
+def packed_weight_bytes(backend: str, weight_type: Any, count: int, rows: int, cols: int) -> int:
+    """Bytes of ``count`` stacked ``[rows, cols]`` matrices of ``weight_type`` once packed for
+    ``backend`` (what ``MoEKernel.packed_bytes`` sums over gate / up / down); 0 for llamafile."""
+    return int(_ext.packed_weight_bytes(_backend(backend), ggml_type(weight_type, "weight_type").id,
+                                        int(count), int(rows), int(cols)))
+
+
 class MoEKernel:
     """Routed experts of one MoE layer; see the module docstring."""
 

@@ -73,6 +73,35 @@ def source_identity(path: str | os.PathLike) -> list | None:
         return None
 
 
+def layer_ident(key: str, backend: str, source_path, num_experts: int, hidden: int, intermediate: int,
+                types) -> dict | None:
+    """What a layer's cache file must have been made from (its header's fields), or None when the
+    source is not a file the cache can identify."""
+    src = source_identity(source_path) if source_path else None
+    if src is None:
+        return None
+    return {"format": LAYOUT_VERSION, "key": key, "backend": backend, "tier": isa_tier(), "source": src,
+            "shape": [int(num_experts), int(hidden), int(intermediate)],
+            "types": [str(getattr(t, "name", t)) for t in types]}
+
+
+def cached(ident: dict | None) -> bool:
+    """Whether the cache holds a file for this layer whose header matches (the memory plan's
+    guess; the load also checks size and checksum)."""
+    folder = cache_dir()
+    if folder is None or ident is None:
+        return False
+    path = _file_for(folder, ident)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(HEADER)
+        n = int.from_bytes(head[len(MAGIC):len(MAGIC) + 4], "little")
+        meta = json.loads(head[len(MAGIC) + 4:len(MAGIC) + 4 + n])
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    return head.startswith(MAGIC) and isinstance(meta, dict) and all(meta.get(k) == v for k, v in ident.items())
+
+
 def _file_for(folder: Path, ident: dict) -> Path:
     src = hashlib.sha1(json.dumps(ident["source"]).encode()).hexdigest()[:16]
     safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in ident["key"])
@@ -90,6 +119,8 @@ def _read(path: Path, ident: dict, pool: CPUInfer) -> tuple[np.ndarray | None, s
         meta = json.loads(head[len(MAGIC) + 4:len(MAGIC) + 4 + n])
     except (OSError, ValueError, UnicodeDecodeError) as e:
         return None, f"unreadable header ({e})"
+    if not isinstance(meta, dict):
+        return None, "unreadable header (not a JSON object)"
     for k, v in ident.items():
         if meta.get(k) != v:
             return None, f"made for another {k}"
@@ -127,13 +158,10 @@ def packed_moe(pool: CPUInfer, backend: str, key: str, source_path, num_experts:
     (else packed now and written there).  Returns (kernel, how: "mapped" | "packed+cached" |
     "packed"); the arguments are ``MoEKernel``'s plus the layer ``key`` and the source path."""
     folder = cache_dir()
-    src = source_identity(source_path) if folder is not None and source_path else None
-    if src is None:
+    ident = layer_ident(key, backend, source_path, num_experts, hidden, intermediate, (gate_type, up_type, down_type))
+    if folder is None or ident is None:
         return MoEKernel(pool, backend, num_experts, hidden, intermediate, gate, up, down, gate_type, up_type,
                          down_type, **kwargs), "packed"
-    types = [str(getattr(t, "name", t)) for t in (gate_type, up_type, down_type)]
-    ident = {"format": LAYOUT_VERSION, "key": key, "backend": backend, "tier": isa_tier(), "source": src,
-             "shape": [int(num_experts), int(hidden), int(intermediate)], "types": types}
     path = _file_for(folder, ident)
     if path.exists():
         data, why = _read(path, ident, pool)
@@ -164,4 +192,4 @@ def packed_moe(pool: CPUInfer, backend: str, key: str, source_path, num_experts:
                      down_type, prepacked=data, **kwargs), "packed+cached"
 
 
-__all__ = ["cache_dir", "packed_moe", "source_identity"]
+__all__ = ["cache_dir", "cached", "layer_ident", "packed_moe", "source_identity"]

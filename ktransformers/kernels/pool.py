@@ -16,6 +16,18 @@ _lock = threading.Lock()
 _pools: dict[int, "CPUInfer"] = {}
 
 
+def free_host_bytes() -> int | None:
+    """Bytes a new host allocation can take (Linux MemAvailable), or None when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def isa_tier() -> str:
     """ISA tier in force; raises ValueError for an invalid or unsupported KT_ISA."""
     try:

@@ -103,6 +103,28 @@ class KExpertsCPU(ExpertsOp):
         self._arrays = arrays if self.backend == "llamafile" else {}
         self.out_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
 
+    @classmethod
+    def memory_plan(cls, key: str, kwargs: dict, weights) -> tuple[int, str] | None:
+        """(bytes, how held) of this layer's experts, for the memory plan, before anything loads:
+        ``in_place`` (llamafile: the stored blocks read from the mapped file), ``packed`` (a packed
+        copy this load makes) or ``packed_cached`` (one the packed-weight cache holds already).
+        None where the weights are not stored in a type the kernels take (a float copy is made)."""
+        if weights is None:
+            return None
+        raws = [weights.raw(f"{key}.{proj}") for proj in ("gate_proj", "up_proj", "down_proj")]
+        if any(r is None or r.type is None or not r.type.kernel or len(r.shape) != 3 for r in raws):
+            return None
+        backend = kwargs.get("backend", "llamafile")
+        if backend == "llamafile":
+            return sum(int(r.nbytes) for r in raws), "in_place"
+        from ..kernels.moe import packed_weight_bytes
+        from ..kernels.packed_cache import cached, layer_ident
+
+        total = sum(packed_weight_bytes(backend, r.type, *r.shape) for r in raws)
+        E, I, H = raws[0].shape
+        ident = layer_ident(key, backend, getattr(weights, "path", None), E, H, I, [r.type for r in raws])
+        return total, ("packed_cached" if cached(ident) else "packed")
+
     def _kernel_activation(self) -> str:
         K = _kernels()
         if self.activation in K.ACTIVATIONS:

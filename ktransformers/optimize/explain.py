@@ -32,6 +32,63 @@ class Explanation:
     unmatched: list[int] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     aliases: list[str] = field(default_factory=list)  # reference-system names used, one line each
+    memory: "MemoryPlan | None" = None
+
+
+@dataclass
+class MemoryPlan:
+    """What a load will hold in host memory (the CPU-placed weights; caches grow later).
+
+    ``in_place``: stored bytes the kernels read from the mapped weight file (page cache, read as
+    used); ``copies``: tensors converted into the model's dtype (private memory); ``packed``:
+    packed expert copies a first load makes (each layer written to the packed-weight cache and
+    then mapped, so at most ``packed_layer`` is private at a time; all of it private without a
+    cache); ``packed_cached``: packed copies already in the cache (mapped).  ``available``: the
+    machine's MemAvailable (None when unknown)."""
+
+    in_place: int = 0
+    copies: int = 0
+    packed: int = 0
+    packed_layer: int = 0
+    packed_cached: int = 0
+    cache_on: bool = True
+    available: int | None = None
+
+    def add(self, nbytes: int, how: str) -> None:
+        if how == "in_place":
+            self.in_place += nbytes
+        elif how == "packed":
+            self.packed += nbytes
+            self.packed_layer = max(self.packed_layer, nbytes)
+        elif how == "packed_cached":
+            self.packed_cached += nbytes
+        else:
+            self.copies += nbytes
+
+    @property
+    def private(self) -> int:
+        """Private memory the load needs at its peak."""
+        return self.copies + (self.packed_layer if self.cache_on else self.packed)
+
+    @property
+    def mapped(self) -> int:
+        return self.in_place + self.packed_cached + (self.packed if self.cache_on else 0)
+
+    def lines(self) -> list[str]:
+        parts = [f"read in place from the weights {fmt_bytes(self.in_place)}", f"copies {fmt_bytes(self.copies)}"]
+        if self.packed:
+            parts.append(f"packed experts made on this load {fmt_bytes(self.packed)}"
+                         + (" (written to the packed-weight cache, then mapped)" if self.cache_on else " (no cache: kept)"))
+        if self.packed_cached:
+            parts.append(f"packed experts mapped from the cache {fmt_bytes(self.packed_cached)}")
+        out = ["Memory plan (host): " + "; ".join(parts) + "."]
+        if self.available is not None:
+            verdict = ("fits" if self.private + self.mapped <= self.available else
+                       "fits; the mapped part pages from disk when memory runs short"
+                       if self.private <= self.available else "does NOT fit")
+            out.append(f"  private memory at the peak {fmt_bytes(self.private)}, mapped "
+                       f"{fmt_bytes(self.mapped)}; this machine has {fmt_bytes(self.available)} available: {verdict}")
+        return out
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
@@ -61,6 +118,14 @@ def explain_plan(model: nn.Module, plan: Plan, weights=None) -> Explanation:
             parent = name.rpartition(".")[0]
             owner[name] = owner.get(parent, "")
     totals: dict[str, int] = {}
+    mem = _memory_header()
+    # operators that say how they hold their weights (the experts: stored blocks, or a packed copy)
+    held: dict[str, tuple[int, str]] = {}
+    for name, p in plan.placements.items():
+        fn = getattr(p.phases.generate_op, "memory_plan", None)
+        got = fn(name, p.kwargs, weights) if fn is not None and p.rule is not None else None
+        if got is not None:
+            held[name] = got
     modules = dict(model.named_modules())
     for name, module in modules.items():
         p = plan.placements.get(name)
@@ -71,16 +136,37 @@ def explain_plan(model: nn.Module, plan: Plan, weights=None) -> Explanation:
         tensors += [(f"{name}.{n}" if name else n, t) for n, t in module.named_buffers(recurse=False)
                     if n not in module._non_persistent_buffers_set]
         op_devices = p.phases.weight_devices()
+        on_cpu = any(torch.device(d).type == "cpu" for d in op_devices)
+        if owner[name] in held:
+            if name == owner[name]:  # the operator's own figure, once for the module
+                nbytes, how = held[name]
+                tensors = []
+                for dev in op_devices:
+                    row.bytes_per_device[str(dev)] = row.bytes_per_device.get(str(dev), 0) + nbytes
+                    totals[str(dev)] = totals.get(str(dev), 0) + nbytes
+                if on_cpu:
+                    mem.add(nbytes, how)
+            else:
+                tensors = []
         for full, t in tensors:
-            nbytes = _stored_bytes(weights, full, t, p)
+            nbytes, in_place = _stored_bytes(weights, full, t, p)
             for dev in op_devices:
                 row.bytes_per_device[str(dev)] = row.bytes_per_device.get(str(dev), 0) + nbytes
                 totals[str(dev)] = totals.get(str(dev), 0) + nbytes
+            if on_cpu:
+                mem.add(nbytes, "in_place" if in_place else "copy")
     counts = [(r.index, r.where(), len(plan.matches.get(r.index, [])), r.describe_match()) for r in plan.rules]
     unmatched = [r.index for r in plan.unmatched_rules()]
     return Explanation(counts, list(rows.values()), totals, unmatched,
                        notes=plan.absent_kind_notes() + _kv_cache_notes(model),
-                       aliases=alias_lines(plan.rules))
+                       aliases=alias_lines(plan.rules), memory=mem)
+
+
+def _memory_header() -> "MemoryPlan":
+    from ..kernels.packed_cache import cache_dir
+    from ..kernels.pool import free_host_bytes
+
+    return MemoryPlan(cache_on=cache_dir() is not None, available=free_host_bytes())
 
 
 def alias_lines(rules) -> list[str]:
@@ -102,10 +188,11 @@ def _kv_cache_notes(model: nn.Module) -> list[str]:
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.bfloat16)
     lat, exp = latent_cache_bytes_per_token(cfg, dtype)
     return [f"KV cache per token ({str(dtype).removeprefix('torch.')}, all layers): MLA latent "
-            f"{_fmt_bytes(lat)} (per-head K/V would be {_fmt_bytes(exp)}, {exp / lat:.0f}x)"]
+            f"{fmt_bytes(lat)} (per-head K/V would be {fmt_bytes(exp)}, {exp / lat:.0f}x)"]
 
 
-def _stored_bytes(weights, full: str, t: torch.Tensor, p) -> int:
+def _stored_bytes(weights, full: str, t: torch.Tensor, p) -> tuple[int, bool]:
+    """(bytes, read in place from the file?) of one tensor as its op holds it."""
     if weights is not None:
         op_cls = p.phases.generate_op
         if op_cls is not None and op_cls.keeps_raw_weights:
@@ -115,11 +202,11 @@ def _stored_bytes(weights, full: str, t: torch.Tensor, p) -> int:
             except Exception:  # noqa: BLE001 - a tensor the op derives (fused) has no raw form
                 raw = None
             if raw is not None:
-                return raw.nbytes
-    return _tensor_bytes(t)
+                return raw.nbytes, True
+    return _tensor_bytes(t), False
 
 
-def _fmt_bytes(n: int) -> str:
+def fmt_bytes(n: int) -> str:
     for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= div:
             return f"{n / div:.2f} {unit}"
@@ -163,7 +250,7 @@ def format_explanation(ex: Explanation, compact: bool = False) -> str:
     headers = ("module", "class", "operator", "rule", "prefill device/op", "generate device/op", "bytes")
     table = [
         (r.module, r.module_class, r.operator, "-" if r.rule is None else f"#{r.rule}", r.prefill, r.generate,
-         ", ".join(f"{d} {_fmt_bytes(b)}" for d, b in sorted(r.bytes_per_device.items())) or "-")
+         ", ".join(f"{d} {fmt_bytes(b)}" for d, b in sorted(r.bytes_per_device.items())) or "-")
         for r in (compact_rows(ex.rows) if compact else ex.rows)
     ]
     widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(headers)]
@@ -173,7 +260,9 @@ def format_explanation(ex: Explanation, compact: bool = False) -> str:
         out.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
     out.append("")
     out.append("Parameter bytes per device: " + (", ".join(
-        f"{d}: {_fmt_bytes(b)}" for d, b in sorted(ex.bytes_per_device.items())) or "none"))
+        f"{d}: {fmt_bytes(b)}" for d, b in sorted(ex.bytes_per_device.items())) or "none"))
     for note in ex.notes:
         out.append(note)
+    if ex.memory is not None:
+        out += ex.memory.lines()
     return "\n".join(out)

@@ -29,6 +29,25 @@ def inject(model, rules, weights, **kwargs):
     return model
 
 
+def check_memory_plan(model, plan, source, say=lambda msg: None) -> None:
+    """Say what the load will hold in host memory (``explain``'s memory plan) and refuse, before
+    any weight is read, a load whose private memory exceeds what the machine has available
+    (``KT_IGNORE_MEMORY_PLAN=1`` loads anyway)."""
+    from ..optimize.explain import fmt_bytes, explain_plan
+
+    mem = explain_plan(model, plan, source).memory
+    for line in mem.lines():
+        say(line.strip())
+    if (mem.available is not None and mem.private > mem.available
+            and os.environ.get("KT_IGNORE_MEMORY_PLAN", "0") == "0"):
+        raise ConfigError(
+            f"{getattr(source, 'path', source)}: the load needs {fmt_bytes(mem.private)} of private memory "
+            f"(copies {fmt_bytes(mem.copies)}, packed experts {fmt_bytes(mem.packed if not mem.cache_on else mem.packed_layer)}) "
+            f"and this machine has {fmt_bytes(mem.available)} available; the experts' llamafile backend reads the "
+            f"file in place, the packed-weight cache (KT_PACKED_CACHE) maps packed copies; KT_IGNORE_MEMORY_PLAN=1 "
+            f"loads anyway")
+
+
 def load_model(
     weights,
     model_path: str | os.PathLike | None = None,
@@ -175,6 +194,7 @@ def load_for_generation(
         raise RuleError(f"{r.where()}: matches no module of {type(model).__name__} ({r.describe_match()})")
     check_devices_available(plan)
     check_transfer_maps(plan)
+    check_memory_plan(model, plan, source, say)
     say("building the tokenizer ...")
     tokenizer = load_tokenizer(model_path, source)
     from ..weights.gguf_checks import preflight

@@ -202,6 +202,10 @@ def test_any_damage_to_a_cache_file_is_caught(layer, tmp_path, data):
             b = b[:data.draw(st.integers(0, len(b) - 1))]
         elif kind == "grow":
             b += data.draw(st.binary(min_size=1, max_size=64))
+        elif data.draw(st.booleans()):  # any JSON value at all
+            body = json.dumps(data.draw(st.recursive(st.none() | st.integers() | st.text(max_size=5),
+                                                     lambda c: st.lists(c, max_size=3), max_leaves=6))).encode()
+            b[len(pc.MAGIC):pc.HEADER] = (len(body).to_bytes(4, "little") + body).ljust(pc.HEADER - len(pc.MAGIC), b"\0")
         else:
             meta = data.draw(st.dictionaries(st.sampled_from(["format", "key", "backend", "tier", "source", "shape",
                                                               "types", "packed_bytes", "checksum"]),
