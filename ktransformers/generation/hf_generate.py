@@ -51,7 +51,8 @@ def _lean_call(model, kwargs):
 
 
 def _visible(mask: torch.Tensor) -> torch.Tensor:
-    return mask if mask.dtype is torch.bool else mask == 0  # bool masks keep True, additive ones add 0
+    """Of a 4-D attention mask: bool masks keep True, additive (float) ones add 0."""
+    return mask if mask.dtype is torch.bool else mask == 0
 
 
 def _plain_mask(mask, step, cache, pos: int) -> bool:
@@ -61,8 +62,8 @@ def _plain_mask(mask, step, cache, pos: int) -> bool:
     and none after."""
     if mask is None:
         return True
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-        return tuple(mask.shape) == (1, pos + 1) and bool(_visible(mask).all())
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:  # keep flags: 1 (or True) = a real token
+        return tuple(mask.shape) == (1, pos + 1) and bool((mask != 0).all())
     seen = step.attended(cache, pos)
     if isinstance(mask, torch.Tensor):  # one mask for every layer (a model of one layer type)
         mask = {layer_type: mask for layer_type in seen}

@@ -166,6 +166,15 @@ def test_calls_the_step_does_not_reproduce_take_the_models_forward(tiny_model_di
         model.generate(torch.tensor([a]), attention_mask=torch.ones(1, 8, dtype=torch.long), max_new_tokens=4,
                        do_sample=False, pad_token_id=0)
     assert sum(spy) == 3
+    # a forward call of the user's own (the cache holds 9 positions) with a 2-D keep mask (1 = a real
+    # token): ones -> the step, a hidden position -> the model's forward
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([[a[0]]]), cache=cache, position_ids=torch.tensor([[9]]),
+                    attention_mask=torch.ones(1, 10, dtype=torch.long), use_cache=True)
+        assert sum(spy) == 4 and out.logits.shape == (1, 1, model.config.vocab_size)
+        model(input_ids=torch.tensor([[a[1]]]), cache=cache, position_ids=torch.tensor([[10]]),
+              attention_mask=torch.tensor([[0] + [1] * 10]), use_cache=True)
+        assert sum(spy) == 4
 
 
 def test_inject_entry_point_installs_it(tiny_model_dir):
