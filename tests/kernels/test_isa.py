@@ -1,6 +1,6 @@
 """ISA dispatch: the kernels give the same answers on every tier this CPU supports
-(KT_ISA=avx2 / avxvnni / avx512 / avx512vnni / scalar re-run a quick subset of the MoE and
-Linear tests in a subprocess), the avxvnni tier's vpdpbusd kernels give the avx2 tier's bits,
+(KT_ISA=avx2 / avxvnni / avx512 / avx512vnni / scalar re-run a quick subset of the MoE, Linear
+and batch-invariance tests in a subprocess), the avxvnni tier's vpdpbusd kernels give the avx2 tier's bits,
 and a bad KT_ISA is a clean Python error."""
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ def test_lower_tier_subset(tier):
     if tier not in ext.supported_isa_tiers():
         pytest.skip(f"CPU does not support {tier}")
     files = [str(HERE / "test_linear.py"), str(HERE / "test_kernel_table.py"), str(HERE / "test_int4_backends.py"),
+             str(HERE / "test_batch_invariance.py"),
              str(HERE / "test_isa.py::test_tier_reported")]
     if tier != "scalar":  # scalar runs every type through the generic path: Linear only (speed)
         files.insert(0, str(HERE / "test_moe.py"))

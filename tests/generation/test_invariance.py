@@ -1,0 +1,64 @@
+"""Chunk invariance on the real Gemma-3-270M Q4_K_M (every projection on the CPU kernels), bitwise:
+a prompt prefilled whole, in chunks of any size (>= 2 tokens), or as a cached prefix plus the
+rest leaves the same cache, so the last position's logits and the next decode step's logits are
+the same bits.  The kernels' own batch invariance is tests/kernels/test_batch_invariance.py.
+
+Scope (docs/server.md, "Determinism"): the tiers with the prompt flash kernel (AVX512-BF16 and
+up), prompts within Gemma's sliding window (512), a cache longer than the window, chunks of 2+
+tokens; past those the attention goes through other kernels (transformers' sdpa, the decode
+kernel for a one-token chunk)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from .test_real_model import assemble_gemma
+
+pytestmark = pytest.mark.slow
+
+
+class _NoText:
+    eos_token_id = None
+    chat_template = None
+
+    def decode(self, ids, **kw):
+        return ""
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    from ktransformers import load_model
+
+    torch.set_num_threads(2)
+    return load_model(assemble_gemma())
+
+
+def _run(model, ids, chunk, split=None):
+    """Last-position logits of the prefill and of one decode step after it."""
+    from ktransformers.generation import Generator
+
+    g = Generator(model, _NoText(), chunk_size=chunk)
+    cache = g.new_cache(1024)  # past the sliding window (512), as a server or local_chat cache is
+    with torch.inference_mode():
+        if split:  # a cached prefix: its tokens prefilled first, the rest as one continuation
+            g.prefill(ids[:split], cache)
+            last = g._forward(torch.tensor([ids[split:]]), split, cache)
+        else:
+            last = g.prefill(ids, cache)
+        nxt = g._forward(torch.tensor([[int(last.argmax())]]), len(ids), cache)
+    return last.clone(), nxt.clone()
+
+
+@pytest.mark.parametrize("chunk,split", [(7, None), (64, None), (97, None), (4096, 130), (50, 300)])
+def test_chunked_and_cached_prefill_give_the_same_bits(gemma, chunk, split):
+    from ktransformers.kernels.attention import flash_attention_supported
+
+    if not flash_attention_supported():
+        pytest.skip("no prompt flash kernel on this tier: transformers' sdpa is not chunk-invariant")
+    ids = [int(i) for i in np.random.default_rng(3).integers(100, 30000, 420)]  # < the sliding window
+    ref_last, ref_next = _run(gemma, ids, 4096)
+    last, nxt = _run(gemma, ids, chunk, split)
+    assert torch.equal(last, ref_last), f"prefill logits differ: max {(last - ref_last).abs().max():.3g}"
+    assert torch.equal(nxt, ref_next), f"decode logits differ: max {(nxt - ref_next).abs().max():.3g}"
