@@ -21,7 +21,7 @@ namespace py = pybind11;
 namespace kt {
 namespace {
 
-constexpr int64_t kMinSplitKeys = 64;  // a key split shorter than this costs more to merge than it saves
+constexpr int64_t kSplitKeys = 256;  // keys per split (at absolute multiples): the decode kernel's chunk
 
 template <class T>
 T* ptr(uintptr_t p) { return reinterpret_cast<T*>(p); }
@@ -58,8 +58,10 @@ namespace avx2 {
 
 // One layer's attention for N single-token rows: q/k norm, RoPE, K/V into the pages, then the q
 // heads of each (row, kv head) over that row's own pages (GQA: head h reads kv head h / (hq / hkv)).
-// Threaded over (row, kv head); with fewer of those than twice the pool's threads, each one's keys
-// are split too (flash-decoding style, merged by log-sum-exp), so one long sequence uses every thread.
+// Threaded over (row, kv head, key split): a row's keys are cut at absolute multiples of
+// kSplitKeys (flash-decoding style, merged by log-sum-exp in order), the same cut whatever the
+// batch or the threads, so one long sequence uses every thread and a row's bits never depend on
+// the rows beside it.
 void paged_decode_attention(CPUInfer& ci, uintptr_t qkv, int n_rows, int hq, int hkv, int d, uintptr_t qk_w,
                             float qk_eps, uintptr_t cos, uintptr_t sin, uintptr_t keys, uintptr_t values,
                             int page_size, uintptr_t pages, uintptr_t offsets, uintptr_t pos, int window, float scale,

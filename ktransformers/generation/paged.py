@@ -661,6 +661,8 @@ class BatchRunner:
                 tables.append((s.pages + [next(it) for _ in range(n)], s.length, len(toks)))
             logits = self._lean_step(chunks, tables)
             if logits is None:
+                logits = self._mixed_step(chunks, tables)
+            if logits is None:
                 batch = _PagedBatch(self.pool, tables)
                 logits = self._forward(batch, [t for _, toks in chunks for t in toks])
         except BaseException:
@@ -683,6 +685,24 @@ class BatchRunner:
             return None
         return lean.step([toks[0] for _, toks in chunks], [past for _, past, _ in tables],
                          [pages for pages, _, _ in tables])
+
+    def _mixed_step(self, chunks, tables) -> torch.Tensor | None:
+        """A step of decoding rows and prompt chunks: the decoding rows by the lean step, the chunks
+        by the generic forward, so that a decoding row gets the bits of a decode-only step whatever
+        prompt is read beside it (batch invariance); None when the lean step does not serve them."""
+        dec = [i for i, (*_, t) in enumerate(tables) if t == 1]
+        if not dec or len(dec) == len(tables):
+            return None
+        lean = self._lean_step([chunks[i] for i in dec], [tables[i] for i in dec])
+        if lean is None:
+            return None
+        rest = [i for i, (*_, t) in enumerate(tables) if t != 1]
+        batch = _PagedBatch(self.pool, [tables[i] for i in rest])
+        other = self._forward(batch, [t for i in rest for t in chunks[i][1]])
+        out = torch.empty(len(tables), other.shape[-1], dtype=other.dtype, device=other.device)
+        out[dec] = lean.to(out.device, out.dtype)
+        out[rest] = other
+        return out
 
     def _forward(self, batch: _PagedBatch, tokens: list[int]) -> torch.Tensor:
         emb = self.model.get_input_embeddings()
