@@ -10,6 +10,7 @@ experts are a fixed function of the token id) gets the ids the decoder layer pas
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 
@@ -31,14 +32,15 @@ class KMoEBlock(BaseInjectedModule):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         router = self._modules.get("gate") or self._modules.get("router")
-        if _takes_input_ids(type(router)):
-            if input_ids is None:
-                raise ValueError(f"{self.key}: {type(router).__name__} routes by token id and got no input_ids "
-                                 f"(call the model with input_ids, not inputs_embeds)")
-            # the ids come from where the embeddings are (the CPU in the GPU rules), the router's table is here
-            _, top_k_weights, top_k_index = router(x, input_ids.to(x.device))
-        else:
-            _, top_k_weights, top_k_index = router(x)
+        with self._row_invariant_linears():
+            if _takes_input_ids(type(router)):
+                if input_ids is None:
+                    raise ValueError(f"{self.key}: {type(router).__name__} routes by token id and got no input_ids "
+                                     f"(call the model with input_ids, not inputs_embeds)")
+                # the ids come from where the embeddings are (the CPU in the GPU rules), the router's table is here
+                _, top_k_weights, top_k_index = router(x, input_ids.to(x.device))
+            else:
+                _, top_k_weights, top_k_index = router(x)
         experts = self.experts
         if hasattr(experts, "submit"):
             token = experts.submit(x, top_k_index, top_k_weights)
@@ -59,9 +61,57 @@ class KMoEBlock(BaseInjectedModule):
             out = mods["shared_expert"](x)
             gate = mods.get("shared_expert_gate")
             if gate is not None:
-                out = F.sigmoid(gate(x)) * out
+                with self._row_invariant_linears():
+                    out = F.sigmoid(gate(x)) * out
             return out
         return None
+
+    @contextlib.contextmanager
+    def _row_invariant_linears(self):
+        """Within: ``F.linear`` on the router's and the shared-expert gate's fp32 CPU weights runs on
+        the CPU linear kernel, whose rows do not depend on how many rows a call has (torch's BLAS
+        takes another path for one row than for many, so a token's routing would change with the
+        batch beside it).  Other calls go to torch as before."""
+        kernels = self.__dict__.get("_kt_row_kernels")
+        if kernels is None:
+            kernels = self.__dict__["_kt_row_kernels"] = _row_kernels(self)
+        if not kernels:
+            yield
+            return
+        torch_linear = F.linear
+
+        def linear(inp, weight, bias=None):
+            k = kernels.get(id(weight))
+            if (k is None or k[0] is not weight or inp.device.type != "cpu" or inp.dtype != torch.float32
+                    or torch.is_grad_enabled() and (inp.requires_grad or weight.requires_grad)):
+                return torch_linear(inp, weight, bias)
+            out = k[1].forward(inp.reshape(-1, inp.shape[-1]).contiguous()).reshape(*inp.shape[:-1], weight.shape[0])
+            return out if bias is None else out + bias
+
+        F.linear = linear
+        try:
+            yield
+        finally:
+            F.linear = torch_linear
+
+
+def _row_kernels(block) -> dict:
+    """id(weight) -> (weight, LinearKernel) for the block's router and shared-expert gate weights
+    that are fp32 matrices on the CPU (empty when the CPU kernels are not built)."""
+    from ..kernels import LinearKernel
+    from .cpu_threads import kernel_pool
+
+    out = {}
+    for name in ("gate", "router", "shared_expert_gate"):
+        mod = block._modules.get(name)
+        w = getattr(mod, "weight", None)
+        if (isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == torch.float32 and w.device.type == "cpu"
+                and not w.is_meta):
+            try:
+                out[id(w)] = (w, LinearKernel(kernel_pool(), "llamafile", w.shape[1], w.shape[0], w.detach().contiguous(), "F32"))
+            except (ImportError, RuntimeError, ValueError):
+                return {}
+    return out
 
 
 @functools.lru_cache(maxsize=None)

@@ -110,3 +110,34 @@ def test_batching_server_rows_do_not_depend_on_the_other_requests(gemma):
     assert len(alone) == len(crowded) == 12
     for i, (a, b) in enumerate(zip(alone, crowded)):
         assert torch.equal(a, b), f"step {i}: logits differ beside other requests (max {(a - b).abs().max():.3g})"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from ktransformers import load_model
+    from ktransformers.util.tiny_models import write_tiny_model
+
+    made = {}
+
+    def get(arch):
+        if arch not in made:
+            d = tmp_path_factory.mktemp(f"invariance-{arch}")
+            write_tiny_model(arch, d, seed=1)
+            made[arch] = load_model(d, model_path=d)
+        return made[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "gemma3_text"])
+def test_tiny_families_batching_rows_do_not_depend_on_the_other_requests(tiny, arch):
+    model = tiny(arch)
+    rng = np.random.default_rng(11)
+    prompt = [int(i) for i in rng.integers(3, 250, 30)]
+    alone = _greedy_rows(model, {0: (0, prompt, 8)}, steps=10, page_size=4)
+    others = {1: (1, [int(i) for i in rng.integers(3, 250, 25)], 6),
+              2: (3, [int(i) for i in rng.integers(3, 250, 9)], 5)}
+    crowded = _greedy_rows(model, {0: (0, prompt, 8), **others}, steps=10, page_size=4)
+    assert len(alone) == len(crowded) == 7
+    for i, (a, b) in enumerate(zip(alone, crowded)):
+        assert torch.equal(a, b), f"{arch} step {i}: logits differ beside other requests"
