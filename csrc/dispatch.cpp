@@ -1,4 +1,6 @@
 // The single ISA dispatch point: picks one kernel table from active_tier() on first use.
+#include <cstdlib>
+#include <string>
 #include <stdexcept>
 
 #include "cpu_features.h"
@@ -41,10 +43,14 @@ KernelTable make_table() {
     case IsaTier::AVX512VNNI: return *kernel_table_avx512vnni();
     case IsaTier::AVX512BF16: return *kernel_table_avx512bf16();
     case IsaTier::AMX: {
-      // the avx512bf16 table with tile kernels for calls of many tokens: same activation formats
-      // and packed layouts, few-token calls go on to that table's kernels (kern_amx.cpp)
+      // the avx512bf16 table; with KT_AMX_TILES=1 tile kernels for calls of many tokens (same
+      // activation formats and packed layouts, few-token calls go on to that table's kernels,
+      // kern_amx.cpp).  The tiles round differently from those kernels, so a row's bits would
+      // depend on how many tokens share its call: off by default (batch invariance).
       KernelTable t = *kernel_table_avx512bf16();
       t.name = "amx";
+      const char* tiles = std::getenv("KT_AMX_TILES");
+      if (!tiles || std::string(tiles) != "1") return t;
       t.packed_i8 = amx_gemm_i8(t.packed_i8);
       t.packed_bf16 = amx_gemm_bf16(t.packed_bf16);
       t.packed_prefill[0] = "i8_amx_2x2";
