@@ -21,6 +21,8 @@ from .base import BaseInjectedModule
 from .kinds import MOE_BLOCK
 from .registry import register
 
+_TORCH_LINEAR = F.linear  # torch's own, captured once (KMoEBlock._row_invariant_linears swaps it in and out)
+
 
 @register("KMoEBlock")
 class KMoEBlock(BaseInjectedModule):
@@ -78,21 +80,21 @@ class KMoEBlock(BaseInjectedModule):
         if not kernels:
             yield
             return
-        torch_linear = F.linear
 
         def linear(inp, weight, bias=None):
             k = kernels.get(id(weight))
             if (k is None or k[0] is not weight or inp.device.type != "cpu" or inp.dtype != torch.float32
                     or torch.is_grad_enabled() and (inp.requires_grad or weight.requires_grad)):
-                return torch_linear(inp, weight, bias)
+                return _TORCH_LINEAR(inp, weight, bias)
             out = k[1].forward(inp.reshape(-1, inp.shape[-1]).contiguous()).reshape(*inp.shape[:-1], weight.shape[0])
             return out if bias is None else out + bias
 
+        # (another thread meanwhile gets the same math: its own weights go to torch's linear)
         F.linear = linear
         try:
             yield
         finally:
-            F.linear = torch_linear
+            F.linear = _TORCH_LINEAR
 
 
 def _row_kernels(block) -> dict:
