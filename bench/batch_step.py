@@ -6,7 +6,7 @@ Builds a random model (``--small``: 4 layers, hidden 512, 32 experts top-4, voca
 otherwise the tests' tiny config), injects the shipped CPU rules, prefills N sequences of
 ``--context`` tokens and times decode steps (best of ``--rounds`` interleaved rounds of ``--steps`` steps).  Rows: N, ms per batched
 step, ms per step of the single-request path (DynamicCache, one sequence), ratio to N single steps.
-Each N is timed twice: the lean batched decode step (generation/batch_decode.py, where it serves the
+Each N is timed twice: the decode step over the pages (generation/decode_step.py, where it serves the
 model) and the generic forward (``lean_decode = False``), same pages, same tokens.
 With ``--hf`` also transformers' own continuous batching (``generate_batch``) end to end.
 """
@@ -114,10 +114,13 @@ def main(argv=None):
         for key in runners:
             times[key].append(best(batched(key), 1) / args.steps)
     t_single = min(times["single"])
-    lean_used = any(r._lean for (n, kind), r in runners.items() if kind == "lean")
+    from ktransformers.generation.decode_step import decode_step_for
+
+    step = decode_step_for(model)
+    lean_used = step is not None and all(step.pages_of(r.pool) is not None for r in runners.values())
     print(f"{args.arch}{'' if args.gguf else ' small' if args.small else ' tiny'}, {args.threads} threads, context {ctx}: "
           f"single-request decode step {t_single * 1e3:.2f} ms"
-          f"{'' if lean_used else ' (the lean batched step does not serve this model: both rows generic)'}")
+          f"{'' if lean_used else ' (the decode step does not serve this model: both rows generic)'}")
     print(f"{'N':>3} {'step':>8} {'batched step ms':>16} {'ms/token':>9} {'vs N single steps':>18}")
     for n in ns:
         for kind in kinds:

@@ -1,7 +1,7 @@
-// fp32 helpers of the lean single-token decode step (ktransformers/generation/decode_step.py): each
-// replaces several torch ops (an RMSNorm is ~10 of them on the CPU) with one call on the calling
-// thread (the attention of a deep cache on the kernels' pool).  Pointers are plain ints from
-// data_ptr(); the Python side owns and checks the buffers.
+// fp32 helpers of the lean decode step (ktransformers/generation/decode_step.py: N rows, one token
+// each, over a page pool or one cache layer): each replaces several torch ops (an RMSNorm is ~10 of
+// them on the CPU) with one call on the calling thread (the attention on the kernels' pool).
+// Pointers are plain ints from data_ptr(); the Python side owns and checks the buffers.
 #include <pybind11/pybind11.h>
 
 #include <immintrin.h>
@@ -47,19 +47,22 @@ void rms_norm(uintptr_t x, uintptr_t w, uintptr_t out, int rows, int n, int w_st
              ptr<float>(out) + static_cast<size_t>(r) * n, n, eps);
 }
 
-// The residual stream between two sublayers: x += norm(a) * wa (Gemma's sandwich norm; wa == 0:
+// The residual stream between two sublayers, row by row: x += norm(a) * wa (Gemma's sandwich norm; wa == 0:
 // x += a), then out = norm(x) * w (the next sublayer's input norm).
-void residual_norm(uintptr_t x, uintptr_t a, uintptr_t wa, float eps_a, uintptr_t w, float eps, uintptr_t out, int n) {
-  float* xs = ptr<float>(x);
-  const float* as = ptr<const float>(a);
-  if (wa) {
-    const float* ws = ptr<const float>(wa);
-    const float inv = 1.0f / std::sqrt(dot(as, as, n) / static_cast<float>(n) + eps_a);
-    for (int i = 0; i < n; ++i) xs[i] = xs[i] + (as[i] * inv) * ws[i];
-  } else {
-    for (int i = 0; i < n; ++i) xs[i] = xs[i] + as[i];
+void residual_norm(uintptr_t x, uintptr_t a, uintptr_t wa, float eps_a, uintptr_t w, float eps, uintptr_t out, int rows,
+                   int n) {
+  for (int r = 0; r < rows; ++r) {
+    float* xs = ptr<float>(x) + static_cast<size_t>(r) * n;
+    const float* as = ptr<const float>(a) + static_cast<size_t>(r) * n;
+    if (wa) {
+      const float* ws = ptr<const float>(wa);
+      const float inv = 1.0f / std::sqrt(dot(as, as, n) / static_cast<float>(n) + eps_a);
+      for (int i = 0; i < n; ++i) xs[i] = xs[i] + (as[i] * inv) * ws[i];
+    } else {
+      for (int i = 0; i < n; ++i) xs[i] = xs[i] + as[i];
+    }
+    if (out) norm_row(xs, ptr<const float>(w), ptr<float>(out) + static_cast<size_t>(r) * n, n, eps);
   }
-  if (out) norm_row(xs, ptr<const float>(w), ptr<float>(out), n, eps);
 }
 
 // Rotary embedding of `rows` heads of d in place, rotate-half convention (transformers'
@@ -78,16 +81,8 @@ void rope(uintptr_t x, int rows, int d, uintptr_t cos, uintptr_t sin) {
   }
 }
 
-// Store one token's k, v [hkv, d] into a cache layer (keys/values [hkv, cap, d], head stride cap * d)
-// at `slot` (roll != 0: shift every head's entries left by one first and store last, the layout of
-// a full sliding-window layer), add 1 to *len (an int64 counter; 0 = none), then attend the hq
-// query heads (GQA: head i reads kv head i / (hq / hkv)) to the first n entries: out [hq, d].
-//
-// The attention is split like flash-decoding: the n entries are cut into chunks of kChunk keys (a
-// fixed size, so the result is the same for any thread count), a pool task (kv head, chunk)
-// computes for the query heads reading that kv head the chunk's max m, sum l and unnormalised
-// P V, and the calling thread merges each head's chunks in order.  At depth (thousands of
-// entries) this reads the cache on every core; a single chunk (n <= kChunk) is plain softmax.
+// Decode attention (attend_rows below): keys in chunks of kChunk at absolute positions, each chunk
+// a pool task, merged in order.
 constexpr int kChunk = 256;
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -106,34 +101,28 @@ inline __attribute__((always_inline)) float dot16(const float* __restrict a, con
   return s;
 }
 
-struct AttendJob {
-  const float* q;  // [hq, d]
-  const float* K;  // head g at K + g * head
-  const float* V;
-  size_t head;
-  int hq, hkv, d, n, nchunk;
+// One chunk task: the group's query heads over up to kChunk keys, each key and value row found
+// through a pointer (a page pool or one cache layer: the same arithmetic whatever the layout).
+struct ChunkJob {
+  const float* q;           // the group's query heads [group, d] (unscaled)
+  const float* const* kr;   // [nk] key rows
+  const float* const* vr;   // [nk] value rows
+  int group, d, nk;
   float scale;
-  float* part;  // [hkv][nchunk][group][d + 2]: P V, m, l
+  float* part;  // [group][d + 2]: P V, m, l
 };
 
-// One task: kv head g, keys [c * kChunk, ...) for the group's query heads.
-inline __attribute__((always_inline)) void attend_chunk_body(const AttendJob& a, int g, int c) {
-  const int group = a.hq / a.hkv, d = a.d;
-  const int j0 = c * kChunk;
-  const int nk = a.n - j0 < kChunk ? a.n - j0 : kChunk;
-  const float* K = a.K + g * a.head + static_cast<size_t>(j0) * d;
-  const float* V = a.V + g * a.head + static_cast<size_t>(j0) * d;
+// The generic chunk kernel (any head size): every key once, for all heads of the group.
+inline __attribute__((always_inline)) void attend_chunk_body(const ChunkJob& a) {
+  const int group = a.group, d = a.d, nk = a.nk;
   thread_local std::vector<float> qs, sc;
   if (qs.size() < static_cast<size_t>(group) * d) qs.resize(static_cast<size_t>(group) * d);
   if (sc.size() < static_cast<size_t>(group) * kChunk) sc.resize(static_cast<size_t>(group) * kChunk);
   const float qscale = a.scale * kLog2e;
   for (int h = 0; h < group; ++h)
-    for (int i = 0; i < d; ++i) qs[h * d + i] = a.q[static_cast<size_t>(g * group + h) * d + i] * qscale;
-  for (int j = 0; j < nk; ++j) {  // every key once, for all heads of the group
-    const float* kj = K + static_cast<size_t>(j) * d;
-    for (int h = 0; h < group; ++h) sc[h * kChunk + j] = dot16(qs.data() + h * d, kj, d);
-  }
-  float* part = a.part + static_cast<size_t>(g * a.nchunk + c) * group * (d + 2);
+    for (int i = 0; i < d; ++i) qs[h * d + i] = a.q[static_cast<size_t>(h) * d + i] * qscale;
+  for (int j = 0; j < nk; ++j)
+    for (int h = 0; h < group; ++h) sc[h * kChunk + j] = dot16(qs.data() + h * d, a.kr[j], d);
   for (int h = 0; h < group; ++h) {
     float* s = sc.data() + h * kChunk;
     float m = -INFINITY;
@@ -145,27 +134,27 @@ inline __attribute__((always_inline)) void attend_chunk_body(const AttendJob& a,
       for (int t = 0; t < 8; ++t) l8[t] += s[j + t];
     float l = ((l8[0] + l8[4]) + (l8[1] + l8[5])) + ((l8[2] + l8[6]) + (l8[3] + l8[7]));
     for (; j < nk; ++j) l += s[j];
-    float* acc = part + h * (d + 2);
+    float* acc = a.part + h * (d + 2);
     std::memset(acc, 0, sizeof(float) * d);
     acc[d] = m;
     acc[d + 1] = l;
   }
-  for (int j = 0; j < nk; ++j) {  // every value once, for all heads of the group
-    const float* vj = V + static_cast<size_t>(j) * d;
+  for (int j = 0; j < nk; ++j) {
+    const float* vj = a.vr[j];
     for (int h = 0; h < group; ++h) {
-      float* __restrict acc = part + h * (d + 2);
+      float* __restrict acc = a.part + h * (d + 2);
       const float p = sc[h * kChunk + j];
       for (int i = 0; i < d; ++i) acc[i] += p * vj[i];
     }
   }
 }
 
-void attend_chunk_base(const AttendJob& a, int g, int c) { attend_chunk_body(a, g, c); }
-__attribute__((target("avx2,fma"))) void attend_chunk_avx2(const AttendJob& a, int g, int c) {
-  attend_chunk_body(a, g, c);
+void attend_chunk_base(const ChunkJob& a) { attend_chunk_body(a); }
+__attribute__((target("avx2,fma"))) void attend_chunk_avx2(const ChunkJob& a) {
+  attend_chunk_body(a);
 }
-__attribute__((target("avx512f,avx512vl,avx2,fma"))) void attend_chunk_avx512(const AttendJob& a, int g, int c) {
-  attend_chunk_body(a, g, c);
+__attribute__((target("avx512f,avx512vl,avx2,fma"))) void attend_chunk_avx512(const ChunkJob& a) {
+  attend_chunk_body(a);
 }
 
 // Register-blocked chunk kernels for head sizes 64 / 128 / 256 (decode_attend.inc), one copy per tier.
@@ -217,7 +206,7 @@ inline vec vexp2(vec x) { return exp2_ps256(x); }
 }  // namespace y256
 #pragma GCC pop_options
 
-using ChunkFn = void (*)(const AttendJob&, int, int);
+using ChunkFn = void (*)(const ChunkJob&);
 // The tier's kernel for head size d: register-blocked for 64 / 128 / 256, else the generic loops.
 ChunkFn chunk_fn(int d) {
   const IsaTier t = active_tier();
@@ -236,55 +225,160 @@ ChunkFn chunk_fn(int d) {
   return attend_chunk_base;
 }
 
-void attend(CPUInfer& ci, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t keys, uintptr_t values, int hq, int hkv,
-            int d, int cap, int slot, int roll, int n, float scale, uintptr_t len, uintptr_t out) {
-  if (hkv <= 0 || hq % hkv != 0 || d <= 0 || n <= 0 || n > cap || slot < 0 || slot >= cap)
-    throw std::invalid_argument("attend: need hq % hkv == 0, 0 < n <= cap, 0 <= slot < cap");
-  float* K = ptr<float>(keys);
-  float* V = ptr<float>(values);
-  const size_t head = static_cast<size_t>(cap) * d;
-  for (int g = 0; g < hkv; ++g) {
-    float* kh = K + g * head;
-    float* vh = V + g * head;
-    if (roll) {
-      std::memmove(kh, kh + d, sizeof(float) * (head - d));
-      std::memmove(vh, vh + d, sizeof(float) * (head - d));
-      slot = cap - 1;
-    }
-    std::memcpy(kh + static_cast<size_t>(slot) * d, ptr<const float>(k) + static_cast<size_t>(g) * d, sizeof(float) * d);
-    std::memcpy(vh + static_cast<size_t>(slot) * d, ptr<const float>(v) + static_cast<size_t>(g) * d, sizeof(float) * d);
+// The rows of one decode step: N single-token rows, each of its own sequence (a page pool) or one
+// row of one cache layer.  Key / value row of position p of row r, kv head g:
+//   keys + slot(r, p) * tok + g * head,  slot = pages[offsets[r] + p / page_size] * page_size +
+//   p % page_size (page_size > 0), else p - lo[r] (a cache layer holding positions lo[r] ..).
+struct Rows {
+  float* qkv;  // [N, (hq + 2 hkv) d]: q heads, k heads, v heads of each row
+  int hq, hkv, d;
+  const float* qk_w;  // [(hq + hkv), d] q_norm / k_norm weights per head, or null
+  float qk_eps;
+  const float* cos;  // [N, d] (each row's own position)
+  const float* sin;
+  float* keys;
+  float* values;
+  size_t tok, head;  // strides in floats
+  int page_size;
+  const int64_t* pages;    // block tables, flat (page_size > 0)
+  const int64_t* offsets;  // [N + 1]
+  const int64_t* pos;      // [N] position of each row's new token
+  const int64_t* lo;       // [N] first position each row's query sees
+  float scale;
+  float* out;  // [N, hq d]
+
+  size_t width() const { return static_cast<size_t>(hq + 2 * hkv) * d; }
+  int64_t slot(int r, int64_t p) const {
+    return page_size > 0 ? pages[offsets[r] + p / page_size] * page_size + p % page_size : p - lo[r];
   }
-  if (len) ++*ptr<int64_t>(len);
+  // Row r's keys lo .. pos are cut at the multiples of kChunk (absolute positions): the cut
+  // depends on the row alone, never on the batch, the layout or the thread count.
+  int chunks(int r) const { return static_cast<int>(pos[r] / kChunk - lo[r] / kChunk + 1); }
+
+  // q-norm / k-norm and RoPE of kv group g of row r (its q heads and its k head), then its k / v
+  // rows into the slot of the row's new token
+  void prepare(int r, int g) const {
+    float* row = qkv + r * width();
+    const int group = hq / hkv;
+    const float* c = cos + static_cast<size_t>(r) * d;
+    const float* s = sin + static_cast<size_t>(r) * d;
+    for (int i = 0; i <= group; ++i) {
+      const int h = i < group ? g * group + i : hq + g;
+      float* v = row + static_cast<size_t>(h) * d;
+      if (qk_w) norm_row(v, qk_w + static_cast<size_t>(h) * d, v, d, qk_eps);
+      rope(reinterpret_cast<uintptr_t>(v), 1, d, reinterpret_cast<uintptr_t>(c), reinterpret_cast<uintptr_t>(s));
+    }
+    const size_t at = static_cast<size_t>(slot(r, pos[r])) * tok + g * head;
+    std::memcpy(keys + at, row + static_cast<size_t>(hq + g) * d, sizeof(float) * d);
+    std::memcpy(values + at, row + static_cast<size_t>(hq + hkv + g) * d, sizeof(float) * d);
+  }
+
+  // the group's query heads of row r over chunk c of its keys, partials into part [group][d + 2]
+  void attend(ChunkFn fn, int r, int g, int c, float* part) const {
+    const int64_t c0 = lo[r] / kChunk;
+    const int64_t a = std::max(lo[r], (c0 + c) * kChunk), b = std::min(pos[r] + 1, (c0 + c + 1) * kChunk);
+    thread_local const float* kr[kChunk];
+    thread_local const float* vr[kChunk];
+    for (int64_t p = a; p < b; ++p) {
+      const size_t at = static_cast<size_t>(slot(r, p)) * tok + g * head;
+      kr[p - a] = keys + at;
+      vr[p - a] = values + at;
+    }
+    const int group = hq / hkv;
+    const ChunkJob job{qkv + r * width() + static_cast<size_t>(g) * group * d, kr, vr, group, d,
+                       static_cast<int>(b - a), scale, part};
+    fn(job);
+  }
+};
+
+// One layer's attention for N single-token rows: q/k norm, RoPE, K/V written, then each row's query
+// heads over its own keys in chunks of kChunk at absolute positions (flash-decoding style: a pool
+// task per (row, kv head, chunk) computes the chunk's max m, sum l and unnormalised P V for the
+// query heads reading that kv head; the calling thread merges each head's chunks in order).  The
+// same bits for a row whatever the rows beside it, the thread count, or whether its keys sit in a
+// page pool or a cache layer.  `roll` (one row, a cache layer of `cap` slots): shift the layer's
+// entries left by one first (a full sliding-window layer); `len`: an int64 counter to add 1 to.
+void attend_rows(CPUInfer& ci, uintptr_t qkv, int n_rows, int hq, int hkv, int d, uintptr_t qk_w, float qk_eps,
+                 uintptr_t cos, uintptr_t sin, uintptr_t keys, uintptr_t values, int64_t tok, int64_t head,
+                 int page_size, uintptr_t pages, uintptr_t offsets, uintptr_t pos, uintptr_t lo, int roll, int cap,
+                 uintptr_t len, float scale, uintptr_t out) {
+  if (n_rows < 1 || hq < 1 || hkv < 1 || hq % hkv || d < 2 || d % 2 || tok < 1 || head < 0 || page_size < 0)
+    throw std::invalid_argument("attend_rows: bad shape (rows, hq % hkv, even d, strides)");
+  if (page_size == 0 && (n_rows != 1 || cap < 1)) throw std::invalid_argument("attend_rows: a cache layer takes one row");
+  const Rows R{ptr<float>(qkv), hq, hkv, d, ptr<const float>(qk_w), qk_eps, ptr<const float>(cos),
+               ptr<const float>(sin), ptr<float>(keys), ptr<float>(values), static_cast<size_t>(tok),
+               static_cast<size_t>(head), page_size, ptr<const int64_t>(pages), ptr<const int64_t>(offsets),
+               ptr<const int64_t>(pos), ptr<const int64_t>(lo), scale, ptr<float>(out)};
+  for (int r = 0; r < n_rows; ++r)
+    if (R.lo[r] < 0 || R.lo[r] > R.pos[r] || (page_size == 0 && R.pos[r] - R.lo[r] >= cap))
+      throw std::invalid_argument("attend_rows: need 0 <= lo <= pos (and pos - lo < cap)");
+  if (roll) {
+    for (int g = 0; g < hkv; ++g) {
+      float* kh = R.keys + g * R.head;
+      float* vh = R.values + g * R.head;
+      const size_t n = (static_cast<size_t>(cap) - 1) * R.tok;
+      std::memmove(kh, kh + R.tok, sizeof(float) * n);
+      std::memmove(vh, vh + R.tok, sizeof(float) * n);
+    }
+  }
   const int group = hq / hkv;
-  const int nchunk = (n + kChunk - 1) / kChunk;
+  std::vector<int> ns(n_rows);
+  std::vector<size_t> part_at(n_rows + 1, 0);
+  struct Task {
+    int r, g, c;
+  };
+  thread_local std::vector<Task> tasks_tl;  // the caller's (a name of a thread_local in a pool task is the worker's)
+  std::vector<Task>& tasks = tasks_tl;
+  tasks.clear();
+  size_t keys_read = 0;
+  for (int r = 0; r < n_rows; ++r) {
+    ns[r] = R.chunks(r);
+    part_at[r + 1] = part_at[r] + static_cast<size_t>(hkv) * ns[r] * group * (d + 2);
+    keys_read += static_cast<size_t>(R.pos[r] - R.lo[r] + 1);
+    for (int g = 0; g < hkv; ++g)
+      for (int c = 0; c < ns[r]; ++c) tasks.push_back({r, g, c});
+  }
   thread_local std::vector<float> part;
-  part.resize(static_cast<size_t>(hkv) * nchunk * group * (d + 2));
-  const AttendJob job{ptr<const float>(q), K, V, head, hq, hkv, d, n, nchunk, scale, part.data()};
+  part.resize(part_at[n_rows]);
+  float* P = part.data();
   const ChunkFn fn = chunk_fn(d);
-  const int tasks = hkv * nchunk;
-  if (static_cast<size_t>(n) * hkv * d < 32768) {  // under ~256 KB of keys and values: not worth a wake-up
-    for (int t = 0; t < tasks; ++t) fn(job, t / nchunk, t % nchunk);
+  auto run_task = [&](int i) {
+    const Task& t = tasks[i];
+    R.attend(fn, t.r, t.g, t.c, P + part_at[t.r] + (static_cast<size_t>(t.g) * ns[t.r] + t.c) * group * (d + 2));
+  };
+  const int n_tasks = static_cast<int>(tasks.size());
+  if (keys_read * hkv * d < 32768) {  // under ~256 KB of keys and values: not worth a wake-up
+    for (int r = 0; r < n_rows; ++r)
+      for (int g = 0; g < hkv; ++g) R.prepare(r, g);
+    for (int i = 0; i < n_tasks; ++i) run_task(i);
   } else {
     py::gil_scoped_release nogil;
-    ci.run_now([&] { ci.pool().parallel_for(tasks, [&](int t, int) { fn(job, t / nchunk, t % nchunk); }); });
+    ci.run_now([&] {
+      ci.pool().parallel_for(n_rows * hkv, [&](int t, int) { R.prepare(t / hkv, t % hkv); });
+      ci.pool().parallel_for(n_tasks, [&](int i, int) { run_task(i); });
+    });
   }
-  for (int hi = 0; hi < hq; ++hi) {  // merge each head's chunks in order
-    const int g = hi / group, h = hi % group;
-    const float* p0 = part.data() + (static_cast<size_t>(g) * nchunk * group + h) * (d + 2);
-    const size_t stride = static_cast<size_t>(group) * (d + 2);
-    float M = -INFINITY;
-    for (int c = 0; c < nchunk; ++c) M = p0[c * stride + d] > M ? p0[c * stride + d] : M;
-    float* o = ptr<float>(out) + static_cast<size_t>(hi) * d;
-    std::memset(o, 0, sizeof(float) * d);
-    float denom = 0;
-    for (int c = 0; c < nchunk; ++c) {
-      const float* pc = p0 + c * stride;
-      const float w = std::exp2(pc[d] - M);
-      denom += w * pc[d + 1];
-      for (int i = 0; i < d; ++i) o[i] += w * pc[i];
+  if (len) ++*ptr<int64_t>(len);
+  for (int r = 0; r < n_rows; ++r) {  // merge each head's chunks in order
+    const int nc = ns[r];
+    for (int hi = 0; hi < hq; ++hi) {
+      const int g = hi / group, h = hi % group;
+      const float* p0 = P + part_at[r] + (static_cast<size_t>(g) * nc * group + h) * (d + 2);
+      const size_t stride = static_cast<size_t>(group) * (d + 2);
+      float M = -INFINITY;
+      for (int c = 0; c < nc; ++c) M = p0[c * stride + d] > M ? p0[c * stride + d] : M;
+      float* o = R.out + (static_cast<size_t>(r) * hq + hi) * d;
+      std::memset(o, 0, sizeof(float) * d);
+      float denom = 0;
+      for (int c = 0; c < nc; ++c) {
+        const float* pc = p0 + c * stride;
+        const float w = std::exp2(pc[d] - M);
+        denom += w * pc[d + 1];
+        for (int i = 0; i < d; ++i) o[i] += w * pc[i];
+      }
+      const float inv = 1.0f / denom;
+      for (int i = 0; i < d; ++i) o[i] *= inv;
     }
-    const float inv = 1.0f / denom;
-    for (int i = 0; i < d; ++i) o[i] *= inv;
   }
 }
 
@@ -326,15 +420,17 @@ void moe_route(uintptr_t logits, int E, int k, bool norm, uintptr_t ids, uintptr
 }  // namespace
 
 void register_decode_ops(py::module_& m) {
-  auto d = m.def_submodule("decode_ops", "fp32 helpers of the lean single-token decode step");
+  auto d = m.def_submodule("decode_ops", "fp32 helpers of the lean decode step (one token per row, N rows)");
   d.def("rms_norm", &rms_norm, py::arg("x"), py::arg("w"), py::arg("out"), py::arg("rows"), py::arg("n"),
         py::arg("w_stride"), py::arg("eps"));
   d.def("residual_norm", &residual_norm, py::arg("x"), py::arg("a"), py::arg("wa"), py::arg("eps_a"), py::arg("w"),
-        py::arg("eps"), py::arg("out"), py::arg("n"));
+        py::arg("eps"), py::arg("out"), py::arg("rows"), py::arg("n"));
   d.def("rope", &rope, py::arg("x"), py::arg("rows"), py::arg("d"), py::arg("cos"), py::arg("sin"));
-  d.def("attend", &attend, py::arg("cpu_infer"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("keys"), py::arg("values"),
-        py::arg("hq"), py::arg("hkv"), py::arg("d"), py::arg("cap"), py::arg("slot"), py::arg("roll"), py::arg("n"),
-        py::arg("scale"), py::arg("len"), py::arg("out"));
+  d.def("attend_rows", &attend_rows, py::arg("cpu_infer"), py::arg("qkv"), py::arg("rows"), py::arg("hq"),
+        py::arg("hkv"), py::arg("d"), py::arg("qk_w"), py::arg("qk_eps"), py::arg("cos"), py::arg("sin"),
+        py::arg("keys"), py::arg("values"), py::arg("tok_stride"), py::arg("head_stride"), py::arg("page_size"),
+        py::arg("pages"), py::arg("offsets"), py::arg("pos"), py::arg("lo"), py::arg("roll"), py::arg("cap"),
+        py::arg("len"), py::arg("scale"), py::arg("out"));
   d.def("moe_route", &moe_route, py::arg("logits"), py::arg("num_experts"), py::arg("top_k"), py::arg("norm"),
         py::arg("ids"), py::arg("weights"));
 }

@@ -62,6 +62,13 @@ struct Args {
   size_t o_tok, o_head;
   int H, Hkv, T, D, start, window;
   float scale;
+  const int64_t* pages;  // null: key j at row j; else a block table (key j at slot pages[j / ps] * ps + j % ps)
+  int page_size;
+  // offset in floats of key / value j (head 0) from k / v
+  size_t row(int j) const {
+    return pages ? static_cast<size_t>(pages[j / page_size] * page_size + j % page_size) * kv_tok
+                 : static_cast<size_t>(j) * kv_tok;
+  }
 };
 
 // 16 floats -> 16 bf16 (round to nearest even), zero-extended into dword lanes.
@@ -79,7 +86,7 @@ void pack_kv(const Args& a, int g, int j0, int n, Scratch& s) {
   float* kp = s.kp.data();
   for (int j = 0; j < kK; ++j) {
     if (j < n) {
-      const float* kr = K + static_cast<size_t>(j0 + j) * a.kv_tok;
+      const float* kr = K + a.row(j0 + j);
       for (int d = 0; d < D; ++d) kp[d * kK + j] = kr[d];
     } else {
       for (int d = 0; d < D; ++d) kp[d * kK + j] = 0.f;
@@ -90,8 +97,8 @@ void pack_kv(const Args& a, int g, int j0, int n, Scratch& s) {
   for (int j2 = 0; j2 < kK / 2; ++j2) {
     const int ja = 2 * j2, jb = 2 * j2 + 1;
     const __mmask16 ma = ja < n ? 0xFFFF : 0, mb = jb < n ? 0xFFFF : 0;
-    const float* va = V + static_cast<size_t>(j0 + (ja < n ? ja : 0)) * a.kv_tok;
-    const float* vb = V + static_cast<size_t>(j0 + (jb < n ? jb : 0)) * a.kv_tok;
+    const float* va = V + a.row(j0 + (ja < n ? ja : 0));
+    const float* vb = V + a.row(j0 + (jb < n ? jb : 0));
     for (int d = 0; d < D; d += 16) {
       const __m512i w = _mm512_or_si512(bf16_lanes(va + d, ma), _mm512_slli_epi32(bf16_lanes(vb + d, mb), 16));
       _mm512_storeu_si512(reinterpret_cast<__m512i*>(vp + static_cast<size_t>(j2) * D + d), w);
@@ -198,9 +205,9 @@ void attend_block(const Args& a, int g, int t0, int nq, Scratch& s) {
           for (int c = 0; c < 4; ++c) o[r][c] = _mm512_mul_ps(_mm512_loadu_ps(orow + 16 * c), al);
         }
         if constexpr (!kBf16) {
-          const float* V = a.v + static_cast<size_t>(g) * a.kv_head + static_cast<size_t>(j0) * a.kv_tok + dh;
+          const float* V = a.v + static_cast<size_t>(g) * a.kv_head + dh;
           for (int j = 0; j < n; ++j) {
-            const float* vr = V + static_cast<size_t>(j) * a.kv_tok;
+            const float* vr = V + a.row(j0 + j);
             const __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16);
             const __m512 v2 = _mm512_loadu_ps(vr + 32), v3 = _mm512_loadu_ps(vr + 48);
             for (int r = 0; r < kR; ++r) {
@@ -248,13 +255,16 @@ bool flash_attn_supported() { return active_tier() >= IsaTier::AVX512BF16; }
 
 void flash_attn_prefill(ThreadPool& pool, const float* q, size_t q_tok, size_t q_head, const float* k, const float* v,
                         size_t kv_head, size_t kv_tok, float* out, size_t o_tok, size_t o_head, int H, int Hkv, int T,
-                        int D, int start, int window, float scale, bool bf16_pv) {
+                        int D, int start, int window, float scale, bool bf16_pv, const int64_t* pages,
+                        int page_size) {
   if (!flash_attn_supported()) throw std::runtime_error("flash_attn_prefill: the CPU tier has no AVX512-BF16");
   if (H <= 0 || Hkv <= 0 || H % Hkv || T <= 0 || D <= 0 || D % 64 || D > 512 || start < 0 || window < 0)
     throw std::invalid_argument("flash_attn_prefill: need H % Hkv == 0, T > 0, D % 64 == 0 and <= 512, start >= 0 (got H " +
                                 std::to_string(H) + ", Hkv " + std::to_string(Hkv) + ", T " + std::to_string(T) +
                                 ", D " + std::to_string(D) + ", start " + std::to_string(start) + ")");
-  const Args a{q, q_tok, q_head, k, v, kv_head, kv_tok, out, o_tok, o_head, H, Hkv, T, D, start, window, scale};
+  if (pages && page_size < 1) throw std::invalid_argument("flash_attn_prefill: page_size must be >= 1");
+  const Args a{q, q_tok, q_head, k, v, kv_head, kv_tok, out, o_tok, o_head, H, Hkv, T, D, start, window, scale,
+               pages, page_size};
   const int G = H / Hkv, rows = G * kQ;
   const int nqb = (T + kQ - 1) / kQ;
   std::vector<Scratch> scratch(pool.size());

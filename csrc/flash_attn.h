@@ -1,6 +1,7 @@
 // Causal prompt attention over fp32 q / k / v, flash-style (flash_attn.cpp).
 #pragma once
 #include <cstddef>
+#include <cstdint>
 
 #include "thread_pool.h"
 
@@ -13,9 +14,13 @@ bool flash_attn_supported();
 // window 0: no lower bound) of scale * q[h, t] . k[g, j], weighting v[g, j], with g = h / (H / Hkv).
 // Strides are in floats; the last dimension (D, a multiple of 64, at most 512) is contiguous.
 // The keys 0 .. start + T - 1 must be written in k / v.  bf16_pv: P V on bf16 probabilities and
-// values (faster; ~2e-3 relative error), else fp32 throughout.
+// values (faster; ~2e-3 relative error), else fp32 throughout.  pages (a block table, or null):
+// key j of the sequence sits at row pages[j / page_size] * page_size + j % page_size of k / v (a
+// page pool; kv_tok is then the slot stride), else at row j.  Where the keys sit never changes the
+// bits: a sequence's prompt attention is the same through a cache and through a page pool.
 void flash_attn_prefill(ThreadPool& pool, const float* q, size_t q_tok, size_t q_head, const float* k, const float* v,
                         size_t kv_head, size_t kv_tok, float* out, size_t o_tok, size_t o_head, int H, int Hkv, int T,
-                        int D, int start, int window, float scale, bool bf16_pv);
+                        int D, int start, int window, float scale, bool bf16_pv, const int64_t* pages = nullptr,
+                        int page_size = 0);
 
 }  // namespace kt

@@ -1,32 +1,38 @@
-"""A lean single-token decode step for dense decoder layers over transformers' ``StaticCache``.
+"""The one decode step: N rows, one new token each, over a transformers cache or the page pool.
 
 A decode token through the generic path costs as much Python/dispatch as kernel time on a small
 model: ~40 torch ops and ~7 module hops per layer, HF's mask building per step, a kernel call
 (one pool wake-up and one activation quantisation) per matrix.  ``DecodeStep`` does the same
-arithmetic for one token with the layer's weights bound once:
+arithmetic with the layers' weights bound once, for every caller that decodes:
+
+* ``step(token, pos, cache)``: one sequence over transformers' ``StaticCache`` / ``DynamicCache``
+  (the ``Generator`` of local_chat and the single-request server; ``generate()`` on an injected
+  model, generation/hf_generate.py);
+* ``step_pages(tokens, positions, tables, pool)``: N sequences over the page pool of continuous
+  batching (generation/paged.py's ``BatchRunner``).
+
+Both run the same layer loop (``_rows``) on the same buffers; only where a row's keys live
+differs, and the attention reads both layouts through one C++ kernel
+(``decode_ops.attend_rows``: q/k norm, RoPE, the new key/value written, then the query over the
+row's keys in chunks of 256 at absolute positions, merged in order).  So a request's logits are
+the same bits whichever route decodes it and whatever rows run beside it:
 
 * q/k/v in one kernel call and gate/up+activation in one (``kernels.LinearGroupKernel``: the
-  input is quantised once, all row blocks share one pool wake-up), into buffers allocated once;
-* the rest in a few fp32 C++ helpers (``cpuinfer_ext.decode_ops``, csrc/decode_ops.cpp) on the
-  step's own buffers: RMSNorm with the effective weight made once (Gemma's ``1 + w``), the
-  residual add fused with the next sublayer's norm, RoPE over q and k in place (cos/sin from the
-  model's own rotary module, once per step and layer type), and the cache write + attention of
-  the one query: the new key/value go into the static cache's tensors in place (the cache's own
-  bookkeeping kept exactly, sliding-window layers included), and the query attends to the
-  cache's valid entries directly (no mask: a static layer's entries up to the position, a
-  sliding layer's window, are exactly what the causal / sliding mask leaves visible).
+  input is quantised once per row, all row blocks share one pool wake-up), into buffers
+  allocated once;
+* the rest in a few fp32 C++ helpers (``cpuinfer_ext.decode_ops``, csrc/decode_ops.cpp): RMSNorm
+  with the effective weight made once (Gemma's ``1 + w``), the residual add fused with the next
+  sublayer's norm, cos/sin from the model's own rotary module per row.  A transformers cache's
+  own bookkeeping is kept exactly (sliding-window layers included); the query attends to the
+  entries the causal / sliding mask leaves visible, no mask built.
 
 It serves Gemma-3 (text) and the Llama / Mistral / Qwen2 / Qwen3 family, and Qwen3-MoE / Qwen2-MoE
 layers: their MoE block runs as ``_MoE`` (the router's linear on the kernels, softmax / top-k /
-renormalisation in one C++ call, the routed experts' ``MoEKernel`` straight into the step's
-buffer, the shared expert and its sigmoid gate as grouped kernel calls) where its router is the
-plain softmax-top-k one and its experts are on the CPU kernels; otherwise the block is called as
-a module.  ``DecodeStep.build``
-returns ``None`` for anything else, and ``accepts`` is checked on every call: one token, batch 1,
-inference mode, a ``StaticCache`` whose layers are initialised plain static / sliding layers,
-fp32 CPU model.  Everything else (prefill, batching, other caches, training) takes the generic
-forward.  The logits buffer returned is reused by the next step (the model's ``Generator``
-samples from it before the next step).
+renormalisation in C++, the routed experts' ``MoEKernel`` straight into the step's buffer, the
+shared expert and its sigmoid gate as grouped kernel calls) where its router is the plain
+softmax-top-k one and its experts are on the CPU kernels; otherwise the block is called as a
+module on the step's rows.  ``DecodeStep.build`` returns ``None`` for anything else (MLA, linear
+attention: the generic forward), and ``accepts`` / ``accepts_rows`` are checked on every call.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ import math
 import threading
 
 import torch
+
+from .devices import module_device
 
 log = logging.getLogger("ktransformers.decode")
 
@@ -124,8 +132,11 @@ class _Proj:
         self._pool = self.group.pool._c
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.out
-        self._call(self._pool, 1, x.data_ptr(), out.data_ptr())  # x: one contiguous fp32 row (the step's buffers)
+        return self.rows(1, x, self.out)
+
+    def rows(self, n: int, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out [n, out_features]`` of ``n`` contiguous fp32 rows ``x`` (the step's buffers)."""
+        self._call(self._pool, n, x.data_ptr(), out.data_ptr())
         if self.bias is not None:
             out.add_(self.bias)
         return out
@@ -205,35 +216,49 @@ class _MoE:
         self._op = op  # keeps the kernel (and its weights) alive
         self._submit = op.kernel._m.submit
         self._pool = op.pool._c
-        self.ids = torch.zeros(1, self.top_k, dtype=torch.int64)
-        self.weights = torch.zeros(1, self.top_k)
-        self.out = torch.empty(H)
-        self._ids_p, self._w_p, self._out_p = self.ids.data_ptr(), self.weights.data_ptr(), self.out.data_ptr()
+        self.width = E + len(extra)  # router logits per row (the shared expert's gate logit last)
+        self._bufs: dict[int, tuple] = {}
         from .. import cpuinfer_ext
 
         self._route = cpuinfer_ext.decode_ops.moe_route
 
-    def route(self, h: torch.Tensor) -> torch.Tensor:
-        """Router logits of ``h`` (and the shared expert's gate logit last); fills ids / weights."""
-        logits = self.router(h)
-        self._route(logits.data_ptr(), self.num_experts, self.top_k, self.norm, self._ids_p, self._w_p)
+    def _buffers(self, n: int):
+        got = self._bufs.get(n)
+        if got is None:
+            with torch.inference_mode(False):  # reused across modes (see _Buf)
+                ids, w = torch.zeros(n, self.top_k, dtype=torch.int64), torch.zeros(n, self.top_k)
+                got = self._bufs[n] = (torch.empty(n, self.width), ids, w, torch.empty(n, self.hidden))
+        return got
+
+    def route(self, n: int, h: torch.Tensor) -> torch.Tensor:
+        """Router logits ``[n, width]`` of the rows ``h`` (the shared expert's gate logit last);
+        fills each row's expert ids / weights."""
+        logits, ids, w, _ = self._buffers(n)
+        self.router.rows(n, h, logits)
+        lp, ip, wp, k = logits.data_ptr(), ids.data_ptr(), w.data_ptr(), self.top_k
+        for r in range(n):
+            self._route(lp + 4 * r * self.width, self.num_experts, k, self.norm, ip + 8 * r * k, wp + 4 * r * k)
         return logits
 
-    def run_experts(self, h: torch.Tensor) -> torch.Tensor:
-        """The routed experts of ``h`` into ``out``.  Submitted to the pool's queue thread and
-        waited for (as the MoE block does) rather than run on the calling thread: on a loaded
-        machine the just-woken queue thread is scheduled promptly, the busy Python thread is not
-        (decode 2x slower on a 2-core box with other jobs, same speed when idle)."""
-        self._submit(self._pool, 1, self.top_k, h.data_ptr(), 0, self._ids_p, self._w_p, self._out_p, 0)  # 0: fp32
+    def run_experts(self, n: int, h: torch.Tensor) -> torch.Tensor:
+        """The routed experts of the rows ``h`` into the ``[n, hidden]`` output.  Submitted to the
+        pool's queue thread and waited for (as the MoE block does) rather than run on the calling
+        thread: on a loaded machine the just-woken queue thread is scheduled promptly, the busy
+        Python thread is not (decode 2x slower on a 2-core box with other jobs, same speed when
+        idle)."""
+        _, ids, w, out = self._buffers(n)
+        self._submit(self._pool, n, self.top_k, h.data_ptr(), 0, ids.data_ptr(), w.data_ptr(), out.data_ptr(), 0)
         self._pool.sync()
-        return self.out
+        return out
 
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        logits = self.route(h)
-        out = self.run_experts(h)
+    def __call__(self, n: int, h: torch.Tensor) -> torch.Tensor:
+        logits = self.route(n, h)
+        out = self.run_experts(n, h)
         if self.shared is not None:
-            s = self.shared_down(self.shared(h))
-            out.add_(s, alpha=1.0 / (1.0 + math.exp(-float(logits[self.num_experts]))))
+            mid = torch.empty(n, self.shared.out_features)
+            s = self.shared_down.rows(n, self.shared.rows(n, h, mid), torch.empty(n, self.hidden))
+            for r in range(n):  # row by row: one row's bits never depend on the others
+                out[r].add_(s[r], alpha=1.0 / (1.0 + math.exp(-float(logits[r, self.num_experts]))))
         return out
 
 
@@ -248,6 +273,11 @@ class _Layer:
         if getattr(attn, "attn_logit_softcapping", None) or getattr(config, "attn_logit_softcapping", None):
             raise Unsupported("attention logit softcapping")
         self.layer_type = (config.layer_types[idx] if getattr(config, "layer_types", None) else "full_attention")
+        # the window the layer's own forward passes to its attention (Mistral: the config's)
+        w = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(config, "sliding_window", None)
+        self.window = int(w or 0)
+        if self.d % 2:
+            raise Unsupported(f"layer {idx}: odd head_dim")
         self.qkv = _Proj([attn.q_proj, attn.k_proj, attn.v_proj])
         self.o = _Proj([attn.o_proj])
         self.in_norm = _norm_weight(layer.input_layernorm, gemma)
@@ -262,6 +292,7 @@ class _Layer:
             self.qk_norm = (w, eq, w.data_ptr())
         else:
             self.qk_norm = None
+        self.qk_ptr, self.qk_eps = (self.qk_norm[2], self.qk_norm[1]) if self.qk_norm is not None else (0, 0.0)
         self.gemma = gemma
         if gemma:
             self.post_attn_norm = _norm_weight(layer.post_attention_layernorm, True)
@@ -307,34 +338,84 @@ def lean_parts(model):
     return config, gemma, backbone, lm_head
 
 
+def _rows_limit(linears) -> float:
+    """Most rows for which each linear's own op choice is the kernel ``_cpu_kernel`` bound."""
+    limit = math.inf
+    for lin in linears:
+        op = _cpu_kernel(lin)
+        pre = getattr(lin, "prefill_op", None)
+        if pre is not None and pre is not op:
+            limit = min(limit, int(lin.prefill_threshold))
+    return limit
+
+
+class _Buf:
+    """A reusable fp32 buffer for ``rows x width`` contiguous values (width up to ``width``; grown
+    when a step has more rows)."""
+
+    def __init__(self, width: int):
+        self.width = int(width)
+        self.t = torch.empty(0)
+        self._views: dict[tuple[int, int], torch.Tensor] = {}
+
+    def rows(self, n: int, width: int | None = None) -> torch.Tensor:
+        width = self.width if width is None else width
+        v = self._views.get((n, width))
+        if v is None:
+            # normal tensors whatever the mode of the first call: the Generator steps in inference
+            # mode, transformers' generate() and the batch runner under no_grad
+            with torch.inference_mode(False):
+                if self.t.numel() < n * self.width:
+                    self.t = torch.empty(n * self.width)
+                    self._views.clear()
+                v = self._views[(n, width)] = self.t[: n * width].view(n, width)
+        return v
+
+
+_NO_ROWS = torch.zeros(2, dtype=torch.int64)  # the page arguments of a cache-layer call (not read)
+
+
 class DecodeStep:
-    """See the module docstring.  ``step(token, pos, cache) -> logits [1, vocab]`` (fp32)."""
+    """See the module docstring.  ``step`` -> logits ``[1, vocab]``, ``step_pages`` -> ``[N, vocab]``
+    (fp32; a fresh tensor each step: callers may keep rows across steps)."""
 
     def __init__(self, model):
         config, gemma, backbone, lm_head = lean_parts(model)
         self.config = config
         self.embed = backbone.embed_tokens
+        if module_device(self.embed).type != "cpu":
+            raise Unsupported("embeddings off the CPU")
         self.embed_rows = _embedding_rows(self.embed, int(config.hidden_size))
         self.rotary = backbone.rotary_emb
         self.layers = [_Layer(layer, i, config, gemma) for i, layer in enumerate(backbone.layers)]
         self.final_norm = _norm_weight(backbone.norm, gemma)
         self.head = _Proj([lm_head])
         self.softcap = getattr(config, "final_logit_softcapping", None)
-        self.hidden = int(config.hidden_size)
+        self.hidden = H = int(config.hidden_size)
         self.layer_types = sorted({lay.layer_type for lay in self.layers})
         self.gemma_rope = gemma  # Gemma-3's rotary module takes the layer type
+        linears = [lm_head]
+        for layer, lay in zip(backbone.layers, self.layers):
+            attn = layer.self_attn
+            linears += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
+            if lay.gate_up is not None:
+                linears += [layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj]
+        self.max_rows = _rows_limit(linears)
+        probe = torch.zeros(1, 1, H), torch.zeros(1, 1, dtype=torch.long)
+        for lt in self.layer_types:
+            cos = self._rope(*probe, lt)[0]
+            if any(cos.shape[-1] != lay.d for lay in self.layers if lay.layer_type == lt):
+                raise Unsupported(f"{lt}: rotary width {cos.shape[-1]} is not the head_dim (partial rotary)")
         from .. import cpuinfer_ext
 
         self._ops = cpuinfer_ext.decode_ops
         self._dequantize = cpuinfer_ext.dequantize
+        self._cpuinfer = self.head._pool  # attention runs on the kernels' pool
         self._lock = threading.Lock()
-        width = max(lay.hq * lay.d for lay in self.layers)
-        self.x, self.h, self.att = torch.empty(self.hidden), torch.empty(self.hidden), torch.empty(width)
-        self.x_ptr, self.h_ptr, self.att_ptr = self.x.data_ptr(), self.h.data_ptr(), self.att.data_ptr()
-        for lay in self.layers:
-            lay.att_view = self.att[: lay.hq * lay.d]
-        self._pos_t = torch.zeros(1, 1, dtype=torch.long)
-        self._tok_t = torch.zeros(1, 1, dtype=torch.long)
+        self.x, self.h, self.a, self.m = _Buf(H), _Buf(H), _Buf(H), _Buf(H)
+        self.qkv = _Buf(max(lay.qkv.out_features for lay in self.layers))
+        self.att = _Buf(max(lay.hq * lay.d for lay in self.layers))
+        self.mid = _Buf(max([lay.gate_up.out_features for lay in self.layers if lay.gate_up is not None], default=1))
 
     @classmethod
     def build(cls, model) -> "DecodeStep | None":
@@ -372,6 +453,29 @@ class DecodeStep:
                 return False
         return True
 
+    def accepts_rows(self, n_rows: int) -> bool:
+        """Whether a page-pool step of ``n_rows`` sequences can take this path (no autograd; no more
+        rows than the linears' prefill threshold: above it their modules would pick another op)."""
+        return 1 <= n_rows <= self.max_rows and not torch.is_grad_enabled()
+
+    def pages_of(self, pool) -> list | None:
+        """Per layer the (keys, values) addresses of ``pool``'s fp32 CPU ``[slots, kv heads, d]``
+        pages, or None when the pool holds another layout (latent pages: the generic step)."""
+        mine = pool.__dict__.setdefault("_kt_step_pages", {})  # kept on the pool: it lives as long
+        got = mine.get(id(self))                                  # as the addresses it holds
+        if got is None:
+            got = []
+            for lay in self.layers:
+                k, v = pool.tensors.get(f"layers.{lay.idx}.key"), pool.tensors.get(f"layers.{lay.idx}.value")
+                if k is None or v is None or any(
+                        t.dtype is not torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
+                        or tuple(t.shape[1:]) != (lay.hkv, lay.d) for t in (k, v)):
+                    got = False
+                    break
+                got.append((k.data_ptr(), v.data_ptr()))
+            mine[id(self)] = got
+        return got or None
+
     # ---------------------------------------------------------------------------------- caches
     def _static_plan(self, cache):
         """Per layer: (layer, keys / values / counter pointers, capacity, sliding?) of ``cache``,
@@ -405,8 +509,8 @@ class DecodeStep:
         return seen
 
     def _static_slots(self, cache, pos: int):
-        """Per layer (keys, values, head stride, slot, roll, entries, counter pointer) for writing
-        position ``pos`` into a ``StaticCache`` as its layers' own ``update`` would, or None."""
+        """Per layer (keys, values, capacity, roll, entries, counter pointer) for writing position
+        ``pos`` into a ``StaticCache`` as its layers' own ``update`` would, or None."""
         plan, full = self._static_plan(cache)
         if full is not None:
             cl, cap = plan[full][0], plan[full][4]
@@ -418,11 +522,11 @@ class DecodeStep:
                 cur = cl.cumulative_length_int
                 cl.cumulative_length_int = cur + 1
                 if cur < cap:
-                    slots.append((kp, vp, cap, cur, 0, cur + 1, lp))
+                    slots.append((kp, vp, cap, 0, cur + 1, lp))
                 else:  # a full window: shifted left by one, newest last (the layer's own layout)
-                    slots.append((kp, vp, cap, cap - 1, 1, cap, 0))
+                    slots.append((kp, vp, cap, 1, cap, 0))
             else:
-                slots.append((kp, vp, cap, pos, 0, pos + 1, lp))
+                slots.append((kp, vp, cap, 0, pos + 1, lp))
         return slots, None
 
     def _dynamic_slots(self, cache, pos: int):
@@ -457,7 +561,8 @@ class DecodeStep:
                 cl.__dict__["_kt_grow"] = (kb, vb)
                 off = 0
             cap = kb.shape[2]
-            slots.append((kb.data_ptr() + off * row, vb.data_ptr() + off * row, cap, n, 0, n + 1, 0))
+            # the view starts at slot `off` of a [1, hkv, cap, d] buffer: head stride cap * d
+            slots.append((kb.data_ptr() + off * row, vb.data_ptr() + off * row, cap, 0, n + 1, 0))
             if cl.is_sliding:
                 keep = min(n + 1, int(cl.sliding_window) - 1)
                 start = off + n + 1 - keep
@@ -486,81 +591,130 @@ class DecodeStep:
             if cl.is_sliding:
                 cl.cumulative_length += 1
 
+    # ---------------------------------------------------------------------------------- the step
     def embed_into_x(self, token: int) -> torch.Tensor:
-        """The embedding of ``token``, in the step's ``x``."""
-        x, er = self.x, self.embed_rows
-        if er is not None and 0 <= token < er[0].shape[0]:
+        """The embedding of ``token``, as the step reads it (one row of ``x``)."""
+        x = self.x.rows(1)
+        self._embed([token], x)
+        return x[0]
+
+    def _embed(self, tokens: list[int], x: torch.Tensor) -> None:
+        er = self.embed_rows
+        if er is not None and all(0 <= t < er[0].shape[0] for t in tokens):
             rows, tid, scale = er
-            self._dequantize(tid, rows.data_ptr() + token * rows.shape[1], self.hidden, self.x_ptr)
+            base, width = rows.data_ptr(), rows.shape[1]
+            for r, t in enumerate(tokens):
+                self._dequantize(tid, base + t * width, self.hidden, x[r].data_ptr())
             if scale is not None:
                 x.mul_(scale)
         else:  # no row read in place (or an out-of-range id: the module raises its own error)
-            self._tok_t[0, 0] = token
-            x.copy_(self.embed(self._tok_t).reshape(-1))
-        return x
+            x.copy_(self.embed(torch.tensor([tokens], dtype=torch.long)).reshape(len(tokens), self.hidden))
+
+    def _rope(self, x, pos_t, layer_type):
+        return self.rotary(x, pos_t, layer_type) if self.gemma_rope else self.rotary(x, pos_t)
 
     def step(self, token: int, pos: int, cache) -> torch.Tensor | None:
-        """Logits [1, vocab] of ``token`` at ``pos`` (the cache holds positions < pos), or None when
-        this cache state is not one the step reproduces (the caller takes the generic forward).
-        The step's buffers are the model's: one step at a time (a lock, uncontended per stream)."""
+        """Logits ``[1, vocab]`` of ``token`` at ``pos`` (the cache holds positions < pos), or None
+        when this cache state is not one the step reproduces (the caller takes the generic forward).
+        One step at a time on the model's buffers (a lock, uncontended per stream)."""
         with self._lock:
-            return self._step(token, pos, cache)
+            try:
+                got = (self._static_slots if self._static(cache) else self._dynamic_slots)(cache, pos)
+            except Unsupported:
+                return None
+            if got is None:
+                return None
+            slots, after = got
+            pos_t = torch.tensor([pos], dtype=torch.int64)
+            los = {}
+            for lay, (kp, vp, cap, roll, n, lenp) in zip(self.layers, slots):
+                los[lay.idx] = torch.tensor([pos + 1 - n], dtype=torch.int64)
 
-    def _step(self, token: int, pos: int, cache) -> torch.Tensor | None:
-        ops = self._ops
-        try:
-            got = (self._static_slots if self._static(cache) else self._dynamic_slots)(cache, pos)
-        except Unsupported:
-            return None
-        if got is None:
-            return None
-        slots, after = got
-        self._pos_t[0, 0] = pos
-        x = self.embed_into_x(token)
+            def keys_of(lay, q, cos, sin, out):
+                kp, vp, cap, roll, n, lenp = slots[lay.idx]
+                self._ops.attend_rows(self._cpuinfer, q, 1, lay.hq, lay.hkv, lay.d, lay.qk_ptr, lay.qk_eps, cos, sin,
+                                      kp, vp, lay.d, cap * lay.d, 0, _NO_ROWS.data_ptr(), _NO_ROWS.data_ptr(),
+                                      pos_t.data_ptr(), los[lay.idx].data_ptr(), roll, cap, lenp, lay.scaling, out)
+
+            logits = self._rows([token], [pos], keys_of)
+            if after is not None:
+                self._finish_dynamic(after)
+            return logits
+
+    def step_pages(self, tokens: list[int], positions: list[int], tables: list[list[int]], pool) -> torch.Tensor:
+        """Logits ``[N, vocab]`` of ``tokens[r]`` at ``positions[r]`` appended to the sequence whose
+        block table (new page included) is ``tables[r]`` in ``pool``; its K/V rows are written into
+        the pages.  ``pages_of(pool)`` must have been checked."""
+        ptrs = self.pages_of(pool)
+        offsets = [0]
+        for t in tables:
+            offsets.append(offsets[-1] + len(t))
+        pages = torch.tensor([p for t in tables for p in t], dtype=torch.int64)
+        offs = torch.tensor(offsets, dtype=torch.int64)
+        pos_t = torch.tensor(positions, dtype=torch.int64)
+        los = {}
+        for w in {lay.window for lay in self.layers}:
+            los[w] = (pos_t - w + 1).clamp(min=0) if w > 0 else torch.zeros_like(pos_t)
+        n, ps = len(tokens), int(pool.page_size)
+
+        def keys_of(lay, q, cos, sin, out):
+            kp, vp = ptrs[lay.idx]
+            self._ops.attend_rows(self._cpuinfer, q, n, lay.hq, lay.hkv, lay.d, lay.qk_ptr, lay.qk_eps, cos, sin, kp,
+                                  vp, lay.hkv * lay.d, lay.d, ps, pages.data_ptr(), offs.data_ptr(), pos_t.data_ptr(),
+                                  los[lay.window].data_ptr(), 0, 0, 0, lay.scaling, out)
+
+        with self._lock:
+            return self._rows(tokens, positions, keys_of)
+
+    def _rows(self, tokens: list[int], positions: list[int], attend) -> torch.Tensor:
+        """The layer loop of every step: embeddings, per layer q/k/v over the rows, ``attend(layer,
+        qkv, cos, sin, out)`` (norms, RoPE, the cache write and the attention of each row, wherever
+        its keys live), o_proj, the residuals fused with the next norms, the MLP or MoE, the head."""
+        n, H, ops = len(tokens), self.hidden, self._ops
+        x, h, a = self.x.rows(n), self.h.rows(n), self.a.rows(n)
+        self._embed(tokens, x)
         rope = {}
-        for lt in self.layer_types:
-            cos, sin = self.rotary(x, self._pos_t, lt) if self.gemma_rope else self.rotary(x, self._pos_t)
-            cos, sin = cos.reshape(-1).float().contiguous(), sin.reshape(-1).float().contiguous()
-            rope[lt] = (cos, sin, cos.data_ptr(), sin.data_ptr())
-        H, xp, h, hp, attp = self.hidden, self.x_ptr, self.h, self.h_ptr, self.att_ptr
-        cpu = self.head._pool  # attention at depth runs on the kernels' pool
+        for lt in self.layer_types:  # each row's own position, one call per row (bits that never
+            cs, sn = [], []          # depend on the rows beside it)
+            for p in positions:
+                cos, sin = self._rope(x[:1][None], torch.tensor([[p]], dtype=torch.long), lt)
+                cs.append(cos.reshape(-1))
+                sn.append(sin.reshape(-1))
+            cos, sin = torch.stack(cs).float().contiguous(), torch.stack(sn).float().contiguous()
+            rope[lt] = (cos, sin)
+        xp, hp, ap = x.data_ptr(), h.data_ptr(), a.data_ptr()
         first = self.layers[0]
-        ops.rms_norm(xp, first.in_norm[2], hp, 1, H, 0, first.in_norm[1])
+        ops.rms_norm(xp, first.in_norm[2], hp, n, H, 0, first.in_norm[1])
         n_layers = len(self.layers)
-        for i, (lay, (kp, vp, cap, slot, roll, n, lenp)) in enumerate(zip(self.layers, slots)):
-            hq, hkv, d = lay.hq, lay.hkv, lay.d
-            qkv = lay.qkv(h)
-            qp = qkv.data_ptr()
-            if lay.qk_norm is not None:
-                ops.rms_norm(qp, lay.qk_norm[2], qp, hq + hkv, d, d, lay.qk_norm[1])
-            r = rope[lay.layer_type]
-            ops.rope(qp, hq + hkv, d, r[2], r[3])
-            ops.attend(cpu, qp, qp + 4 * hq * d, qp + 4 * (hq + hkv) * d, kp, vp, hq, hkv, d, cap, slot, roll, n,
-                       lay.scaling, lenp, attp)
-            a = lay.o(lay.att_view)
+        for i, lay in enumerate(self.layers):
+            q = lay.qkv.rows(n, h, self.qkv.rows(n, lay.qkv.out_features))
+            cos, sin = rope[lay.layer_type]
+            o_att = self.att.rows(n, lay.hq * lay.d)
+            attend(lay, q.data_ptr(), cos.data_ptr(), sin.data_ptr(), o_att.data_ptr())
+            lay.o.rows(n, o_att, a)
             if lay.gemma:
-                ops.residual_norm(xp, a.data_ptr(), lay.post_attn_norm[2], lay.post_attn_norm[1],
-                                  lay.pre_mlp_norm[2], lay.pre_mlp_norm[1], hp, H)
+                ops.residual_norm(xp, ap, lay.post_attn_norm[2], lay.post_attn_norm[1], lay.pre_mlp_norm[2],
+                                  lay.pre_mlp_norm[1], hp, n, H)
             else:
-                ops.residual_norm(xp, a.data_ptr(), 0, 0.0, lay.pre_mlp_norm[2], lay.pre_mlp_norm[1], hp, H)
+                ops.residual_norm(xp, ap, 0, 0.0, lay.pre_mlp_norm[2], lay.pre_mlp_norm[1], hp, n, H)
             if lay.moe is not None:
-                m = lay.moe(h)
+                m = lay.moe(n, h)
             elif lay.mlp_module is None:
-                m = lay.down(lay.gate_up(h))
+                m = lay.down.rows(n, lay.gate_up.rows(n, h, self.mid.rows(n, lay.gate_up.out_features)),
+                                  self.m.rows(n))
             else:
-                m = lay.mlp_module(h.view(1, 1, H))
-                m = (m[0] if isinstance(m, tuple) else m).reshape(-1).float().contiguous()
+                m = lay.mlp_module(h.view(1, n, H))
+                m = (m[0] if isinstance(m, tuple) else m).reshape(n, H).float().contiguous()
             nxt = self.layers[i + 1].in_norm if i + 1 < n_layers else self.final_norm
             if lay.gemma:
-                ops.residual_norm(xp, m.data_ptr(), lay.post_mlp_norm[2], lay.post_mlp_norm[1], nxt[2], nxt[1], hp, H)
+                ops.residual_norm(xp, m.data_ptr(), lay.post_mlp_norm[2], lay.post_mlp_norm[1], nxt[2], nxt[1], hp,
+                                  n, H)
             else:
-                ops.residual_norm(xp, m.data_ptr(), 0, 0.0, nxt[2], nxt[1], hp, H)
-        if after is not None:
-            self._finish_dynamic(after)
-        logits = self.head(h)
+                ops.residual_norm(xp, m.data_ptr(), 0, 0.0, nxt[2], nxt[1], hp, n, H)
+        logits = self.head.rows(n, h, torch.empty(n, self.head.out_features))
         if self.softcap is not None:
             logits.div_(self.softcap).tanh_().mul_(self.softcap)
-        return logits.view(1, -1)
+        return logits
 
 
 def decode_step_for(model) -> DecodeStep | None:

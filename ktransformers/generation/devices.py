@@ -1,5 +1,5 @@
 """Where a module computes, for the batched runner (``paged.py``) and its lean decode step
-(``batch_decode.py``)."""
+(``decode_step.py``)."""
 
 from __future__ import annotations
 

@@ -55,7 +55,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .batch_decode import BatchDecodeStep
+from ..kernels.attention import flash_attention_paged
+from ..operators.cpu_threads import kernel_pool
+from .decode_step import decode_step_for
 from .devices import module_device
 
 PAGED_ATTENTION = "kt_paged"
@@ -243,6 +245,8 @@ class _PagedBatch:
         self.pool = pool
         self.num_tokens = sum(t for _, _, t in seqs)
         write, positions, self.chunks, dec = [], [], [], []
+        self.tables: list[torch.Tensor] = []  # per chunk its block table (the flash kernel reads the pages)
+        self.prompt_flash = False  # set by BatchRunner._forward: the model's prompt attention is kt_sdpa
         start = 0
         for pages, past, t in seqs:
             slots = _slots(pages, past + t, S)
@@ -252,6 +256,7 @@ class _PagedBatch:
                 dec.append((start, past, slots))
             else:
                 self.chunks.append((start, t, past, slots))
+                self.tables.append(torch.tensor(pages[: math.ceil((past + t) / S)], dtype=torch.int64))
             start += t
         self.write_slots = torch.cat(write)
         self.position_ids = torch.cat(positions).unsqueeze(0)
@@ -353,8 +358,13 @@ class _PagedBatch:
             v = _rows(v_store, read).transpose(1, 2).to(dev)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
             out[0, qi] = o[:, :, 0].to(out.dtype)
+        flash = self._flash(module, query, k_store, v_store)
         for i, (s, t, past, slots) in enumerate(self.chunks):
             q = query[:, :, s : s + t]
+            if flash is not None:  # the kernel the single-sequence routes take: the same bits
+                flash_attention_paged(kernel_pool(), q, k_store, v_store, self.tables[i], self.pool.page_size, past,
+                                      scaling, window or 0, out=out[0, s : s + t], bf16_pv=flash)
+                continue
             # keys before the window of the chunk's first query are masked for every query: not read
             lo = 0 if window is None else max(0, past + 1 - window)
             if past == 0:
@@ -368,6 +378,23 @@ class _PagedBatch:
                                                enable_gqa=gqa)
             out[0, s : s + t] = o[0].transpose(0, 1).to(out.dtype)
         return out
+
+    def _flash(self, module, query, k_store, v_store) -> bool | None:
+        """The prompt flash kernel's P V mode (bf16?) when this layer's prompt chunks take it, as
+        the single-sequence routes' ``kt_sdpa`` would (operators/cpu_attention.py's conditions),
+        else None (transformers' sdpa over the gathered pages)."""
+        if not self.prompt_flash or not self.chunks:
+            return None
+        from ..operators.cpu_attention import flash_mode
+
+        D = query.shape[-1]
+        if (query.device.type != "cpu" or query.dtype != torch.float32 or k_store.dtype != torch.float32
+                or v_store.dtype != torch.float32 or k_store.device.type != "cpu" or v_store.shape != k_store.shape
+                or D % 64 or D > 512 or query.shape[1] % k_store.shape[1] or not getattr(module, "is_causal", True)
+                or getattr(module, "training", False) or getattr(module, "sinks", None) is not None
+                or (torch.is_grad_enabled() and query.requires_grad)):
+            return None
+        return flash_mode()
 
     # -- MLA (KDeepseekV2Attention)
     def mla_attention(self, attn, q_nope, q_pe, c_kv, k_pe) -> torch.Tensor:
@@ -566,10 +593,11 @@ class BatchRunner:
     During ``step`` the model's attention implementation is ``"kt_paged"``; it is restored after, so
     ``model.generate`` and the single-request path are untouched (do not run both at the same time).
 
-    A decode-only step (every chunk one token) takes the lean batched step of
-    ``generation/batch_decode.py`` where it serves the model (same results, without the generic
-    forward's per-layer dispatch); ``lean_decode = False`` (or ``KT_LEAN_DECODE=0`` in the
-    environment at construction) keeps every step on the generic forward.
+    Decoding rows (one token each) take the model's one decode step (``generation/decode_step.py``,
+    ``DecodeStep.step_pages``) where it serves the model: the bits the single-sequence ``Generator``
+    gets for the same request, without the generic forward's per-layer dispatch;
+    ``lean_decode = False`` (or ``KT_LEAN_DECODE=0`` in the environment at construction) keeps every
+    step on the generic forward.
     """
 
     def __init__(self, model, *, page_size: int, num_pages: int, dtype: torch.dtype | None = None):
@@ -585,7 +613,6 @@ class BatchRunner:
                                                                   if hasattr(la.module, "config")]}.values())
         self._seqs: dict[int, _Seq] = {}
         self.lean_decode = os.environ.get("KT_LEAN_DECODE", "1") != "0"
-        self._lean = None  # BatchDecodeStep, built on the first decode-only step (False: not served)
 
     # -- sequences
     def _seq(self, seq_id: int) -> _Seq:
@@ -675,16 +702,14 @@ class BatchRunner:
         return logits
 
     def _lean_step(self, chunks, tables) -> torch.Tensor | None:
-        """Logits of a decode-only step by the lean batched step, or None (the generic forward)."""
+        """Logits of a decode-only step by the model's decode step, or None (the generic forward)."""
         if not self.lean_decode or any(t != 1 for *_, t in tables) or getattr(self.model, "training", False):
             return None
-        lean = self._lean
-        if lean is None:
-            lean = self._lean = BatchDecodeStep.build(self.model, self.pool) or False
-        if not lean or not lean.accepts(len(tables)):
+        lean = decode_step_for(self.model)
+        if lean is None or not lean.accepts_rows(len(tables)) or lean.pages_of(self.pool) is None:
             return None
-        return lean.step([toks[0] for _, toks in chunks], [past for _, past, _ in tables],
-                         [pages for pages, _, _ in tables])
+        return lean.step_pages([toks[0] for _, toks in chunks], [past for _, past, _ in tables],
+                               [pages for pages, _, _ in tables], self.pool)
 
     def _mixed_step(self, chunks, tables) -> torch.Tensor | None:
         """A step of decoding rows and prompt chunks: the decoding rows by the lean step, the chunks
@@ -709,6 +734,9 @@ class BatchRunner:
         dev = module_device(emb)
         ids = torch.tensor([tokens], dtype=torch.long, device=dev)
         saved = [c._attn_implementation for c in self._configs]
+        from ..operators.cpu_attention import NAME as KT_SDPA
+
+        batch.prompt_flash = KT_SDPA in saved
         for c in self._configs:
             c._attn_implementation = PAGED_ATTENTION
         try:

@@ -59,4 +59,35 @@ def flash_attention(pool: CPUInfer, q: torch.Tensor, k: torch.Tensor, v: torch.T
     return out
 
 
-__all__ = ["flash_attention", "flash_attention_supported"]
+def flash_attention_paged(pool: CPUInfer, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                          table: torch.Tensor, page_size: int, start: int, scale: float, window: int = 0,
+                          out: torch.Tensor | None = None, bf16_pv: bool = False) -> torch.Tensor:
+    """:func:`flash_attention` with the sequence's keys in a page pool: ``keys`` / ``values``
+    ``[slots, Hkv, D]`` (contiguous fp32), key ``j`` at slot ``table[j // page_size] * page_size + j %
+    page_size`` (``table``: int64 block table covering ``start + T`` keys).  The same bits as
+    :func:`flash_attention` over the same keys in a cache: where the keys sit is only addressing."""
+    if q.dim() != 4 or q.shape[0] != 1 or keys.dim() != 3 or keys.shape != values.shape:
+        raise ValueError(f"flash_attention_paged: need q [1, H, T, D] and keys, values [slots, Hkv, D], got "
+                         f"{tuple(q.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}")
+    _, H, T, D = q.shape
+    Hkv = keys.shape[1]
+    if (keys.shape[2] != D or H % Hkv or D % 64 or D > 512 or start < 0 or page_size < 1
+            or table.dtype != torch.int64 or not table.is_contiguous() or table.numel() * page_size < start + T):
+        raise ValueError(f"flash_attention_paged: H {H} must be a multiple of Hkv {Hkv}, D {D} a multiple of 64 up to "
+                         f"512, and the int64 block table must cover start {start} + T {T} keys")
+    for name, t in (("q", q), ("keys", keys), ("values", values)):
+        if t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1:
+            raise ValueError(f"flash_attention_paged: {name} must be float32 on the CPU with a contiguous last dim")
+    if not (keys.is_contiguous() and values.is_contiguous()):
+        raise ValueError("flash_attention_paged: keys and values must be contiguous page pools")
+    if out is None:
+        out = torch.empty(1, T, H, D, dtype=torch.float32)
+    elif tuple(out.shape[-3:]) != (T, H, D) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"flash_attention_paged: out must be a contiguous float32 [.., {T}, {H}, {D}]")
+    _ext.flash_attn_prefill(pool._c, q.data_ptr(), q.stride(2), q.stride(1), keys.data_ptr(), values.data_ptr(),
+                            D, Hkv * D, out.data_ptr(), H * D, D, H, Hkv, T, D, int(start), int(window), float(scale),
+                            bool(bf16_pv), table.data_ptr(), int(page_size))
+    return out
+
+
+__all__ = ["flash_attention", "flash_attention_paged", "flash_attention_supported"]

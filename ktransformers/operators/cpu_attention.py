@@ -74,8 +74,11 @@ def flash_eligible(module, query, key, value, attention_mask, dropout, is_causal
     if start is None or start + T > key.shape[2]:
         return None
     window = kwargs.get("sliding_window") or 0
-    if window and attention_mask is None:
-        return None  # a sliding layer's cache may hold a rolled window: trust only its mask
+    if window and attention_mask is None and not (start == 0 and T <= window):
+        # a sliding layer's cache may hold a rolled window: trust only its mask.  With none, sdpa
+        # would attend causally from key 0: the kernel's reading when the chunk starts the sequence
+        # and the window does not bind (a cache shorter than the window leaves transformers' mask out)
+        return None
     if attention_mask is not None and not _plain_mask(attention_mask, start, T, window):
         return None
     return start, int(window)
@@ -114,6 +117,16 @@ def kt_sdpa_attention(module, query, key, value, attention_mask, dropout: float 
     start, window = use
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return flash_attention(kernel_pool(), query, key, value, start, scale, window, bf16_pv=_mode() != "fp32"), None
+
+
+def flash_mode() -> bool | None:
+    """Whether the prompt flash kernel runs its P V on bf16 pairs (True), in fp32 (False), or does
+    not run (None): ``KT_FLASH_ATTN`` on a tier that has the kernel.  The batching server's prompt
+    chunks ask the same, so that every route reads a prompt with the same kernel."""
+    mode = _mode()
+    if mode == "0" or not flash_attention_supported():
+        return None
+    return mode != "fp32"
 
 
 def _mode() -> str:
@@ -160,4 +173,4 @@ def use_cpu_attention(model) -> bool:
     return changed
 
 
-__all__ = ["NAME", "kt_sdpa_attention", "use_cpu_attention", "flash_eligible"]
+__all__ = ["NAME", "flash_eligible", "flash_mode", "kt_sdpa_attention", "use_cpu_attention"]

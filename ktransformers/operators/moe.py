@@ -64,7 +64,7 @@ class KMoEBlock(BaseInjectedModule):
             gate = mods.get("shared_expert_gate")
             if gate is not None:
                 with self._row_invariant_linears():
-                    out = F.sigmoid(gate(x)) * out
+                    out = _row_sigmoid(gate(x)) * out
             return out
         return None
 
@@ -95,6 +95,16 @@ class KMoEBlock(BaseInjectedModule):
             yield
         finally:
             F.linear = _TORCH_LINEAR
+
+
+def _row_sigmoid(g: torch.Tensor) -> torch.Tensor:
+    """sigmoid of a ``[T, 1]`` gate, each row's bits independent of T.  torch's elementwise loops run
+    two vectors at a time and the rest through the scalar function, whose last bit may differ: over
+    T values a token's gate would depend on its place among the others.  Each row widened to 32
+    lanes (a multiple of two vectors on every tier) is computed by the vector path alone."""
+    if g.device.type != "cpu" or g.dim() < 1 or g.shape[-1] != 1:
+        return F.sigmoid(g)
+    return F.sigmoid(g.expand(*g.shape[:-1], 32).contiguous())[..., :1]
 
 
 def _row_kernels(block) -> dict:

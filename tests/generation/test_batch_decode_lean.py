@@ -1,4 +1,4 @@
-"""The lean batched decode step (generation/batch_decode.py) against the generic BatchRunner step.
+"""The decode step over the page pool (``DecodeStep.step_pages``) against the generic BatchRunner step.
 
 Two runners over the same model get the same chunks step by step: one takes the lean step on every
 decode-only step, the other (``lean_decode = False``) the generic transformers forward with the
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ktransformers import load_model
-from ktransformers.generation.batch_decode import BatchDecodeStep
+from ktransformers.generation.decode_step import decode_step_for
 from ktransformers.generation.paged import BatchRunner
 
 TOL = 1e-5
@@ -43,20 +43,19 @@ def _prompt(n, seed):
 
 
 class _Counting:
-    """Counts the lean step's calls on a runner (wraps its BatchDecodeStep once built)."""
+    """Counts the decode step's page-pool calls on a model (its one ``DecodeStep``, wrapped)."""
 
     def __init__(self, runner):
         self.calls = 0
-        step = BatchDecodeStep.build(runner.model, runner.pool)
-        assert step is not None, "the lean batched step should serve this model"
-        inner = step.step
+        step = decode_step_for(runner.model)
+        assert step is not None and step.pages_of(runner.pool) is not None, "the decode step should serve this model"
+        inner = step.step_pages
 
         def counted(*a, **kw):
             self.calls += 1
             return inner(*a, **kw)
 
-        step.step = counted
-        runner._lean = step
+        step.step_pages = counted
 
 
 def _twins(model, page_size=4, num_pages=64):
@@ -132,7 +131,8 @@ def test_gemma_window_layers_past_the_window(models, one_torch_thread):
     model = models("gemma3_text", layer_types=["sliding_attention", "full_attention"])
     assert model.config.get_text_config().layer_types == ["sliding_attention", "full_attention"]
     lean, generic, count = _twins(model)
-    assert lean._lean.layers[0].window == 8 and lean._lean.layers[1].window == 0
+    step = decode_step_for(model)
+    assert step.layers[0].window == 8 and step.layers[1].window == 0
     prompts = [_prompt(n, 10 + n) for n in (17, 3, 30)]
     worst = _drive(lean, generic, prompts, starts=[0, 0, 1], new=12)
     assert count.calls >= 10
@@ -175,17 +175,16 @@ def test_env_switch_and_unserved_models(models, monkeypatch, one_torch_thread):
     # MLA keeps latent pages: the generic step serves it
     ds = models("deepseek_v2")
     runner = BatchRunner(ds, page_size=4, num_pages=16)
-    assert BatchDecodeStep.build(ds, runner.pool) is None
+    assert decode_step_for(ds) is None
     runner.begin(0)
     runner.step([(0, _prompt(5, 0))])
     assert runner.step([(0, [7])]).shape == (1, ds.config.vocab_size)
-    assert runner._lean is False
 
 
-def test_rows_above_the_prefill_threshold_take_the_generic_step(models, one_torch_thread):
+def test_rows_above_the_prefill_threshold_take_the_generic_step(models, one_torch_thread, monkeypatch):
     model = models("llama")
     lean, generic, count = _twins(model, num_pages=64)
-    lean._lean.max_rows = 2
+    monkeypatch.setattr(decode_step_for(model), "max_rows", 2)
     prompts = [_prompt(4 + i, 20 + i) for i in range(3)]
     worst = _drive(lean, generic, prompts, starts=[0, 0, 0], new=4)
     assert count.calls == 0  # every decode step had 3 rows
@@ -201,8 +200,8 @@ def _rotate_half(x):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("window,qk_norm", [(0, False), (0, True), (24, False)])
 def test_paged_decode_attention_against_torch(positions, threads, window, qk_norm):
-    """csrc/paged_attention.cpp alone against torch: GQA, scattered pages, per-row positions, q/k
-    norm, sliding window, keys split across threads; the new K/V land in their slots."""
+    """decode_ops.attend_rows over pages alone against torch: GQA, scattered pages, per-row positions,
+    q/k norm, sliding window, keys split across threads; the new K/V land in their slots."""
     from ktransformers import cpuinfer_ext
     from ktransformers.kernels.pool import cpu_infer
 
@@ -227,11 +226,12 @@ def test_paged_decode_attention_against_torch(positions, threads, window, qk_nor
     pages = torch.tensor([p for t in tables for p in t], dtype=torch.long)
     offs = torch.tensor([0] + torch.tensor(need).cumsum(0).tolist(), dtype=torch.long)
     pos = torch.tensor(positions, dtype=torch.long)
+    lo = (pos - window + 1).clamp(min=0) if window else torch.zeros_like(pos)
     out = torch.empty(n, hq * d)
-    cpuinfer_ext.paged_ops.decode_attention(
+    cpuinfer_ext.decode_ops.attend_rows(
         cpu_infer(threads)._c, qkv.data_ptr(), n, hq, hkv, d, w.data_ptr() if qk_norm else 0, eps, cos.data_ptr(),
-        sin.data_ptr(), keys.data_ptr(), values.data_ptr(), S, pages.data_ptr(), offs.data_ptr(), pos.data_ptr(),
-        window, scale, out.data_ptr())
+        sin.data_ptr(), keys.data_ptr(), values.data_ptr(), hkv * d, d, S, pages.data_ptr(), offs.data_ptr(),
+        pos.data_ptr(), lo.data_ptr(), 0, 0, 0, scale, out.data_ptr())
 
     heads = qkv_in.view(n, hq + 2 * hkv, d)
     qk = heads[:, : hq + hkv]

@@ -228,15 +228,23 @@ def test_pressure_callback_is_asked_for_the_shortfall(models):
 
 
 def test_moe_experts_run_once_per_pass_for_all_tokens(models, one_torch_thread):
-    """A step's prompt tokens share one expert call per layer, and so do its decoding rows (the
-    lean pass, kept apart from the prompt chunks for batch invariance: PagedRunner._mixed_step)."""
+    """A step's prompt tokens share one expert call per layer (the MoE block's), and so do its
+    decoding rows (the decode step's own MoE pass, kept apart from the prompt chunks for batch
+    invariance: PagedRunner._mixed_step)."""
+    from ktransformers.generation.decode_step import decode_step_for
+
     model = models("qwen3_moe")
-    calls = []
+    calls, lean_calls = [], []
     experts = [m for n, m in model.named_modules() if n.endswith("mlp.experts")]
     assert experts and all(hasattr(e, "submit") for e in experts), "CPU experts injected"
     originals = [e.submit for e in experts]
     for e, orig in zip(experts, originals):
         e.submit = lambda x, *a, _orig=orig, **k: (calls.append(x.shape[0]), _orig(x, *a, **k))[1]
+    step = decode_step_for(model)
+    moes = [lay.moe for lay in step.layers]
+    assert all(m is not None for m in moes), "the decode step runs these MoE blocks itself"
+    for m in moes:
+        m._submit = lambda pool, n, *a, _orig=m._submit: (lean_calls.append(n), _orig(pool, n, *a))[1]
     try:
         runner = BatchRunner(model, page_size=4, num_pages=16)
         for s in (1, 2, 3):
@@ -245,8 +253,11 @@ def test_moe_experts_run_once_per_pass_for_all_tokens(models, one_torch_thread):
     finally:
         for e in experts:
             del e.submit
+        for m in moes:
+            del m._submit
     n = len(experts)
-    assert calls == [1] * n + [11] * n  # the decoding row's pass, then the prompt chunks' pass
+    assert lean_calls == [1] * n  # the decoding row's pass
+    assert calls == [11] * n  # the prompt chunks' pass
 
 
 def test_linear_attention_model_is_refused_by_name(models):

@@ -1,9 +1,14 @@
-"""The decode step's attention (``cpuinfer_ext.decode_ops.attend``): one query token over a cache.
+"""The decode step's attention (``cpuinfer_ext.decode_ops.attend_rows``): one query token per row over
+a cache layer (``[hkv, cap, d]``, the transformers caches of the single-sequence routes) or over a
+page pool (``[slots, hkv, d]``, continuous batching).
 
 Reference: softmax(q K^T * scale) V in float64 torch, GQA by repeating kv heads.  Tolerance: 2e-6
 x max|out| + 1e-6 (fp32 dots of d <= 256 and an exp2 polynomial of relative error < 2e-7).
-The entries are split into fixed chunks of 256 keys, merged in order: the output is bitwise the
-same for 1 and 2 pool threads.  The write half (slot, roll, the length counter) is checked exactly.
+Invariance, bitwise: a row's keys are cut into chunks of 256 at absolute positions and merged in
+order, so the output is the same for 1 and 2 pool threads, beside any other rows, and whether the
+keys sit in a cache layer or scattered over pages.  The write half (slot, roll, the length
+counter) is checked exactly.  RoPE is the identity here (cos 1, sin 0) and there is no q/k norm:
+tests/generation/test_batch_decode_lean.py covers those.
 """
 
 from __future__ import annotations
@@ -15,15 +20,42 @@ from ktransformers import cpuinfer_ext as ext
 from ktransformers.kernels.pool import cpu_infer
 
 ops = ext.decode_ops
+_NONE = torch.zeros(2, dtype=torch.int64)
 
 
-def _run(pool, q, k_new, v_new, K, V, slot, roll, n, scale, length=None):
+def _qkv(q, k_new, v_new):
+    return torch.cat([q.reshape(-1), k_new.reshape(-1), v_new.reshape(-1)])[None].contiguous()
+
+
+def _layer(pool, q, k_new, v_new, K, V, pos, lo, scale, roll=0, length=None):
+    """One row over a cache layer K, V [hkv, cap, d] holding positions lo .. (slot = position - lo)."""
     hq, d = q.shape
     hkv, cap = K.shape[0], K.shape[1]
-    out = torch.empty(hq, d)
-    ops.attend(pool._c, q.data_ptr(), k_new.data_ptr(), v_new.data_ptr(), K.data_ptr(), V.data_ptr(), hq, hkv, d,
-               cap, slot, roll, n, scale, 0 if length is None else length.data_ptr(), out.data_ptr())
-    return out
+    qkv = _qkv(q, k_new, v_new)
+    ones, zeros = torch.ones(1, d), torch.zeros(1, d)
+    out = torch.empty(1, hq * d)
+    p, l = torch.tensor([pos]), torch.tensor([lo])
+    ops.attend_rows(pool._c, qkv.data_ptr(), 1, hq, hkv, d, 0, 0.0, ones.data_ptr(), zeros.data_ptr(), K.data_ptr(),
+                    V.data_ptr(), d, cap * d, 0, _NONE.data_ptr(), _NONE.data_ptr(), p.data_ptr(), l.data_ptr(), roll,
+                    cap, 0 if length is None else length.data_ptr(), scale, out.data_ptr())
+    return out.view(hq, d)
+
+
+def _paged(pool, qs, ks, vs, keys, values, page_size, tables, positions, scale, window=0):
+    """N rows over a page pool keys, values [slots, hkv, d]."""
+    n, hq, d = len(qs), qs[0].shape[0], qs[0].shape[1]
+    hkv = keys.shape[1]
+    qkv = torch.cat([_qkv(q, k, v) for q, k, v in zip(qs, ks, vs)]).contiguous()
+    ones, zeros = torch.ones(n, d), torch.zeros(n, d)
+    pages = torch.tensor([p for t in tables for p in t], dtype=torch.int64)
+    offs = torch.tensor([0] + torch.tensor([len(t) for t in tables]).cumsum(0).tolist(), dtype=torch.int64)
+    pos = torch.tensor(positions, dtype=torch.int64)
+    lo = (pos - window + 1).clamp(min=0) if window else torch.zeros_like(pos)
+    out = torch.empty(n, hq * d)
+    ops.attend_rows(pool._c, qkv.data_ptr(), n, hq, hkv, d, 0, 0.0, ones.data_ptr(), zeros.data_ptr(),
+                    keys.data_ptr(), values.data_ptr(), hkv * d, d, page_size, pages.data_ptr(), offs.data_ptr(),
+                    pos.data_ptr(), lo.data_ptr(), 0, 0, 0, scale, out.data_ptr())
+    return out.view(n, hq, d)
 
 
 def _ref(q, K, V, n, scale):
@@ -45,7 +77,7 @@ def test_attend_matches_softmax_attention(hq, hkv, d, n):
     k_new, v_new = torch.randn(hkv, d, generator=g), torch.randn(hkv, d, generator=g)
     length = torch.tensor(n - 1, dtype=torch.int64)
     scale = d ** -0.5
-    out = _run(cpu_infer(2), q, k_new, v_new, K, V, n - 1, 0, n, scale, length)
+    out = _layer(cpu_infer(2), q, k_new, v_new, K, V, n - 1, 0, scale, length=length)
     assert torch.equal(K[:, n - 1], k_new) and torch.equal(V[:, n - 1], v_new)
     assert int(length) == n
     want = _ref(q, K, V, n, scale)
@@ -59,8 +91,8 @@ def test_attend_is_the_same_for_any_thread_count(n):
     hq, hkv, d, cap = 16, 2, 128, n
     K, V = torch.randn(hkv, cap, d, generator=g), torch.randn(hkv, cap, d, generator=g)
     q, kn, vn = torch.randn(hq, d, generator=g), torch.randn(hkv, d, generator=g), torch.randn(hkv, d, generator=g)
-    one = _run(cpu_infer(1), q, kn, vn, K.clone(), V.clone(), n - 1, 0, n, 0.1)
-    two = _run(cpu_infer(2), q, kn, vn, K.clone(), V.clone(), n - 1, 0, n, 0.1)
+    one = _layer(cpu_infer(1), q, kn, vn, K.clone(), V.clone(), n - 1, 0, 0.1)
+    two = _layer(cpu_infer(2), q, kn, vn, K.clone(), V.clone(), n - 1, 0, 0.1)
     assert torch.equal(one, two)
 
 
@@ -70,16 +102,56 @@ def test_attend_roll_shifts_a_full_window():
     K, V = torch.randn(hkv, cap, d, generator=g), torch.randn(hkv, cap, d, generator=g)
     K0, V0 = K.clone(), V.clone()
     q, kn, vn = torch.randn(hq, d, generator=g), torch.randn(hkv, d, generator=g), torch.randn(hkv, d, generator=g)
-    out = _run(cpu_infer(2), q, kn, vn, K, V, 0, 1, cap, 0.125)
+    pos = 40  # the layer held positions 31 .. 39; after the roll 32 .. 40
+    out = _layer(cpu_infer(2), q, kn, vn, K, V, pos, pos - cap + 1, 0.125, roll=1)
     assert torch.equal(K[:, :-1], K0[:, 1:]) and torch.equal(K[:, -1], kn)
     assert torch.equal(V[:, :-1], V0[:, 1:]) and torch.equal(V[:, -1], vn)
     want = _ref(q, K, V, cap, 0.125)
     assert (out - want).abs().max().item() <= 2e-6 * want.abs().max().item() + 1e-6
 
 
+@pytest.mark.parametrize("d,hq,hkv", [(256, 4, 1), (128, 16, 4), (72, 6, 2)])
+@pytest.mark.parametrize("window", [0, 300])
+def test_a_row_is_the_same_bits_in_a_cache_layer_and_in_pages_beside_other_rows(d, hq, hkv, window):
+    """The Generator's cache layer and the batching server's pages give a request the same bits:
+    the same keys, once contiguous and once scattered over pages next to other sequences' rows."""
+    g = torch.Generator().manual_seed(d + window)
+    pos, S = 700, 16
+    lo = max(0, pos - window + 1) if window else 0
+    n_keys = pos + 1 - lo
+    K, V = torch.randn(hkv, n_keys, d, generator=g), torch.randn(hkv, n_keys, d, generator=g)
+    q, kn, vn = torch.randn(hq, d, generator=g), torch.randn(hkv, d, generator=g), torch.randn(hkv, d, generator=g)
+    alone = _layer(cpu_infer(2), q, kn, vn, K.clone(), V.clone(), pos, lo, 0.07)
+
+    # the same sequence's positions 0 .. pos on shuffled pages; two other rows beside it
+    others = [(37, torch.randn(hq, d, generator=g)), (1200, torch.randn(hq, d, generator=g))]
+    need = [pos // S + 1] + [p // S + 1 for p, _ in others]
+    perm = torch.randperm(sum(need) + 3, generator=g).tolist()
+    tables, at = [], 0
+    for k in need:
+        tables.append(perm[at:at + k])
+        at += k
+    slots = (sum(need) + 3) * S
+    keys, values = torch.randn(slots, hkv, d, generator=g), torch.randn(slots, hkv, d, generator=g)
+    for p in range(lo, pos):
+        s = tables[0][p // S] * S + p % S
+        keys[s], values[s] = K[:, p - lo], V[:, p - lo]
+    qs = [q] + [oq for _, oq in others]
+    ks = [kn] + [torch.randn(hkv, d, generator=g) for _ in others]
+    vs = [vn] + [torch.randn(hkv, d, generator=g) for _ in others]
+    for threads in (1, 2):
+        for order in ([0, 1, 2], [2, 0, 1]):
+            out = _paged(cpu_infer(threads), [qs[i] for i in order], [ks[i] for i in order], [vs[i] for i in order],
+                         keys.clone(), values.clone(), S, [tables[i] for i in order],
+                         [pos if i == 0 else others[i - 1][0] for i in order], 0.07, window)
+            assert torch.equal(out[order.index(0)], alone), f"threads {threads}, order {order}"
+
+
 def test_attend_refuses_bad_shapes():
-    q, K = torch.zeros(6, 64), torch.zeros(4, 8, 64)
+    K = torch.zeros(4, 8, 64)
     with pytest.raises(ValueError, match="hq % hkv"):
-        _run(cpu_infer(1), q, torch.zeros(4, 64), torch.zeros(4, 64), K, K.clone(), 0, 0, 1, 1.0)
-    with pytest.raises(ValueError, match="n <= cap"):
-        _run(cpu_infer(1), torch.zeros(8, 64), torch.zeros(4, 64), torch.zeros(4, 64), K, K.clone(), 0, 0, 9, 1.0)
+        _layer(cpu_infer(1), torch.zeros(6, 64), torch.zeros(4, 64), torch.zeros(4, 64), K, K.clone(), 0, 0, 1.0)
+    with pytest.raises(ValueError, match="pos - lo < cap"):
+        _layer(cpu_infer(1), torch.zeros(8, 64), torch.zeros(4, 64), torch.zeros(4, 64), K, K.clone(), 8, 0, 1.0)
+    with pytest.raises(ValueError, match="lo <= pos"):
+        _layer(cpu_infer(1), torch.zeros(8, 64), torch.zeros(4, 64), torch.zeros(4, 64), K, K.clone(), 2, 3, 1.0)

@@ -1,0 +1,127 @@
+"""Route invariance, bitwise: the same request gives the same logits through every route a user
+decodes with -- the single-sequence ``Generator`` (local_chat, the single-request server), with its
+prompt whole or in chunks; the batching server's ``BatchRunner`` alone and beside other requests;
+and transformers' ``generate()`` on the injected model -- on the prefill's last position and on
+every greedy decode step after it.
+
+Why it holds: every route decodes through the one ``DecodeStep`` (generation/decode_step.py), whose
+attention kernel reads a cache layer and a page pool alike (``decode_ops.attend_rows``), and reads a
+prompt with the same flash kernel (over a cache or over pages, ``flash_attn_prefill``), all on the
+batch-invariant GEMMs.  Without the paged flash kernel the batching server's prompt attention is
+transformers' sdpa over the gathered pages, and the answers part after a few tokens (the first
+check below fails).
+
+Scope (docs/server.md, "Determinism"): the families the decode step serves (Gemma-3 text, Llama /
+Mistral / Qwen2 / Qwen3 / Qwen-MoE) on the tiers with the prompt flash kernel (AVX512-BF16 and up;
+elsewhere both routes read prompts with transformers' sdpa, over differently shaped key tensors),
+prompts within a sliding window.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from .test_invariance import _greedy_rows, _NoText
+from .test_real_model import assemble_gemma
+
+
+def _flash_or_skip():
+    from ktransformers.operators.cpu_attention import flash_mode
+
+    if flash_mode() is None:
+        pytest.skip("no prompt flash kernel on this tier (or KT_FLASH_ATTN=0): the routes read prompts with sdpa")
+
+
+def _generator_rows(model, prompt, steps, chunk):
+    from ktransformers.generation import Generator
+
+    g = Generator(model, _NoText(), chunk_size=chunk)
+    cache = g.new_cache(len(prompt) + steps + 8)
+    rows = []
+    with torch.inference_mode():
+        rows.append(g.prefill(prompt, cache)[0].clone())
+        for i in range(steps):
+            pos = len(prompt) + i
+            rows.append(g._forward(torch.tensor([[int(rows[-1].argmax())]]), pos, cache)[0].clone())
+    return rows
+
+
+def _generate_rows(model, prompt, steps, cache_implementation=None):
+    from transformers import GenerationConfig
+
+    cfg = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=steps + 1,
+                           output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), generation_config=cfg, cache_implementation=cache_implementation)
+    return [g[0].float() for g in out.logits]
+
+
+def _same(name, got, want):
+    assert len(got) >= len(want) - 1
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"{name}: row {i} differs from the Generator's (max {(a - b).abs().max():.3g})"
+
+
+def _check_routes(model, prompt, steps, chunk, others, page_size, generate=True):
+    want = _generator_rows(model, prompt, steps, chunk=8192)
+    # the batching server, the prompt in one step, then in chunks; alone and with others
+    _same("batching server", _greedy_rows(model, {0: (0, prompt, 8192)}, steps=steps + 1, page_size=page_size), want)
+    n_chunks = -(-len(prompt) // chunk)
+    crowded = _greedy_rows(model, {0: (0, prompt, chunk), **others}, steps=steps + n_chunks, page_size=page_size)
+    _same("batching server, chunked, beside others", crowded, want)
+    _same(f"Generator, chunks of {chunk}", _generator_rows(model, prompt, steps, chunk=chunk), want)
+    if generate:
+        _same("generate()", _generate_rows(model, prompt, steps), want)
+        _same("generate(), static cache", _generate_rows(model, prompt, steps, "static"), want)
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    from ktransformers import load_model
+
+    torch.set_num_threads(2)
+    return load_model(assemble_gemma())
+
+
+@pytest.mark.slow
+def test_gemma_routes_give_the_same_bits(gemma):
+    _flash_or_skip()
+    rng = np.random.default_rng(5)
+    prompt = [int(i) for i in rng.integers(100, 30000, 150)]
+    others = {1: (1, [int(i) for i in rng.integers(100, 30000, 200)], 48),
+              2: (3, [int(i) for i in rng.integers(100, 30000, 90)], 30)}
+    _check_routes(gemma, prompt, steps=10, chunk=64, others=others, page_size=16)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from ktransformers import load_model
+    from ktransformers.util.tiny_models import write_tiny_model
+
+    made = {}
+
+    def get(arch, **overrides):
+        key = (arch, repr(sorted(overrides.items())))
+        if key not in made:
+            d = tmp_path_factory.mktemp(f"routes-{arch}")
+            write_tiny_model(arch, d, seed=2, **overrides)
+            made[key] = load_model(d, model_path=d)
+        return made[key]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "qwen2_moe", "gemma3_text"])
+def test_tiny_families_routes_give_the_same_bits(tiny, arch):
+    _flash_or_skip()
+    # head_dim 64: the prompt flash kernel's smallest head; gemma3's window past the request, and
+    # qwen2_moe's shared expert 64 wide (scope: torch's activations over a prompt's rows of a width
+    # that is not a multiple of 32 put a row's tail lanes through the scalar function, by its place)
+    extra = {"gemma3_text": {"sliding_window": 64}, "qwen2_moe": {"shared_expert_intermediate_size": 64}}
+    model = tiny(arch, head_dim=64, **extra.get(arch, {}))
+    rng = np.random.default_rng(7)
+    prompt = [int(i) for i in rng.integers(3, 250, 30)]
+    others = {1: (1, [int(i) for i in rng.integers(3, 250, 25)], 6), 2: (2, [int(i) for i in rng.integers(3, 250, 9)], 5)}
+    _check_routes(model, prompt, steps=8, chunk=7, others=others, page_size=4)
