@@ -1,287 +1,34 @@
-// Causal prompt attention (flash-style) on AVX-512 (AVX512-BF16 for the bf16 P V): one pass over the keys a
-// query block can see, online softmax in fp32, no T x S score matrix.  Compiled with the
-// avx512bf16 flags (CMakeLists.txt); flash_attn_supported() says whether the CPU runs it.
-//
-// Two precisions: fp32 throughout (the default), or P V on bf16 pairs (bf16_pv, ~1.4x faster at
-// 2k tokens, ~2e-3 relative error on the output from rounding p and v).
-// Work item: one KV head g and a block of kQ query tokens, i.e. the G = H / Hkv query heads
-// sharing g times kQ tokens = G * kQ rows.  Per block of kK keys the keys are transposed once
-// into fp32 [D][kK] and the values packed into bf16 pairs [kK/2][D][2]; every group of 4 rows runs
-//   S = Q K^T         fp32: 4 rows x 64 keys, 16 vfmadd per d (q broadcast),
-//   online softmax    fp32: running max m, sum l, exp2 on the scores pre-scaled by log2(e),
-//   O = a O + P V     4 rows x 64 d per pass: 16 vfmadd per key (p broadcast), or with bf16_pv 16
-//                     vdpbf16ps per key pair on values packed into bf16 pairs [kK/2][D][2].
-// The scores stay fp32 in both (bf16 q and k moved the logits of the tiny test models by up to
-// 0.9 against llama.cpp's).
+// Causal prompt attention: checks and the tier's kernel (flash_attn_avx512.cpp on AVX512-BF16 and
+// up, flash_attn_avx2.cpp on AVX2 + FMA).  Compiled at the baseline: nothing here may run an
+// instruction the CPU lacks before the tier is known.
 #include "flash_attn.h"
 
-#include "exp2_simd.h"
-
-#include <immintrin.h>
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <stdexcept>
 #include <string>
-#include <vector>
 
 #include "cpu_features.h"
+#include "flash_attn_impl.h"
 
 namespace kt {
-namespace {
 
-constexpr int kQ = 32;  // query tokens per work item
-constexpr int kK = 64;  // keys per block
-constexpr int kR = 4;   // rows per register tile
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kMasked = -1e30f;
-
-inline __m512 exp2_ps(__m512 x) { return exp2_ps512(x); }  // exp2_simd.h
-
-
-struct Scratch {
-  std::vector<float> q;      // [rows][D], scaled by scale * log2(e)
-  std::vector<float> o;      // [rows][D]
-  std::vector<float> m, l;   // [rows]
-  std::vector<float> kp;     // [D][kK]
-  std::vector<uint16_t> vp;  // [kK/2][D][2]
-  alignas(64) float s[kR][kK];
-  alignas(64) uint16_t p[kR][kK];   // bf16 probabilities (bf16 P V)
-  alignas(64) float pf[kR][kK];     // fp32 probabilities (fp32 P V)
-};
-
-struct Args {
-  const float* q;
-  size_t q_tok, q_head;
-  const float* k;
-  const float* v;
-  size_t kv_head, kv_tok;
-  float* out;
-  size_t o_tok, o_head;
-  int H, Hkv, T, D, start, window;
-  float scale;
-  const int64_t* pages;  // null: key j at row j; else a block table (key j at slot pages[j / ps] * ps + j % ps)
-  int page_size;
-  // offset in floats of key / value j (head 0) from k / v
-  size_t row(int j) const {
-    return pages ? static_cast<size_t>(pages[j / page_size] * page_size + j % page_size) * kv_tok
-                 : static_cast<size_t>(j) * kv_tok;
-  }
-};
-
-// 16 floats -> 16 bf16 (round to nearest even), zero-extended into dword lanes.
-inline __m512i bf16_lanes(const float* x, __mmask16 m) {
-  return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, x)));
-}
-
-// Keys / values [j0, j0 + n) of head g (zeros past n): K transposed to fp32 [D][kK], V as bf16
-// pairs [kK/2][D] dwords (keys 2 j2 and 2 j2 + 1 interleaved in registers).
-template <bool kBf16>
-void pack_kv(const Args& a, int g, int j0, int n, Scratch& s) {
-  const int D = a.D;
-  const float* K = a.k + static_cast<size_t>(g) * a.kv_head;
-  const float* V = a.v + static_cast<size_t>(g) * a.kv_head;
-  float* kp = s.kp.data();
-  for (int j = 0; j < kK; ++j) {
-    if (j < n) {
-      const float* kr = K + a.row(j0 + j);
-      for (int d = 0; d < D; ++d) kp[d * kK + j] = kr[d];
-    } else {
-      for (int d = 0; d < D; ++d) kp[d * kK + j] = 0.f;
-    }
-  }
-  if constexpr (!kBf16) return;  // fp32 P V reads the values in place
-  uint32_t* vp = reinterpret_cast<uint32_t*>(s.vp.data());
-  for (int j2 = 0; j2 < kK / 2; ++j2) {
-    const int ja = 2 * j2, jb = 2 * j2 + 1;
-    const __mmask16 ma = ja < n ? 0xFFFF : 0, mb = jb < n ? 0xFFFF : 0;
-    const float* va = V + a.row(j0 + (ja < n ? ja : 0));
-    const float* vb = V + a.row(j0 + (jb < n ? jb : 0));
-    for (int d = 0; d < D; d += 16) {
-      const __m512i w = _mm512_or_si512(bf16_lanes(va + d, ma), _mm512_slli_epi32(bf16_lanes(vb + d, mb), 16));
-      _mm512_storeu_si512(reinterpret_cast<__m512i*>(vp + static_cast<size_t>(j2) * D + d), w);
-    }
-  }
-}
-
-// One work item: KV head g, query tokens [t0, t0 + nq).
-template <bool kBf16>
-void attend_block(const Args& a, int g, int t0, int nq, Scratch& s) {
-  const int D = a.D, G = a.H / a.Hkv, rows = G * kQ;
-  // rows: r = h * kQ + t (head h of the group, token t0 + t); rows past nq are computed on token nq - 1
-  const float qs = a.scale * kLog2e;
-  for (int h = 0; h < G; ++h)
-    for (int t = 0; t < kQ; ++t) {
-      const float* qr = a.q + static_cast<size_t>(g * G + h) * a.q_head + static_cast<size_t>(t0 + std::min(t, nq - 1)) * a.q_tok;
-      float* dst = s.q.data() + static_cast<size_t>(h * kQ + t) * D;
-      for (int d = 0; d < D; ++d) dst[d] = qr[d] * qs;
-    }
-  std::fill(s.o.begin(), s.o.begin() + static_cast<size_t>(rows) * D, 0.f);
-  std::fill(s.m.begin(), s.m.begin() + rows, -INFINITY);
-  std::fill(s.l.begin(), s.l.begin() + rows, 0.f);
-  const int pos_first = a.start + t0, pos_last = a.start + t0 + nq - 1;
-  const int lo = a.window > 0 ? std::max(0, pos_first - a.window + 1) : 0;
-  const int hi = pos_last + 1;  // keys [lo, hi)
-  for (int j0 = (lo / kK) * kK; j0 < hi; j0 += kK) {
-    const int n = std::min(kK, hi - j0);
-    pack_kv<kBf16>(a, g, j0, n, s);
-    const float* kp = s.kp.data();
-    const __m512i* vp = reinterpret_cast<const __m512i*>(s.vp.data());
-    for (int r0 = 0; r0 < rows; r0 += kR) {
-      // keys each row sees in this block: [kl, kh]
-      int kl[kR], kh[kR];
-      bool any = false;
-      for (int r = 0; r < kR; ++r) {
-        const int t = std::min((r0 + r) % kQ, nq - 1), pos = a.start + t0 + t;
-        kl[r] = std::max(j0, a.window > 0 ? pos - a.window + 1 : 0);
-        kh[r] = std::min(j0 + n - 1, pos);
-        any |= kh[r] >= kl[r];
-      }
-      if (!any) continue;
-      // S = Q K^T for 4 rows x 64 keys
-      __m512 acc[kR][4];
-      for (int r = 0; r < kR; ++r)
-        for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
-      const float* qrow[kR];
-      for (int r = 0; r < kR; ++r) qrow[r] = s.q.data() + static_cast<size_t>(r0 + r) * D;
-      for (int d = 0; d < D; ++d) {
-        const float* kd = kp + static_cast<size_t>(d) * kK;
-        const __m512 k0 = _mm512_loadu_ps(kd), k1 = _mm512_loadu_ps(kd + 16);
-        const __m512 k2 = _mm512_loadu_ps(kd + 32), k3 = _mm512_loadu_ps(kd + 48);
-        for (int r = 0; r < kR; ++r) {
-          const __m512 qb = _mm512_set1_ps(qrow[r][d]);
-          acc[r][0] = _mm512_fmadd_ps(k0, qb, acc[r][0]);
-          acc[r][1] = _mm512_fmadd_ps(k1, qb, acc[r][1]);
-          acc[r][2] = _mm512_fmadd_ps(k2, qb, acc[r][2]);
-          acc[r][3] = _mm512_fmadd_ps(k3, qb, acc[r][3]);
-        }
-      }
-      // online softmax per row
-      float alpha[kR];
-      for (int r = 0; r < kR; ++r) {
-        const int row = r0 + r;
-        if (kh[r] < kl[r]) {  // nothing visible here: keep the row as it is
-          alpha[r] = 1.f;
-          std::memset(s.p[r], 0, sizeof(s.p[r]));
-          std::memset(s.pf[r], 0, sizeof(s.pf[r]));
-          continue;
-        }
-        const __m512i jidx = _mm512_add_epi32(_mm512_set1_epi32(j0), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-        __m512 mx = _mm512_set1_ps(kMasked);
-        for (int c = 0; c < 4; ++c) {
-          const __m512i j = _mm512_add_epi32(jidx, _mm512_set1_epi32(16 * c));
-          const __mmask16 ok = _mm512_cmpge_epi32_mask(j, _mm512_set1_epi32(kl[r])) & _mm512_cmple_epi32_mask(j, _mm512_set1_epi32(kh[r]));
-          acc[r][c] = _mm512_mask_blend_ps(ok, _mm512_set1_ps(kMasked), acc[r][c]);
-          mx = _mm512_max_ps(mx, acc[r][c]);
-        }
-        const float m_old = s.m[row], m_new = std::max(m_old, _mm512_reduce_max_ps(mx));
-        alpha[r] = std::isinf(m_old) ? 0.f : std::exp2(m_old - m_new);
-        s.m[row] = m_new;
-        const __m512 mv = _mm512_set1_ps(m_new);
-        __m512 sum = _mm512_setzero_ps();
-        for (int c = 0; c < 4; c += 2) {
-          const __m512 p0 = exp2_ps(_mm512_sub_ps(acc[r][c], mv)), p1 = exp2_ps(_mm512_sub_ps(acc[r][c + 1], mv));
-          sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-          if constexpr (kBf16) {
-            const __m512bh pb = _mm512_cvtne2ps_pbh(p1, p0);
-            _mm512_storeu_si512(reinterpret_cast<__m512i*>(s.p[r] + 16 * c), (__m512i)pb);
-          } else {
-            _mm512_storeu_ps(s.pf[r] + 16 * c, p0);
-            _mm512_storeu_ps(s.pf[r] + 16 * c + 16, p1);
-          }
-        }
-        s.l[row] = s.l[row] * alpha[r] + _mm512_reduce_add_ps(sum);
-      }
-      // O = alpha O + P V, 64 d per pass
-      const int32_t* prow[kR];
-      for (int r = 0; r < kR; ++r) prow[r] = reinterpret_cast<const int32_t*>(s.p[r]);
-      for (int dh = 0; dh < D; dh += 64) {
-        __m512 o[kR][4];
-        for (int r = 0; r < kR; ++r) {
-          const __m512 al = _mm512_set1_ps(alpha[r]);
-          float* orow = s.o.data() + static_cast<size_t>(r0 + r) * D + dh;
-          for (int c = 0; c < 4; ++c) o[r][c] = _mm512_mul_ps(_mm512_loadu_ps(orow + 16 * c), al);
-        }
-        if constexpr (!kBf16) {
-          const float* V = a.v + static_cast<size_t>(g) * a.kv_head + dh;
-          for (int j = 0; j < n; ++j) {
-            const float* vr = V + a.row(j0 + j);
-            const __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16);
-            const __m512 v2 = _mm512_loadu_ps(vr + 32), v3 = _mm512_loadu_ps(vr + 48);
-            for (int r = 0; r < kR; ++r) {
-              const __m512 pb = _mm512_set1_ps(s.pf[r][j]);
-              o[r][0] = _mm512_fmadd_ps(v0, pb, o[r][0]);
-              o[r][1] = _mm512_fmadd_ps(v1, pb, o[r][1]);
-              o[r][2] = _mm512_fmadd_ps(v2, pb, o[r][2]);
-              o[r][3] = _mm512_fmadd_ps(v3, pb, o[r][3]);
-            }
-          }
-        }
-        const int nj2 = kBf16 ? (n + 1) / 2 : 0;
-        for (int j2 = 0; j2 < nj2; ++j2) {
-          const __m512i* vd = vp + (static_cast<size_t>(j2) * D + dh) / 16;
-          const __m512bh v0 = (__m512bh)_mm512_loadu_si512(vd), v1 = (__m512bh)_mm512_loadu_si512(vd + 1);
-          const __m512bh v2 = (__m512bh)_mm512_loadu_si512(vd + 2), v3 = (__m512bh)_mm512_loadu_si512(vd + 3);
-          for (int r = 0; r < kR; ++r) {
-            const __m512bh pb = (__m512bh)_mm512_set1_epi32(prow[r][j2]);
-            o[r][0] = _mm512_dpbf16_ps(o[r][0], v0, pb);
-            o[r][1] = _mm512_dpbf16_ps(o[r][1], v1, pb);
-            o[r][2] = _mm512_dpbf16_ps(o[r][2], v2, pb);
-            o[r][3] = _mm512_dpbf16_ps(o[r][3], v3, pb);
-          }
-        }
-        for (int r = 0; r < kR; ++r) {
-          float* orow = s.o.data() + static_cast<size_t>(r0 + r) * D + dh;
-          for (int c = 0; c < 4; ++c) _mm512_storeu_ps(orow + 16 * c, o[r][c]);
-        }
-      }
-    }
-  }
-  for (int h = 0; h < G; ++h)
-    for (int t = 0; t < nq; ++t) {
-      const int row = h * kQ + t;
-      const float inv = 1.f / s.l[row];
-      const float* o = s.o.data() + static_cast<size_t>(row) * D;
-      float* dst = a.out + static_cast<size_t>(t0 + t) * a.o_tok + static_cast<size_t>(g * G + h) * a.o_head;
-      for (int d = 0; d < D; ++d) dst[d] = o[d] * inv;
-    }
-}
-
-}  // namespace
-
-bool flash_attn_supported() { return active_tier() >= IsaTier::AVX512BF16; }
+bool flash_attn_supported() { return active_tier() >= IsaTier::AVX2 && cpu_features().fma; }
 
 void flash_attn_prefill(ThreadPool& pool, const float* q, size_t q_tok, size_t q_head, const float* k, const float* v,
                         size_t kv_head, size_t kv_tok, float* out, size_t o_tok, size_t o_head, int H, int Hkv, int T,
                         int D, int start, int window, float scale, bool bf16_pv, const int64_t* pages,
                         int page_size) {
-  if (!flash_attn_supported()) throw std::runtime_error("flash_attn_prefill: the CPU tier has no AVX512-BF16");
+  if (!flash_attn_supported()) throw std::runtime_error("flash_attn_prefill: the CPU tier has no AVX2 + FMA");
   if (H <= 0 || Hkv <= 0 || H % Hkv || T <= 0 || D <= 0 || D % 64 || D > 512 || start < 0 || window < 0)
     throw std::invalid_argument("flash_attn_prefill: need H % Hkv == 0, T > 0, D % 64 == 0 and <= 512, start >= 0 (got H " +
                                 std::to_string(H) + ", Hkv " + std::to_string(Hkv) + ", T " + std::to_string(T) +
                                 ", D " + std::to_string(D) + ", start " + std::to_string(start) + ")");
   if (pages && page_size < 1) throw std::invalid_argument("flash_attn_prefill: page_size must be >= 1");
-  const Args a{q, q_tok, q_head, k, v, kv_head, kv_tok, out, o_tok, o_head, H, Hkv, T, D, start, window, scale,
-               pages, page_size};
-  const int G = H / Hkv, rows = G * kQ;
-  const int nqb = (T + kQ - 1) / kQ;
-  std::vector<Scratch> scratch(pool.size());
-  for (Scratch& s : scratch) {
-    s.q.assign(static_cast<size_t>(rows) * D, 0.f);
-    s.o.assign(static_cast<size_t>(rows) * D, 0.f);
-    s.m.assign(rows, 0.f);
-    s.l.assign(rows, 0.f);
-    s.kp.assign(static_cast<size_t>(D) * kK, 0.f);
-    s.vp.assign(static_cast<size_t>(D) * kK + 32, 0);
-  }
-  // the latest query blocks (most keys) first, so that the short ones fill in at the end
-  pool.parallel_for(nqb * Hkv, [&](int task, int tid) {
-    const int qb = nqb - 1 - task / Hkv, g = task % Hkv;
-    if (bf16_pv) attend_block<true>(a, g, qb * kQ, std::min(kQ, T - qb * kQ), scratch[tid]);
-    else attend_block<false>(a, g, qb * kQ, std::min(kQ, T - qb * kQ), scratch[tid]);
-  });
+  const FlashArgs a{q, q_tok, q_head, k, v, kv_head, kv_tok, out, o_tok, o_head, H, Hkv, T, D, start, window, scale,
+                    pages, page_size};
+  if (active_tier() >= IsaTier::AVX512BF16)
+    flash_attn_prefill_avx512(pool, a, bf16_pv);
+  else
+    flash_attn_prefill_avx2(pool, a);
 }
 
 }  // namespace kt

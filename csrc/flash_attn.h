@@ -1,4 +1,4 @@
-// Causal prompt attention over fp32 q / k / v, flash-style (flash_attn.cpp).
+// Causal prompt attention over fp32 q / k / v, flash-style (flash_attn.cpp and the tiers' kernels).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -7,14 +7,14 @@
 
 namespace kt {
 
-// Whether the CPU tier in force runs flash_attn_prefill (AVX512-BF16 and above).
+// Whether the CPU tier in force runs flash_attn_prefill (AVX2 + FMA and above).
 bool flash_attn_supported();
 
 // out[t, h, :] = softmax over the keys j that query t sees (start + t - window < j <= start + t;
 // window 0: no lower bound) of scale * q[h, t] . k[g, j], weighting v[g, j], with g = h / (H / Hkv).
 // Strides are in floats; the last dimension (D, a multiple of 64, at most 512) is contiguous.
 // The keys 0 .. start + T - 1 must be written in k / v.  bf16_pv: P V on bf16 probabilities and
-// values (faster; ~2e-3 relative error), else fp32 throughout.  pages (a block table, or null):
+// values (faster; ~2e-3 relative error; AVX512-BF16 tiers, fp32 below them), else fp32 throughout.  pages (a block table, or null):
 // key j of the sequence sits at row pages[j / page_size] * page_size + j % page_size of k / v (a
 // page pool; kv_tok is then the slot stride), else at row j.  Where the keys sit never changes the
 // bits: a sequence's prompt attention is the same through a cache and through a page pool.

@@ -73,9 +73,11 @@ up_type, down_type, activation="silu", alpha=1.702, limit=7.0, gate_bias=None, u
 
 ``flash_attention(pool, q, k, v, start, scale, window=0, out=None, bf16_pv=False)``
     Causal prompt attention (fp32 scores, softmax and sums, no score matrix; ``bf16_pv`` rounds the
-    probability x value product to bf16 pairs) where ``flash_attention_supported()`` (AVX512-BF16 /
-    AMX tiers): ``q [1, H, T, D]``, ``k``/``v [1, Hkv, S, D]`` fp32 -> ``[1, T, H, D]``
-    (``kernels/attention.py``).
+    probability x value product to bf16 pairs on AVX512-BF16 tiers) where
+    ``flash_attention_supported()`` (AVX2 + FMA and up): ``q [1, H, T, D]``, ``k``/``v [1, Hkv, S,
+    D]`` fp32 -> ``[1, T, H, D]`` (``kernels/attention.py``).  ``flash_attention_paged(pool, q, keys,
+    values, table, page_size, start, scale, ...)``: the same over a page pool ``[slots, Hkv, D]``
+    and a sequence's block table, the same bits.
 
 ``row_bytes(type, cols)``, ``type_info(type)``, ``dequantize(raw, type, n)`` (ggml reference
 values, used by tests), ``activation_format(type)`` (what the tier's kernel rounds activations to).
@@ -85,7 +87,7 @@ from __future__ import annotations
 
 from ..weights.ggml_types import KERNEL_TYPES
 from .args import ggml_type
-from .attention import flash_attention, flash_attention_supported
+from .attention import flash_attention, flash_attention_paged, flash_attention_supported
 from .linear import LinearGroupKernel, LinearKernel
 from .moe import ACTIVATIONS, BACKENDS, MoEKernel
 from .moe_train import LoraFactors, MoETrainKernel
@@ -97,4 +99,4 @@ TYPES = {name: t.id for name, t in KERNEL_TYPES.items()}
 
 __all__ = ["isa_tier", "cpu_infer", "CPUInfer", "MoEKernel", "LinearKernel", "LinearGroupKernel", "row_bytes",
            "type_info", "dequantize", "ggml_type", "BACKENDS", "ACTIVATIONS", "TYPES", "MoETrainKernel", "LoraFactors",
-           "activation_format", "flash_attention", "flash_attention_supported"]
+           "activation_format", "flash_attention", "flash_attention_paged", "flash_attention_supported"]

@@ -1,6 +1,8 @@
-"""Causal prompt attention on the CPU (``csrc/flash_attn.cpp``): one pass over the keys each block
-of queries sees, online softmax, no score matrix in memory; fp32 throughout, or (``bf16_pv``) the
-probability-times-value product on bf16 pairs (AVX512-BF16), ~2e-3 relative error on the output.
+"""Causal prompt attention on the CPU (``csrc/flash_attn*.cpp``: AVX512-BF16 and up, and AVX2 + FMA):
+one pass over the keys each block of queries sees, online softmax, no score matrix in memory; fp32
+throughout, or (``bf16_pv``, AVX512-BF16 tiers) the probability-times-value product on bf16 pairs,
+~2e-3 relative error on the output.  The keys may sit in a cache tensor or in a page pool
+(:func:`flash_attention_paged`): the same bits for a row either way, and whatever chunk it came in.
 ``bench/attention.py`` prints both next to torch's own CPU flash kernel.
 """
 
@@ -13,7 +15,7 @@ from .pool import CPUInfer
 
 
 def flash_attention_supported() -> bool:
-    """Whether the CPU tier in force runs :func:`flash_attention` (AVX512-BF16 or AMX)."""
+    """Whether the CPU tier in force runs :func:`flash_attention` (AVX2 + FMA and up)."""
     return bool(_ext.flash_attn_supported())
 
 
@@ -34,7 +36,8 @@ def flash_attention(pool: CPUInfer, q: torch.Tensor, k: torch.Tensor, v: torch.T
     ``q [1, H, T, D]``, ``k`` / ``v [1, Hkv, S, D]`` (S >= start + T; slots past that are not read),
     fp32 CPU tensors with a contiguous last dimension (any other strides); ``D`` a multiple of 64 up
     to 512, ``H`` a multiple of ``Hkv``.  Returns ``out [1, T, H, D]`` (transformers' attention output
-    layout).  ``bf16_pv``: round probabilities and values to bf16 for the second product (faster).
+    layout).  ``bf16_pv``: round probabilities and values to bf16 for the second product (faster;
+    AVX512-BF16 tiers, ignored below them).
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[0] != 1 or k.shape != v.shape or k.shape[0] != 1:
         raise ValueError(f"flash_attention: need q [1, H, T, D] and k, v [1, Hkv, S, D], got {tuple(q.shape)}, "

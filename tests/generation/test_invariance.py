@@ -3,8 +3,8 @@ a prompt prefilled whole, in chunks of any size (>= 2 tokens), or as a cached pr
 rest leaves the same cache, so the last position's logits and the next decode step's logits are
 the same bits.  The kernels' own batch invariance is tests/kernels/test_batch_invariance.py.
 
-Scope (docs/server.md, "Determinism"): the tiers with the prompt flash kernel (AVX512-BF16 and
-up), prompts within Gemma's sliding window (512), a cache longer than the window, chunks of 2+
+Scope (docs/server.md, "Determinism"): the tiers with the prompt flash kernel (AVX2 + FMA and
+up), prompts within Gemma's sliding window (512), chunks of 2+
 tokens; past those the attention goes through other kernels (transformers' sdpa, the decode
 kernel for a one-token chunk)."""
 

@@ -12,7 +12,7 @@ transformers' sdpa over the gathered pages, and the answers part after a few tok
 check below fails).
 
 Scope (docs/server.md, "Determinism"): the families the decode step serves (Gemma-3 text, Llama /
-Mistral / Qwen2 / Qwen3 / Qwen-MoE) on the tiers with the prompt flash kernel (AVX512-BF16 and up;
+Mistral / Qwen2 / Qwen3 / Qwen-MoE) on the tiers with the prompt flash kernel (AVX2 + FMA and up;
 elsewhere both routes read prompts with transformers' sdpa, over differently shaped key tensors),
 prompts within a sliding window.
 """

@@ -1,8 +1,9 @@
-"""Causal prompt attention (kernels.flash_attention, csrc/flash_attn.cpp) against float64 softmax
-attention on the same q / k / v.
+"""Causal prompt attention (kernels.flash_attention, csrc/flash_attn_avx512.cpp on AVX512-BF16 and
+up, csrc/flash_attn_avx2.cpp on AVX2) against float64 softmax attention on the same q / k / v; the
+paged form (kernels.flash_attention_paged, keys scattered over a page pool) bitwise against it.
 
 Tolerances (||out - ref|| / ||ref||): 1e-5 fp32 (measured 1e-7 .. 4e-7); 5e-3 with ``bf16_pv``
-(probabilities and values rounded to bf16; measured 1.7e-3 .. 2.2e-3).  Shapes cover 1 and 7
+(probabilities and values rounded to bf16; measured 1.7e-3 .. 2.2e-3; the AVX2 kernel keeps fp32).  Shapes cover 1 and 7
 tokens, GQA group sizes 1 / 4 / 8, head sizes 64 / 128 / 256, a chunk after a cached prefix, a
 sliding window, key blocks that end partial, and 4096 / 16384 tokens (the long ones against
 reference rows sampled across the prompt).
@@ -17,7 +18,7 @@ import ktransformers.kernels as K
 from conftest import QUICK
 
 pytestmark = pytest.mark.skipif(not K.flash_attention_supported(),
-                                 reason="the CPU tier in force has no AVX512-BF16 (torch's sdpa serves it)")
+                                 reason="the CPU tier in force has no AVX2 + FMA (torch's sdpa serves it)")
 TOL = {False: 1e-5, True: 5e-3}
 
 
@@ -91,3 +92,34 @@ def test_flash_attention_bad_arguments(pool):
         K.flash_attention(pool, q, k, v, 1, 0.1)
     with pytest.raises(ValueError, match="q must be float32"):
         K.flash_attention(pool, q.double(), k, v, 0, 0.1)
+
+
+@pytest.mark.parametrize("bf16_pv", [False, True])
+@pytest.mark.parametrize("H,Hkv,T,D,start,window,page_size", [(8, 2, 70, 128, 0, 0, 16), (4, 1, 33, 256, 200, 0, 4),
+                                                               (6, 3, 50, 64, 300, 96, 32)])
+def test_paged_flash_attention_is_the_same_bits_as_over_a_cache(pool, H, Hkv, T, D, start, window, page_size, bf16_pv):
+    """The batching server's prompt chunks read their keys through a block table; a sequence's
+    keys scattered over a page pool (beside other sequences' rows) give exactly the bits of the
+    same keys in a cache tensor (the single-sequence routes)."""
+    q, k, v = make(H, Hkv, T, D, start, seed=T + D)
+    want = K.flash_attention(pool, q, k, v, start, D ** -0.5, window, bf16_pv=bf16_pv)
+    g = torch.Generator().manual_seed(D)
+    n = start + T
+    n_pages = -(-n // page_size)
+    perm = torch.randperm(n_pages + 5, generator=g)
+    table = perm[:n_pages].to(torch.int64).contiguous()
+    slots = (n_pages + 5) * page_size
+    keys, values = torch.randn(slots, Hkv, D, generator=g), torch.randn(slots, Hkv, D, generator=g)
+    j = torch.arange(n)
+    at = table[j // page_size] * page_size + j % page_size
+    keys[at] = k[0, :, :n].transpose(0, 1)
+    values[at] = v[0, :, :n].transpose(0, 1)
+    out = K.flash_attention_paged(pool, q, keys, values, table, page_size, start, D ** -0.5, window, bf16_pv=bf16_pv)
+    assert torch.equal(out, want)
+
+
+def test_paged_flash_attention_refuses_a_short_table(pool):
+    q, k, v = make(4, 1, 10, 64, 0)
+    keys = torch.zeros(32, 1, 64)
+    with pytest.raises(ValueError, match="block table must cover"):
+        K.flash_attention_paged(pool, q, keys, keys.clone(), torch.zeros(1, dtype=torch.int64), 4, 0, 0.1)

@@ -70,8 +70,8 @@ def test_lower_tier_subset(tier):
     if tier not in ext.supported_isa_tiers():
         pytest.skip(f"CPU does not support {tier}")
     files = [str(HERE / "test_linear.py"), str(HERE / "test_kernel_table.py"), str(HERE / "test_int4_backends.py"),
-             str(HERE / "test_batch_invariance.py"),
-             str(HERE / "test_isa.py::test_tier_reported")]
+             str(HERE / "test_batch_invariance.py"), str(HERE / "test_attention.py"),
+             str(HERE / "test_decode_attend.py"), str(HERE / "test_isa.py::test_tier_reported")]
     if tier != "scalar":  # scalar runs every type through the generic path: Linear only (speed)
         files.insert(0, str(HERE / "test_moe.py"))
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *files],

@@ -1,0 +1,210 @@
+// Causal prompt attention (flash-style) on AVX2 + FMA, fp32 throughout: the tiers below AVX512-BF16
+// (Zen 3, AVX-512 without BF16) read a prompt with the same algorithm as flash_attn_avx512.cpp.
+// Compiled with the AVX2 flags (CMakeLists.txt); flash_attn.cpp calls it on those tiers.
+//
+// Work item: one KV head g and a block of kQ query tokens (the G = H / Hkv query heads sharing g,
+// times kQ tokens).  Per block of kK keys at an absolute multiple of kK the keys are transposed
+// once into fp32 [D][kK]; every pair of rows runs
+//   S = Q K^T         4 ymm of keys x 2 rows per pass (two passes per block), 8 vfmadd per d,
+//   online softmax    running max m, sum l, exp2 on the scores pre-scaled by log2(e),
+//   O = a O + P V     2 rows x 32 d per pass, the values read in place (a cache or a page pool).
+// A row's arithmetic never depends on the rows beside it, the chunk it came in or where its keys
+// sit: a score is one fma chain over d, a block's softmax sees that row's scores alone.
+#include "flash_attn_impl.h"
+
+#include "exp2_simd.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace kt {
+namespace {
+
+constexpr int kQ = 32;  // query tokens per work item
+constexpr int kK = 64;  // keys per block
+constexpr int kR = 2;   // rows per register tile
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kMasked = -1e30f;
+
+struct Scratch {
+  std::vector<float> q;   // [rows][D], scaled by scale * log2(e)
+  std::vector<float> o;   // [rows][D]
+  std::vector<float> m, l;
+  std::vector<float> kp;  // [D][kK]
+  alignas(32) float sc[kR][kK];  // scores of the row pair (memory, not registers: 16 ymm)
+  alignas(32) float pf[kR][kK];
+};
+
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+inline float hmax(__m256 v) {
+  const __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+}
+
+// keys [j0, j0 + n) of head g transposed into kp [D][kK] (zeros past n)
+void pack_k(const FlashArgs& a, int g, int j0, int n, Scratch& s) {
+  const int D = a.D;
+  const float* K = a.k + static_cast<size_t>(g) * a.kv_head;
+  float* kp = s.kp.data();
+  for (int j = 0; j < kK; ++j) {
+    if (j < n) {
+      const float* kr = K + a.row(j0 + j);
+      for (int d = 0; d < D; ++d) kp[d * kK + j] = kr[d];
+    } else {
+      for (int d = 0; d < D; ++d) kp[d * kK + j] = 0.f;
+    }
+  }
+}
+
+void attend_block(const FlashArgs& a, int g, int t0, int nq, Scratch& s) {
+  const int D = a.D, G = a.H / a.Hkv, rows = G * kQ;
+  const float qs = a.scale * kLog2e;
+  for (int h = 0; h < G; ++h)
+    for (int t = 0; t < kQ; ++t) {  // rows past nq are computed on token nq - 1 (and dropped)
+      const float* qr = a.q + static_cast<size_t>(g * G + h) * a.q_head + static_cast<size_t>(t0 + std::min(t, nq - 1)) * a.q_tok;
+      float* dst = s.q.data() + static_cast<size_t>(h * kQ + t) * D;
+      for (int d = 0; d < D; ++d) dst[d] = qr[d] * qs;
+    }
+  std::fill(s.o.begin(), s.o.begin() + static_cast<size_t>(rows) * D, 0.f);
+  std::fill(s.m.begin(), s.m.begin() + rows, -INFINITY);
+  std::fill(s.l.begin(), s.l.begin() + rows, 0.f);
+  const int pos_first = a.start + t0, pos_last = a.start + t0 + nq - 1;
+  const int lo = a.window > 0 ? std::max(0, pos_first - a.window + 1) : 0;
+  const int hi = pos_last + 1;
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int j0 = (lo / kK) * kK; j0 < hi; j0 += kK) {
+    const int n = std::min(kK, hi - j0);
+    pack_k(a, g, j0, n, s);
+    const float* kp = s.kp.data();
+    for (int r0 = 0; r0 < rows; r0 += kR) {
+      int kl[kR], kh[kR];
+      bool any = false;
+      for (int r = 0; r < kR; ++r) {
+        const int t = std::min((r0 + r) % kQ, nq - 1), pos = a.start + t0 + t;
+        kl[r] = std::max(j0, a.window > 0 ? pos - a.window + 1 : 0);
+        kh[r] = std::min(j0 + n - 1, pos);
+        any |= kh[r] >= kl[r];
+      }
+      if (!any) continue;
+      const float* qrow[kR];
+      for (int r = 0; r < kR; ++r) qrow[r] = s.q.data() + static_cast<size_t>(r0 + r) * D;
+      for (int half = 0; half < 2; ++half) {  // S = Q K^T, 32 keys per pass
+        __m256 acc[kR][4];
+        for (int r = 0; r < kR; ++r)
+          for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
+        for (int d = 0; d < D; ++d) {
+          const float* kd = kp + static_cast<size_t>(d) * kK + half * 32;
+          const __m256 k0 = _mm256_loadu_ps(kd), k1 = _mm256_loadu_ps(kd + 8);
+          const __m256 k2 = _mm256_loadu_ps(kd + 16), k3 = _mm256_loadu_ps(kd + 24);
+          for (int r = 0; r < kR; ++r) {
+            const __m256 qb = _mm256_set1_ps(qrow[r][d]);
+            acc[r][0] = _mm256_fmadd_ps(k0, qb, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(k1, qb, acc[r][1]);
+            acc[r][2] = _mm256_fmadd_ps(k2, qb, acc[r][2]);
+            acc[r][3] = _mm256_fmadd_ps(k3, qb, acc[r][3]);
+          }
+        }
+        for (int r = 0; r < kR; ++r)
+          for (int c = 0; c < 4; ++c) _mm256_storeu_ps(s.sc[r] + half * 32 + 8 * c, acc[r][c]);
+      }
+      float alpha[kR];
+      for (int r = 0; r < kR; ++r) {  // online softmax per row
+        const int row = r0 + r;
+        if (kh[r] < kl[r]) {  // nothing visible here: keep the row as it is
+          alpha[r] = 1.f;
+          std::memset(s.pf[r], 0, sizeof(s.pf[r]));
+          continue;
+        }
+        __m256 mx = _mm256_set1_ps(kMasked);
+        float* sr = s.sc[r];
+        for (int c = 0; c < 8; ++c) {
+          const __m256i j = _mm256_add_epi32(_mm256_set1_epi32(j0 + 8 * c), lane);
+          const __m256i ok = _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(kl[r]), j),
+                                                 _mm256_andnot_si256(_mm256_cmpgt_epi32(j, _mm256_set1_epi32(kh[r])),
+                                                                     _mm256_set1_epi32(-1)));
+          const __m256 v = _mm256_blendv_ps(_mm256_set1_ps(kMasked), _mm256_loadu_ps(sr + 8 * c), _mm256_castsi256_ps(ok));
+          _mm256_storeu_ps(sr + 8 * c, v);
+          mx = _mm256_max_ps(mx, v);
+        }
+        const float m_old = s.m[row], m_new = std::max(m_old, hmax(mx));
+        alpha[r] = std::isinf(m_old) ? 0.f : std::exp2(m_old - m_new);
+        s.m[row] = m_new;
+        const __m256 mv = _mm256_set1_ps(m_new);
+        __m256 sum = _mm256_setzero_ps();
+        for (int c = 0; c < 8; c += 2) {
+          const __m256 p0 = exp2_ps256(_mm256_sub_ps(_mm256_loadu_ps(sr + 8 * c), mv));
+          const __m256 p1 = exp2_ps256(_mm256_sub_ps(_mm256_loadu_ps(sr + 8 * c + 8), mv));
+          sum = _mm256_add_ps(sum, _mm256_add_ps(p0, p1));
+          _mm256_storeu_ps(s.pf[r] + 8 * c, p0);
+          _mm256_storeu_ps(s.pf[r] + 8 * c + 8, p1);
+        }
+        s.l[row] = s.l[row] * alpha[r] + hsum(sum);
+      }
+      const float* V = a.v + static_cast<size_t>(g) * a.kv_head;
+      for (int dh = 0; dh < D; dh += 32) {  // O = alpha O + P V, 32 d per pass
+        __m256 o[kR][4];
+        for (int r = 0; r < kR; ++r) {
+          const __m256 al = _mm256_set1_ps(alpha[r]);
+          float* orow = s.o.data() + static_cast<size_t>(r0 + r) * D + dh;
+          for (int c = 0; c < 4; ++c) o[r][c] = _mm256_mul_ps(_mm256_loadu_ps(orow + 8 * c), al);
+        }
+        for (int j = 0; j < n; ++j) {
+          const float* vr = V + a.row(j0 + j) + dh;
+          const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
+          const __m256 v2 = _mm256_loadu_ps(vr + 16), v3 = _mm256_loadu_ps(vr + 24);
+          for (int r = 0; r < kR; ++r) {
+            const __m256 pb = _mm256_set1_ps(s.pf[r][j]);
+            o[r][0] = _mm256_fmadd_ps(v0, pb, o[r][0]);
+            o[r][1] = _mm256_fmadd_ps(v1, pb, o[r][1]);
+            o[r][2] = _mm256_fmadd_ps(v2, pb, o[r][2]);
+            o[r][3] = _mm256_fmadd_ps(v3, pb, o[r][3]);
+          }
+        }
+        for (int r = 0; r < kR; ++r) {
+          float* orow = s.o.data() + static_cast<size_t>(r0 + r) * D + dh;
+          for (int c = 0; c < 4; ++c) _mm256_storeu_ps(orow + 8 * c, o[r][c]);
+        }
+      }
+    }
+  }
+  for (int h = 0; h < G; ++h)
+    for (int t = 0; t < nq; ++t) {
+      const int row = h * kQ + t;
+      const float inv = 1.f / s.l[row];
+      const float* o = s.o.data() + static_cast<size_t>(row) * D;
+      float* dst = a.out + static_cast<size_t>(t0 + t) * a.o_tok + static_cast<size_t>(g * G + h) * a.o_head;
+      for (int d = 0; d < D; ++d) dst[d] = o[d] * inv;
+    }
+}
+
+}  // namespace
+
+void flash_attn_prefill_avx2(ThreadPool& pool, const FlashArgs& a) {
+  const int G = a.H / a.Hkv, rows = G * kQ, D = a.D, T = a.T, Hkv = a.Hkv;
+  const int nqb = (T + kQ - 1) / kQ;
+  std::vector<Scratch> scratch(pool.size());
+  for (Scratch& s : scratch) {
+    s.q.assign(static_cast<size_t>(rows) * D, 0.f);
+    s.o.assign(static_cast<size_t>(rows) * D, 0.f);
+    s.m.assign(rows, 0.f);
+    s.l.assign(rows, 0.f);
+    s.kp.assign(static_cast<size_t>(D) * kK, 0.f);
+  }
+  // the latest query blocks (most keys) first, so that the short ones fill in at the end
+  pool.parallel_for(nqb * Hkv, [&](int task, int tid) {
+    const int qb = nqb - 1 - task / Hkv, g = task % Hkv;
+    attend_block(a, g, qb * kQ, std::min(kQ, T - qb * kQ), scratch[tid]);
+  });
+}
+
+}  // namespace kt
