@@ -347,12 +347,19 @@ void attend_rows(CPUInfer& ci, uintptr_t qkv, int n_rows, int hq, int hkv, int d
     R.attend(fn, t.r, t.g, t.c, P + part_at[t.r] + (static_cast<size_t>(t.g) * ns[t.r] + t.c) * group * (d + 2));
   };
   const int n_tasks = static_cast<int>(tasks.size());
+  py::gil_scoped_release nogil;  // a server's other threads run meanwhile, whichever branch
   if (keys_read * hkv * d < 32768) {  // under ~256 KB of keys and values: not worth a wake-up
     for (int r = 0; r < n_rows; ++r)
       for (int g = 0; g < hkv; ++g) R.prepare(r, g);
     for (int i = 0; i < n_tasks; ++i) run_task(i);
+  } else if (n_tasks == n_rows * hkv) {  // one chunk per row: each task prepares the keys it reads
+    ci.run_now([&] {
+      ci.pool().parallel_for(n_tasks, [&](int i, int) {
+        R.prepare(tasks[i].r, tasks[i].g);
+        run_task(i);
+      });
+    });
   } else {
-    py::gil_scoped_release nogil;
     ci.run_now([&] {
       ci.pool().parallel_for(n_rows * hkv, [&](int t, int) { R.prepare(t / hkv, t % hkv); });
       ci.pool().parallel_for(n_tasks, [&](int i, int) { run_task(i); });

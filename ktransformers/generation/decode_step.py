@@ -402,10 +402,23 @@ class DecodeStep:
                 linears += [layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj]
         self.max_rows = _rows_limit(linears)
         probe = torch.zeros(1, 1, H), torch.zeros(1, 1, dtype=torch.long)
+        self._rope_width = {}
         for lt in self.layer_types:
             cos = self._rope(*probe, lt)[0]
             if any(cos.shape[-1] != lay.d for lay in self.layers if lay.layer_type == lt):
                 raise Unsupported(f"{lt}: rotary width {cos.shape[-1]} is not the head_dim (partial rotary)")
+            self._rope_width[lt] = int(cos.shape[-1])
+        # cos / sin of N positions in one call give each row the bits of its own call when nothing
+        # couples the rows: a static rope type (a dynamic one rescales by the batch's longest
+        # position), rows of whole 32-lane iterations of torch's vector loop (no scalar tail inside
+        # a row), and one thread (under torch's grain size); else one call per row
+        kinds = set()
+        for a in ("rope_type", *(f"{lt}_rope_type" for lt in self.layer_types)):
+            v = getattr(self.rotary, a, None)
+            kinds |= {str(t) for t in (v.values() if isinstance(v, dict) else [v]) if t is not None}
+        static = kinds <= {"default", "linear", "llama3", "yarn"}
+        aligned = all(w % 32 == 0 for w in self._rope_width.values())
+        self._rope_rows_max = 16384 if static and aligned else 0
         from .. import cpuinfer_ext
 
         self._ops = cpuinfer_ext.decode_ops
@@ -674,14 +687,17 @@ class DecodeStep:
         x, h, a = self.x.rows(n), self.h.rows(n), self.a.rows(n)
         self._embed(tokens, x)
         rope = {}
-        for lt in self.layer_types:  # each row's own position, one call per row (bits that never
-            cs, sn = [], []          # depend on the rows beside it)
-            for p in positions:
-                cos, sin = self._rope(x[:1][None], torch.tensor([[p]], dtype=torch.long), lt)
-                cs.append(cos.reshape(-1))
-                sn.append(sin.reshape(-1))
-            cos, sin = torch.stack(cs).float().contiguous(), torch.stack(sn).float().contiguous()
-            rope[lt] = (cos, sin)
+        for lt in self.layer_types:
+            if n == 1 or n * self._rope_width[lt] <= self._rope_rows_max:
+                cos, sin = self._rope(x[:1][None], torch.tensor([positions], dtype=torch.long), lt)
+                rope[lt] = (cos.reshape(n, -1).float().contiguous(), sin.reshape(n, -1).float().contiguous())
+            else:  # one call per row: bits that never depend on the rows beside it
+                cs, sn = [], []
+                for p in positions:
+                    cos, sin = self._rope(x[:1][None], torch.tensor([[p]], dtype=torch.long), lt)
+                    cs.append(cos.reshape(-1))
+                    sn.append(sin.reshape(-1))
+                rope[lt] = (torch.stack(cs).float().contiguous(), torch.stack(sn).float().contiguous())
         xp, hp, ap = x.data_ptr(), h.data_ptr(), a.data_ptr()
         first = self.layers[0]
         ops.rms_norm(xp, first.in_norm[2], hp, n, H, 0, first.in_norm[1])
