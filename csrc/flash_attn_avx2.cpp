@@ -24,17 +24,10 @@
 namespace kt {
 namespace {
 
-constexpr int kQ = 32;  // query tokens per work item
-constexpr int kK = 64;  // keys per block
-constexpr int kR = 2;   // rows per register tile
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kMasked = -1e30f;
+using namespace flash;
+constexpr int kR = 2;  // rows per register tile
 
-struct Scratch {
-  std::vector<float> q;   // [rows][D], scaled by scale * log2(e)
-  std::vector<float> o;   // [rows][D]
-  std::vector<float> m, l;
-  std::vector<float> kp;  // [D][kK]
+struct Scratch : WorkRows {
   alignas(32) float sc[kR][kK];  // scores of the row pair (memory, not registers: 16 ymm)
   alignas(32) float pf[kR][kK];
 };
@@ -51,51 +44,20 @@ inline float hmax(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
 }
 
-// keys [j0, j0 + n) of head g transposed into kp [D][kK] (zeros past n)
-void pack_k(const FlashArgs& a, int g, int j0, int n, Scratch& s) {
-  const int D = a.D;
-  const float* K = a.k + static_cast<size_t>(g) * a.kv_head;
-  float* kp = s.kp.data();
-  for (int j = 0; j < kK; ++j) {
-    if (j < n) {
-      const float* kr = K + a.row(j0 + j);
-      for (int d = 0; d < D; ++d) kp[d * kK + j] = kr[d];
-    } else {
-      for (int d = 0; d < D; ++d) kp[d * kK + j] = 0.f;
-    }
-  }
-}
-
 void attend_block(const FlashArgs& a, int g, int t0, int nq, Scratch& s) {
   const int D = a.D, G = a.H / a.Hkv, rows = G * kQ;
-  const float qs = a.scale * kLog2e;
-  for (int h = 0; h < G; ++h)
-    for (int t = 0; t < kQ; ++t) {  // rows past nq are computed on token nq - 1 (and dropped)
-      const float* qr = a.q + static_cast<size_t>(g * G + h) * a.q_head + static_cast<size_t>(t0 + std::min(t, nq - 1)) * a.q_tok;
-      float* dst = s.q.data() + static_cast<size_t>(h * kQ + t) * D;
-      for (int d = 0; d < D; ++d) dst[d] = qr[d] * qs;
-    }
-  std::fill(s.o.begin(), s.o.begin() + static_cast<size_t>(rows) * D, 0.f);
-  std::fill(s.m.begin(), s.m.begin() + rows, -INFINITY);
-  std::fill(s.l.begin(), s.l.begin() + rows, 0.f);
+  s.start(a, g, t0, nq);
   const int pos_first = a.start + t0, pos_last = a.start + t0 + nq - 1;
   const int lo = a.window > 0 ? std::max(0, pos_first - a.window + 1) : 0;
   const int hi = pos_last + 1;
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for (int j0 = (lo / kK) * kK; j0 < hi; j0 += kK) {
     const int n = std::min(kK, hi - j0);
-    pack_k(a, g, j0, n, s);
+    s.pack_keys(a, g, j0, n);
     const float* kp = s.kp.data();
     for (int r0 = 0; r0 < rows; r0 += kR) {
       int kl[kR], kh[kR];
-      bool any = false;
-      for (int r = 0; r < kR; ++r) {
-        const int t = std::min((r0 + r) % kQ, nq - 1), pos = a.start + t0 + t;
-        kl[r] = std::max(j0, a.window > 0 ? pos - a.window + 1 : 0);
-        kh[r] = std::min(j0 + n - 1, pos);
-        any |= kh[r] >= kl[r];
-      }
-      if (!any) continue;
+      if (!visible_keys<kR>(a, t0, nq, j0, n, r0, kl, kh)) continue;
       const float* qrow[kR];
       for (int r = 0; r < kR; ++r) qrow[r] = s.q.data() + static_cast<size_t>(r0 + r) * D;
       for (int half = 0; half < 2; ++half) {  // S = Q K^T, 32 keys per pass
@@ -177,34 +139,13 @@ void attend_block(const FlashArgs& a, int g, int t0, int nq, Scratch& s) {
       }
     }
   }
-  for (int h = 0; h < G; ++h)
-    for (int t = 0; t < nq; ++t) {
-      const int row = h * kQ + t;
-      const float inv = 1.f / s.l[row];
-      const float* o = s.o.data() + static_cast<size_t>(row) * D;
-      float* dst = a.out + static_cast<size_t>(t0 + t) * a.o_tok + static_cast<size_t>(g * G + h) * a.o_head;
-      for (int d = 0; d < D; ++d) dst[d] = o[d] * inv;
-    }
+  s.finish(a, g, t0, nq);
 }
 
 }  // namespace
 
 void flash_attn_prefill_avx2(ThreadPool& pool, const FlashArgs& a) {
-  const int G = a.H / a.Hkv, rows = G * kQ, D = a.D, T = a.T, Hkv = a.Hkv;
-  const int nqb = (T + kQ - 1) / kQ;
-  std::vector<Scratch> scratch(pool.size());
-  for (Scratch& s : scratch) {
-    s.q.assign(static_cast<size_t>(rows) * D, 0.f);
-    s.o.assign(static_cast<size_t>(rows) * D, 0.f);
-    s.m.assign(rows, 0.f);
-    s.l.assign(rows, 0.f);
-    s.kp.assign(static_cast<size_t>(D) * kK, 0.f);
-  }
-  // the latest query blocks (most keys) first, so that the short ones fill in at the end
-  pool.parallel_for(nqb * Hkv, [&](int task, int tid) {
-    const int qb = nqb - 1 - task / Hkv, g = task % Hkv;
-    attend_block(a, g, qb * kQ, std::min(kQ, T - qb * kQ), scratch[tid]);
-  });
+  run_items<Scratch>(pool, a, [&](Scratch& s, int g, int t0, int nq) { attend_block(a, g, t0, nq, s); });
 }
 
 }  // namespace kt

@@ -32,26 +32,23 @@
 namespace kt {
 namespace {
 
-constexpr int kQ = 32;  // query tokens per work item
-constexpr int kK = 64;  // keys per block
-constexpr int kR = 4;   // rows per register tile
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kMasked = -1e30f;
+using namespace flash;
+constexpr int kR = 4;  // rows per register tile
 
 inline __m512 exp2_ps(__m512 x) { return exp2_ps512(x); }  // exp2_simd.h
 
 
-struct Scratch {
-  std::vector<float> q;      // [rows][D], scaled by scale * log2(e)
-  std::vector<float> o;      // [rows][D]
-  std::vector<float> m, l;   // [rows]
-  std::vector<float> kp;     // [D][kK]
-  std::vector<uint16_t> vp;  // [kK/2][D][2]
+struct Scratch : WorkRows {
+  std::vector<uint16_t> vp;  // [kK/2][D][2]: bf16 value pairs (bf16 P V)
   alignas(64) float s[kR][kK];
   alignas(64) uint16_t p[kR][kK];   // bf16 probabilities (bf16 P V)
   alignas(64) float pf[kR][kK];     // fp32 probabilities (fp32 P V)
-};
 
+  void size(const FlashArgs& a) {
+    WorkRows::size(a);
+    vp.assign(static_cast<size_t>(a.D) * kK + 32, 0);
+  }
+};
 
 // 16 floats -> 16 bf16 (round to nearest even), zero-extended into dword lanes.
 inline __m512i bf16_lanes(const float* x, __mmask16 m) {
@@ -63,17 +60,8 @@ inline __m512i bf16_lanes(const float* x, __mmask16 m) {
 template <bool kBf16>
 void pack_kv(const FlashArgs& a, int g, int j0, int n, Scratch& s) {
   const int D = a.D;
-  const float* K = a.k + static_cast<size_t>(g) * a.kv_head;
   const float* V = a.v + static_cast<size_t>(g) * a.kv_head;
-  float* kp = s.kp.data();
-  for (int j = 0; j < kK; ++j) {
-    if (j < n) {
-      const float* kr = K + a.row(j0 + j);
-      for (int d = 0; d < D; ++d) kp[d * kK + j] = kr[d];
-    } else {
-      for (int d = 0; d < D; ++d) kp[d * kK + j] = 0.f;
-    }
-  }
+  s.pack_keys(a, g, j0, n);
   if constexpr (!kBf16) return;  // fp32 P V reads the values in place
   uint32_t* vp = reinterpret_cast<uint32_t*>(s.vp.data());
   for (int j2 = 0; j2 < kK / 2; ++j2) {
@@ -92,17 +80,7 @@ void pack_kv(const FlashArgs& a, int g, int j0, int n, Scratch& s) {
 template <bool kBf16>
 void attend_block(const FlashArgs& a, int g, int t0, int nq, Scratch& s) {
   const int D = a.D, G = a.H / a.Hkv, rows = G * kQ;
-  // rows: r = h * kQ + t (head h of the group, token t0 + t); rows past nq are computed on token nq - 1
-  const float qs = a.scale * kLog2e;
-  for (int h = 0; h < G; ++h)
-    for (int t = 0; t < kQ; ++t) {
-      const float* qr = a.q + static_cast<size_t>(g * G + h) * a.q_head + static_cast<size_t>(t0 + std::min(t, nq - 1)) * a.q_tok;
-      float* dst = s.q.data() + static_cast<size_t>(h * kQ + t) * D;
-      for (int d = 0; d < D; ++d) dst[d] = qr[d] * qs;
-    }
-  std::fill(s.o.begin(), s.o.begin() + static_cast<size_t>(rows) * D, 0.f);
-  std::fill(s.m.begin(), s.m.begin() + rows, -INFINITY);
-  std::fill(s.l.begin(), s.l.begin() + rows, 0.f);
+  s.start(a, g, t0, nq);
   const int pos_first = a.start + t0, pos_last = a.start + t0 + nq - 1;
   const int lo = a.window > 0 ? std::max(0, pos_first - a.window + 1) : 0;
   const int hi = pos_last + 1;  // keys [lo, hi)
@@ -112,16 +90,8 @@ void attend_block(const FlashArgs& a, int g, int t0, int nq, Scratch& s) {
     const float* kp = s.kp.data();
     const __m512i* vp = reinterpret_cast<const __m512i*>(s.vp.data());
     for (int r0 = 0; r0 < rows; r0 += kR) {
-      // keys each row sees in this block: [kl, kh]
       int kl[kR], kh[kR];
-      bool any = false;
-      for (int r = 0; r < kR; ++r) {
-        const int t = std::min((r0 + r) % kQ, nq - 1), pos = a.start + t0 + t;
-        kl[r] = std::max(j0, a.window > 0 ? pos - a.window + 1 : 0);
-        kh[r] = std::min(j0 + n - 1, pos);
-        any |= kh[r] >= kl[r];
-      }
-      if (!any) continue;
+      if (!visible_keys<kR>(a, t0, nq, j0, n, r0, kl, kh)) continue;
       // S = Q K^T for 4 rows x 64 keys
       __m512 acc[kR][4];
       for (int r = 0; r < kR; ++r)
@@ -221,35 +191,15 @@ void attend_block(const FlashArgs& a, int g, int t0, int nq, Scratch& s) {
       }
     }
   }
-  for (int h = 0; h < G; ++h)
-    for (int t = 0; t < nq; ++t) {
-      const int row = h * kQ + t;
-      const float inv = 1.f / s.l[row];
-      const float* o = s.o.data() + static_cast<size_t>(row) * D;
-      float* dst = a.out + static_cast<size_t>(t0 + t) * a.o_tok + static_cast<size_t>(g * G + h) * a.o_head;
-      for (int d = 0; d < D; ++d) dst[d] = o[d] * inv;
-    }
+  s.finish(a, g, t0, nq);
 }
 
 }  // namespace
 
 void flash_attn_prefill_avx512(ThreadPool& pool, const FlashArgs& a, bool bf16_pv) {
-  const int G = a.H / a.Hkv, rows = G * kQ, D = a.D, T = a.T, Hkv = a.Hkv;
-  const int nqb = (T + kQ - 1) / kQ;
-  std::vector<Scratch> scratch(pool.size());
-  for (Scratch& s : scratch) {
-    s.q.assign(static_cast<size_t>(rows) * D, 0.f);
-    s.o.assign(static_cast<size_t>(rows) * D, 0.f);
-    s.m.assign(rows, 0.f);
-    s.l.assign(rows, 0.f);
-    s.kp.assign(static_cast<size_t>(D) * kK, 0.f);
-    s.vp.assign(static_cast<size_t>(D) * kK + 32, 0);
-  }
-  // the latest query blocks (most keys) first, so that the short ones fill in at the end
-  pool.parallel_for(nqb * Hkv, [&](int task, int tid) {
-    const int qb = nqb - 1 - task / Hkv, g = task % Hkv;
-    if (bf16_pv) attend_block<true>(a, g, qb * kQ, std::min(kQ, T - qb * kQ), scratch[tid]);
-    else attend_block<false>(a, g, qb * kQ, std::min(kQ, T - qb * kQ), scratch[tid]);
+  run_items<Scratch>(pool, a, [&](Scratch& s, int g, int t0, int nq) {
+    if (bf16_pv) attend_block<true>(a, g, t0, nq, s);
+    else attend_block<false>(a, g, t0, nq, s);
   });
 }
 
