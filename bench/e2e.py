@@ -357,7 +357,7 @@ def decode_breakdown(gen, ids, n: int) -> str:
         return wrapper
 
     patches = [(K.LinearKernel, "forward"), (K.MoEKernel, "forward"), (K.MoEKernel, "submit"), (K.CPUInfer, "sync"),
-               (D._Proj, "__call__"), (D._MoE, "run_experts"),  # the lean decode step's kernel calls
+               (D._Proj, "rows"), (D._MoE, "run_experts"),  # the decode step's kernel calls
                (E.Sampler, "__call__")]
     saved = [(cls, attr, getattr(cls, attr)) for cls, attr in patches]
     try:
@@ -447,7 +447,7 @@ def decode_ops_breakdown(gen, ids, n: int) -> str:
                 wrap(op, "submit", "moe experts (module)", per * k)
                 wrap(op, "collect", "moe experts (module)", 0)
     wrap(step.head, "_call", "lm_head", proj_bytes(step.head))
-    inner = step._step
+    inner = step._rows  # the layer loop of every decode step
 
     def flagged(*a, **kw):
         active[0] = True
@@ -455,11 +455,11 @@ def decode_ops_breakdown(gen, ids, n: int) -> str:
             return inner(*a, **kw)
         finally:
             active[0] = False
-    step._step = flagged
+    step._rows = flagged
     try:
         gen.generate(ids, SamplingParams(max_new_tokens=n))
     finally:
-        del step._step
+        del step._rows
         for obj, attr, own, fn in reversed(undo):
             if own:
                 setattr(obj, attr, fn)

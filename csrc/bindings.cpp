@@ -289,16 +289,16 @@ PYBIND11_MODULE(KT_EXT_NAME, m) {
   m.def("flash_attn_prefill",
         [](CPUInfer& ci, uintptr_t q, size_t q_tok, size_t q_head, uintptr_t k, uintptr_t v, size_t kv_head,
            size_t kv_tok, uintptr_t out, size_t o_tok, size_t o_head, int H, int Hkv, int T, int D, int start,
-           int window, float scale, bool bf16_pv, uintptr_t pages, int page_size) {
+           int window, float scale, bool bf16_pv, uintptr_t pages, int page_size, int key_first) {
           py::gil_scoped_release nogil;
           ci.run_now([&] {
             flash_attn_prefill(ci.pool(), cptr<float>(q), q_tok, q_head, cptr<float>(k), cptr<float>(v), kv_head,
                                kv_tok, reinterpret_cast<float*>(out), o_tok, o_head, H, Hkv, T, D, start, window, scale,
-                               bf16_pv, cptr<int64_t>(pages), page_size);
+                               bf16_pv, cptr<int64_t>(pages), page_size, key_first);
           });
         },
         py::arg("cpu_infer"), py::arg("q"), py::arg("q_tok"), py::arg("q_head"), py::arg("k"), py::arg("v"),
         py::arg("kv_head"), py::arg("kv_tok"), py::arg("out"), py::arg("o_tok"), py::arg("o_head"), py::arg("H"),
         py::arg("Hkv"), py::arg("T"), py::arg("D"), py::arg("start"), py::arg("window"), py::arg("scale"),
-        py::arg("bf16_pv"), py::arg("pages") = 0, py::arg("page_size") = 0);
+        py::arg("bf16_pv"), py::arg("pages") = 0, py::arg("page_size") = 0, py::arg("key_first") = 0);
 }

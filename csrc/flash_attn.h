@@ -18,9 +18,11 @@ bool flash_attn_supported();
 // key j of the sequence sits at row pages[j / page_size] * page_size + j % page_size of k / v (a
 // page pool; kv_tok is then the slot stride), else at row j.  Where the keys sit never changes the
 // bits: a sequence's prompt attention is the same through a cache and through a page pool.
+// key_first (no pages): row 0 of k / v holds position key_first (a sliding window that rolled);
+// it may not exceed the first key a query sees.
 void flash_attn_prefill(ThreadPool& pool, const float* q, size_t q_tok, size_t q_head, const float* k, const float* v,
                         size_t kv_head, size_t kv_tok, float* out, size_t o_tok, size_t o_head, int H, int Hkv, int T,
                         int D, int start, int window, float scale, bool bf16_pv, const int64_t* pages = nullptr,
-                        int page_size = 0);
+                        int page_size = 0, int key_first = 0);
 
 }  // namespace kt

@@ -21,12 +21,14 @@ struct FlashArgs {
   size_t o_tok, o_head;
   int H, Hkv, T, D, start, window;
   float scale;
-  const int64_t* pages;  // null: key j at row j; else a block table (key j at slot pages[j / ps] * ps + j % ps)
+  const int64_t* pages;  // null: key j at row j - key_first; else a block table (key j at slot pages[j / ps] * ps + j % ps)
   int page_size;
-  // offset in floats of key / value j (head 0) from k / v
+  int key_first;  // no block table: the position of row 0 (a rolled sliding window); every visible key is at or after it
+  // offset in floats of key / value j (head 0) from k / v; positions before key_first (in a block,
+  // never visible) read row 0: finite values, masked out
   size_t row(int j) const {
     return pages ? static_cast<size_t>(pages[j / page_size] * page_size + j % page_size) * kv_tok
-                 : static_cast<size_t>(j) * kv_tok;
+                 : static_cast<size_t>(j > key_first ? j - key_first : 0) * kv_tok;
   }
 };
 

@@ -390,7 +390,7 @@ class _PagedBatch:
         D = query.shape[-1]
         if (query.device.type != "cpu" or query.dtype != torch.float32 or k_store.dtype != torch.float32
                 or v_store.dtype != torch.float32 or k_store.device.type != "cpu" or v_store.shape != k_store.shape
-                or D % 64 or D > 512 or query.shape[1] % k_store.shape[1] or not getattr(module, "is_causal", True)
+                or query.stride(-1) != 1 or not (k_store.is_contiguous() and v_store.is_contiguous()) or D % 64 or D > 512 or query.shape[1] % k_store.shape[1] or not getattr(module, "is_causal", True)
                 or getattr(module, "training", False) or getattr(module, "sinks", None) is not None
                 or (torch.is_grad_enabled() and query.requires_grad)):
             return None

@@ -29,11 +29,13 @@ def same_kv_strides(k: torch.Tensor, v: torch.Tensor) -> bool:
 
 def flash_attention(pool: CPUInfer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                     scale: float, window: int = 0, out: torch.Tensor | None = None,
-                    bf16_pv: bool = False) -> torch.Tensor:
+                    bf16_pv: bool = False, key_first: int = 0) -> torch.Tensor:
     """Causal attention of ``T`` queries at positions ``start .. start+T-1`` over the keys ``0 ..
     start+T-1`` (and, with ``window`` > 0, only the last ``window`` of them up to each query).
 
-    ``q [1, H, T, D]``, ``k`` / ``v [1, Hkv, S, D]`` (S >= start + T; slots past that are not read),
+    ``q [1, H, T, D]``, ``k`` / ``v [1, Hkv, S, D]`` holding positions ``key_first ..`` (S >= start +
+    T - key_first; slots past that are not read; ``key_first`` > 0: a sliding window that rolled, at
+    most the first position a query sees),
     fp32 CPU tensors with a contiguous last dimension (any other strides); ``D`` a multiple of 64 up
     to 512, ``H`` a multiple of ``Hkv``.  Returns ``out [1, T, H, D]`` (transformers' attention output
     layout).  ``bf16_pv``: round probabilities and values to bf16 for the second product (faster;
@@ -44,9 +46,11 @@ def flash_attention(pool: CPUInfer, q: torch.Tensor, k: torch.Tensor, v: torch.T
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     _, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    if k.shape[3] != D or H % Hkv or D % 64 or D > 512 or start < 0 or start + T > S:
+    lo = max(0, start - window + 1) if window else 0
+    if (k.shape[3] != D or H % Hkv or D % 64 or D > 512 or start < 0 or start + T - key_first > S
+            or not 0 <= key_first <= lo):
         raise ValueError(f"flash_attention: H {H} must be a multiple of Hkv {Hkv}, D {D} a multiple of 64 up to 512, "
-                         f"keys {S} >= start {start} + T {T}")
+                         f"keys {S} >= start {start} + T {T} - key_first {key_first}, key_first within 0 .. {lo}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(3) != 1:
             raise ValueError(f"flash_attention: {name} must be float32 on the CPU with a contiguous last dim")
@@ -58,7 +62,7 @@ def flash_attention(pool: CPUInfer, q: torch.Tensor, k: torch.Tensor, v: torch.T
         raise ValueError(f"flash_attention: out must be a contiguous float32 [1, {T}, {H}, {D}]")
     _ext.flash_attn_prefill(pool._c, q.data_ptr(), q.stride(2), q.stride(1), k.data_ptr(), v.data_ptr(),
                             k.stride(1), k.stride(2), out.data_ptr(), H * D, D, H, Hkv, T, D, int(start),
-                            int(window), float(scale), bool(bf16_pv))
+                            int(window), float(scale), bool(bf16_pv), 0, 0, int(key_first))
     return out
 
 

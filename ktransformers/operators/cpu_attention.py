@@ -48,16 +48,18 @@ def _start(kwargs, q_len: int) -> int | None:
     return start
 
 
-def _visible(start: int, q_len: int, kv_len: int, window: int) -> torch.Tensor:
-    """[q_len, kv_len] bool: query i (position start + i) sees keys j <= start + i (and > start + i - window)."""
-    j = torch.arange(kv_len)[None, :]
+def _visible(start: int, q_len: int, kv_len: int, window: int, first: int = 0) -> torch.Tensor:
+    """[q_len, kv_len] bool: query i (position start + i) sees key index j (position first + j) when
+    first + j <= start + i (and > start + i - window)."""
+    j = torch.arange(first, first + kv_len)[None, :]
     p = torch.arange(start, start + q_len)[:, None]
     m = j <= p
     return m & (j > p - window) if window else m
 
 
-def flash_eligible(module, query, key, value, attention_mask, dropout, is_causal, kwargs) -> tuple[int, int] | None:
-    """``(start, window)`` when the call can take the flash kernel, else None."""
+def flash_eligible(module, query, key, value, attention_mask, dropout, is_causal,
+                   kwargs) -> tuple[int, int, int] | None:
+    """``(start, window, key_first)`` when the call can take the flash kernel, else None."""
     B, H, T, D = query.shape
     if (B != 1 or T < 2 or dropout or is_causal is False or not getattr(module, "is_causal", True)
             or getattr(module, "training", False)
@@ -71,17 +73,24 @@ def flash_eligible(module, query, key, value, attention_mask, dropout, is_causal
             or not flash_attention_supported()):
         return None
     start = _start(kwargs, T)
-    if start is None or start + T > key.shape[2]:
+    if start is None:
         return None
-    window = kwargs.get("sliding_window") or 0
+    window = int(kwargs.get("sliding_window") or 0)
+    first = 0
+    if start + T > key.shape[2]:
+        # a sliding layer whose window rolled hands over its last keys and the chunk's: positions
+        # start + T - S .. start + T - 1, every key a query sees among them (its mask says so)
+        first = start + T - key.shape[2]
+        if not window or attention_mask is None or first > start - window + 1:
+            return None
     if window and attention_mask is None and not (start == 0 and T <= window):
         # a sliding layer's cache may hold a rolled window: trust only its mask.  With none, sdpa
         # would attend causally from key 0: the kernel's reading when the chunk starts the sequence
         # and the window does not bind (a cache shorter than the window leaves transformers' mask out)
         return None
-    if attention_mask is not None and not _plain_mask(attention_mask, start, T, window):
+    if attention_mask is not None and not _plain_mask(attention_mask, start, T, window, first):
         return None
-    return start, int(window)
+    return start, window, first
 
 
 #: the last mask found plain: (the mask, its address / shape / strides, start, T, window).  A model's
@@ -90,18 +99,20 @@ def flash_eligible(module, query, key, value, attention_mask, dropout, is_causal
 _last_plain: list = [None]
 
 
-def _plain_mask(m: torch.Tensor, start: int, T: int, window: int) -> bool:
-    """Whether ``m`` ``[1, 1, T, S]`` (bool) is exactly the causal (sliding-window) mask of the chunk."""
-    if m.dtype != torch.bool or m.dim() != 4 or tuple(m.shape[:3]) != (1, 1, T) or m.shape[3] < start + T:
+def _plain_mask(m: torch.Tensor, start: int, T: int, window: int, first: int = 0) -> bool:
+    """Whether ``m`` ``[1, 1, T, S]`` (bool) is exactly the causal (sliding-window) mask of the chunk
+    over keys at positions ``first ..``."""
+    if m.dtype != torch.bool or m.dim() != 4 or tuple(m.shape[:3]) != (1, 1, T) or m.shape[3] < start + T - first:
         return False
     # a normal tensor's version counter sees an in-place change; an inference tensor (the Generator's
     # prompt, under inference mode) has none: such a mask is trusted not to change between the layers
-    key = (m.data_ptr(), tuple(m.shape), m.stride(), None if m.is_inference() else m._version, start, T, window)
+    key = (m.data_ptr(), tuple(m.shape), m.stride(), None if m.is_inference() else m._version, start, T, window,
+           first)
     last = _last_plain[0]
     if last is not None and last[0] is m and last[1] == key:
         return True
-    end = start + T
-    if bool(m[0, 0, :, end:].any()) or not torch.equal(m[0, 0, :, :end], _visible(start, T, end, window)):
+    end = start + T - first
+    if bool(m[0, 0, :, end:].any()) or not torch.equal(m[0, 0, :, :end], _visible(start, T, end, window, first)):
         return False
     _last_plain[0] = (m, key)
     return True
@@ -114,9 +125,10 @@ def kt_sdpa_attention(module, query, key, value, attention_mask, dropout: float 
     if use is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    start, window = use
+    start, window, first = use
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return flash_attention(kernel_pool(), query, key, value, start, scale, window, bf16_pv=_mode() != "fp32"), None
+    return flash_attention(kernel_pool(), query, key, value, start, scale, window, bf16_pv=_mode() != "fp32",
+                           key_first=first), None
 
 
 def flash_mode() -> bool | None:

@@ -4,9 +4,8 @@ rest leaves the same cache, so the last position's logits and the next decode st
 the same bits.  The kernels' own batch invariance is tests/kernels/test_batch_invariance.py.
 
 Scope (docs/server.md, "Determinism"): the tiers with the prompt flash kernel (AVX2 + FMA and
-up), prompts within Gemma's sliding window (512), chunks of 2+
-tokens; past those the attention goes through other kernels (transformers' sdpa, the decode
-kernel for a one-token chunk)."""
+up), chunks of 2+ tokens (a one-token chunk is a decode step: C++ norms and RoPE, not the prompt
+forward's); past the sliding window: tests/generation/test_route_invariance.py."""
 
 from __future__ import annotations
 

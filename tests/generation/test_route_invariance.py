@@ -14,7 +14,7 @@ check below fails).
 Scope (docs/server.md, "Determinism"): the families the decode step serves (Gemma-3 text, Llama /
 Mistral / Qwen2 / Qwen3 / Qwen-MoE) on the tiers with the prompt flash kernel (AVX2 + FMA and up;
 elsewhere both routes read prompts with transformers' sdpa, over differently shaped key tensors),
-prompts within a sliding window.
+sliding windows included (a chunk past the window reads the rolled layer through the same kernel).
 """
 
 from __future__ import annotations
@@ -95,6 +95,16 @@ def test_gemma_routes_give_the_same_bits(gemma):
     _check_routes(gemma, prompt, steps=10, chunk=64, others=others, page_size=16)
 
 
+@pytest.mark.slow
+def test_gemma_routes_past_the_sliding_window(gemma):
+    """700 tokens: the sliding layers' window (512) rolls during the chunked prefills."""
+    _flash_or_skip()
+    rng = np.random.default_rng(4)
+    prompt = [int(i) for i in rng.integers(100, 30000, 700)]
+    others = {1: (2, [int(i) for i in rng.integers(100, 30000, 90)], 30)}
+    _check_routes(gemma, prompt, steps=4, chunk=100, others=others, page_size=16)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     from ktransformers import load_model
@@ -125,3 +135,15 @@ def test_tiny_families_routes_give_the_same_bits(tiny, arch):
     prompt = [int(i) for i in rng.integers(3, 250, 30)]
     others = {1: (1, [int(i) for i in rng.integers(3, 250, 25)], 6), 2: (2, [int(i) for i in rng.integers(3, 250, 9)], 5)}
     _check_routes(model, prompt, steps=8, chunk=7, others=others, page_size=4)
+
+
+def test_gemma_past_its_sliding_window_routes_give_the_same_bits(tiny):
+    """Chunks that start past the window read a rolled sliding layer (the single-sequence routes:
+    its last keys and the chunk's, from a position past 0) or the pages (the batching server): the
+    same kernel, the same bits, whole or in chunks."""
+    _flash_or_skip()
+    model = tiny("gemma3_text", head_dim=64, sliding_window=16)
+    rng = np.random.default_rng(9)
+    prompt = [int(i) for i in rng.integers(3, 250, 45)]
+    others = {1: (1, [int(i) for i in rng.integers(3, 250, 20)], 6)}
+    _check_routes(model, prompt, steps=10, chunk=7, others=others, page_size=4)

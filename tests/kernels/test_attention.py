@@ -123,3 +123,18 @@ def test_paged_flash_attention_refuses_a_short_table(pool):
     keys = torch.zeros(32, 1, 64)
     with pytest.raises(ValueError, match="block table must cover"):
         K.flash_attention_paged(pool, q, keys, keys.clone(), torch.zeros(1, dtype=torch.int64), 4, 0, 0.1)
+
+
+@pytest.mark.parametrize("bf16_pv", [False, True])
+def test_a_rolled_window_is_the_same_bits_as_the_whole_cache(pool, bf16_pv):
+    """A sliding layer that rolled holds positions key_first .. only: the chunk's attention over
+    them equals the one over a cache holding every position (keys before the window never count)."""
+    H, Hkv, T, D, start, window = 8, 2, 20, 64, 150, 48
+    q, k, v = make(H, Hkv, T, D, start, seed=11)
+    want = K.flash_attention(pool, q, k, v, start, D ** -0.5, window, bf16_pv=bf16_pv)
+    first = start - window + 1
+    rolled_k, rolled_v = k[:, :, first:start + T].contiguous(), v[:, :, first:start + T].contiguous()
+    got = K.flash_attention(pool, q, rolled_k, rolled_v, start, D ** -0.5, window, bf16_pv=bf16_pv, key_first=first)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="key_first"):  # a visible key missing
+        K.flash_attention(pool, q, rolled_k[:, :, 1:], rolled_v[:, :, 1:], start, D ** -0.5, window, key_first=first + 1)

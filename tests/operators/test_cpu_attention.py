@@ -110,7 +110,7 @@ def test_mask_that_is_not_causal_goes_to_sdpa():
     module = torch.nn.Module().eval()
     causal = ca._visible(3, 5, 8, 0)[None, None]
     with torch.no_grad():
-        expect = None if not flash_attention_supported() else (3, 0)
+        expect = None if not flash_attention_supported() else (3, 0, 0)
         assert ca.flash_eligible(module, q, k, v, causal, 0.0, None, pos) == expect
         padded = causal.clone()
         padded[..., 0] = False                      # a padding column
@@ -130,7 +130,7 @@ def test_a_mask_changed_in_place_is_checked_again():
     mask = ca._visible(3, 5, 8, 0)[None, None].clone()
     with torch.no_grad():
         if flash_attention_supported():
-            assert ca.flash_eligible(module, q, k, k.clone(), mask, 0.0, None, pos) == (3, 0)
+            assert ca.flash_eligible(module, q, k, k.clone(), mask, 0.0, None, pos) == (3, 0, 0)
         mask[..., 1] = False  # the same tensor, now with a padding column
         assert ca.flash_eligible(module, q, k, k.clone(), mask, 0.0, None, pos) is None
 
@@ -148,7 +148,7 @@ def test_one_kv_head_cut_from_a_concatenation_takes_the_kernel():
     pos = {"position_ids": torch.arange(40)[None], "sliding_window": 16}
     mask = ca._visible(0, 40, 40, 16)[None, None]
     with torch.no_grad():
-        assert ca.flash_eligible(module, q, k2, v2, mask, 0.0, None, pos) == (0, 16)
+        assert ca.flash_eligible(module, q, k2, v2, mask, 0.0, None, pos) == (0, 16, 0)
         out, _ = ca.kt_sdpa_attention(module, q, k2, v2, mask, scaling=0.125, **pos)
         ref = torch.nn.functional.scaled_dot_product_attention(q, k2.expand(1, 4, 40, 64), v2.expand(1, 4, 40, 64),
                                                                attn_mask=mask, scale=0.125).transpose(1, 2)
