@@ -87,6 +87,10 @@ def flash_attention_paged(pool: CPUInfer, q: torch.Tensor, keys: torch.Tensor, v
             raise ValueError(f"flash_attention_paged: {name} must be float32 on the CPU with a contiguous last dim")
     if not (keys.is_contiguous() and values.is_contiguous()):
         raise ValueError("flash_attention_paged: keys and values must be contiguous page pools")
+    used = table[: -(-(start + T) // page_size)]
+    if int(used.min()) < 0 or int(used.max()) >= keys.shape[0] // page_size:
+        raise ValueError(f"flash_attention_paged: a page id of the block table is outside the pool's "
+                         f"{keys.shape[0] // page_size} pages")
     if out is None:
         out = torch.empty(1, T, H, D, dtype=torch.float32)
     elif tuple(out.shape[-3:]) != (T, H, D) or out.dtype != torch.float32 or not out.is_contiguous():

@@ -118,11 +118,15 @@ def test_paged_flash_attention_is_the_same_bits_as_over_a_cache(pool, H, Hkv, T,
     assert torch.equal(out, want)
 
 
-def test_paged_flash_attention_refuses_a_short_table(pool):
+def test_paged_flash_attention_refuses_a_bad_block_table(pool):
     q, k, v = make(4, 1, 10, 64, 0)
     keys = torch.zeros(32, 1, 64)
     with pytest.raises(ValueError, match="block table must cover"):
         K.flash_attention_paged(pool, q, keys, keys.clone(), torch.zeros(1, dtype=torch.int64), 4, 0, 0.1)
+    with pytest.raises(ValueError, match="outside the pool's 8 pages"):  # 32 slots of 4: pages 0 .. 7
+        K.flash_attention_paged(pool, q, keys, keys.clone(), torch.tensor([0, 8, 1], dtype=torch.int64), 4, 0, 0.1)
+    with pytest.raises(ValueError, match="outside the pool"):
+        K.flash_attention_paged(pool, q, keys, keys.clone(), torch.tensor([0, -1, 1], dtype=torch.int64), 4, 0, 0.1)
 
 
 @pytest.mark.parametrize("bf16_pv", [False, True])
@@ -138,3 +142,30 @@ def test_a_rolled_window_is_the_same_bits_as_the_whole_cache(pool, bf16_pv):
     assert torch.equal(got, want)
     with pytest.raises(ValueError, match="key_first"):  # a visible key missing
         K.flash_attention(pool, q, rolled_k[:, :, 1:], rolled_v[:, :, 1:], start, D ** -0.5, window, key_first=first + 1)
+
+
+def test_paged_flash_attention_fuzzed_block_tables(pool):
+    """Any block table: a page id outside the pool is a ValueError naming it, never a read outside
+    the pool; a valid one gives the bits of the same keys gathered into a cache."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    q, k, v = make(4, 1, 6, 64, 2, seed=5)
+    ps, n_pages = 4, 6
+    keys, values = torch.randn(n_pages * ps, 1, 64), torch.randn(n_pages * ps, 1, 64)
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.lists(st.integers(-3, n_pages + 3), min_size=2, max_size=4))
+    def check(ids):
+        table = torch.tensor(ids, dtype=torch.int64)
+        if any(not 0 <= i < n_pages for i in ids[:2]):  # 8 keys: the first two pages are read
+            with pytest.raises(ValueError, match="outside the pool"):
+                K.flash_attention_paged(pool, q, keys, values, table, ps, 2, 0.125)
+            return
+        out = K.flash_attention_paged(pool, q, keys, values, table, ps, 2, 0.125)
+        j = torch.arange(8)
+        at = table[j // ps] * ps + j % ps
+        kc, vc = keys[at].transpose(0, 1)[None], values[at].transpose(0, 1)[None]
+        assert torch.equal(out, K.flash_attention(pool, q, kc, vc, 2, 0.125))
+
+    check()
