@@ -11,7 +11,10 @@ the file and against itself, the way llama.cpp's loader does:
   head counts positive and dividing each other, ``embedding_length`` equals the embedding's
   width, expert counts matching the stacked expert tensors;
 * numbers in range: positive finite epsilons, rope bases and factors; sizes below limits no
-  real model comes near (an absurd value is an error, not an allocation).
+  real model comes near (an absurd value is an error, not an allocation); a sliding window of at
+  least one token (0 reaches transformers' cache as a shape mismatch on the first step);
+* special token ids (``tokenizer.ggml.bos_token_id`` and the rest of gguf-py's ``*_ID`` keys)
+  inside the vocabulary: an id past it would index the embedding out of range or stop nothing.
 
 :func:`scan_tensors` (``--check_tensors``, llama.cpp's flag) reads every tensor once and names
 the first one holding NaN or Inf.  :func:`compile_chat_template` compiles a chat template as
@@ -127,6 +130,7 @@ def check_metadata(where: str, meta, arch: str, tensors: dict[str, tuple[int, ..
     gets the checks that need no model keys."""
     from .gguf_names import LINEAR_ATTN_ARCHS, name_map
 
+    _check_special_tokens(where, meta, arch, tensors)
     try:
         name_map(arch)
     except KeyError:
@@ -163,10 +167,11 @@ def check_metadata(where: str, meta, arch: str, tensors: dict[str, tuple[int, ..
         raise k.fail("embedding_length", f"is {width}, but token_embd.weight is {list(emb)}")
     for key in ("feed_forward_length", "expert_feed_forward_length", "expert_shared_feed_forward_length",
                 "attention.key_length", "attention.value_length", "rope.dimension_count",
-                "attention.kv_lora_rank", "attention.q_lora_rank", "attention.sliding_window",
+                "attention.kv_lora_rank", "attention.q_lora_rank",
                 "ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size",
                 "rope.dimension_sections"):
         k.ints(key, 0, MAX_WIDTH)
+    k.ints("attention.sliding_window", 1, MAX_WIDTH)  # a window holds at least the token itself
     key_len = (k.ints("attention.key_length", 1, MAX_WIDTH) or [None])[0]
     val_len = (k.ints("attention.value_length", 1, MAX_WIDTH) or [None])[0]
     if key_len is None and width % max(heads):
@@ -210,6 +215,44 @@ def check_metadata(where: str, meta, arch: str, tensors: dict[str, tuple[int, ..
         if v is not None and not isinstance(v, (str, list)) and not math.isfinite(float(v)):
             raise k.fail(key, f"is {v}; expected a finite number")
     _check_finite(where, meta)
+
+
+def _special_token_keys() -> list[str]:
+    """gguf-py's special token id keys (``tokenizer.ggml.bos_token_id``, ``eot``, ``fim_*``, ...)."""
+    from gguf.constants import Keys
+
+    return [v for k, v in vars(Keys.Tokenizer).items() if k.endswith("_ID") and isinstance(v, str)]
+
+
+def _vocab_sizes(meta, arch: str, tensors: dict[str, tuple[int, ...]]) -> list[tuple[int, str]]:
+    """(size, what says so) of every table a token id indexes: the tokenizer's tokens, the embedding
+    rows, ``<arch>.vocab_size``."""
+    sizes = []
+    if "tokenizer.ggml.tokens" in meta:
+        n = meta.array_len("tokenizer.ggml.tokens") if hasattr(meta, "array_len") else len(meta["tokenizer.ggml.tokens"])
+        sizes.append((n, "tokenizer.ggml.tokens"))
+    emb = tensors.get("token_embd.weight")
+    if emb is not None and len(emb) == 2:
+        sizes.append((int(emb[0]), "token_embd.weight rows"))
+    v = meta.get(f"{arch}.vocab_size")
+    if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+        sizes.append((int(v), f"{arch}.vocab_size"))
+    return sizes
+
+
+def _check_special_tokens(where: str, meta, arch: str, tensors: dict[str, tuple[int, ...]]) -> None:
+    """Every special token id an integer inside every vocabulary table the file has."""
+    sizes = _vocab_sizes(meta, arch, tensors)
+    for key in _special_token_keys():
+        v = meta.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise WeightError(f"{where}: metadata '{key}' must be a token id (an integer), not {v!r}")
+        for n, what in sizes:
+            if not 0 <= int(v) < n:
+                raise WeightError(f"{where}: metadata '{key}' is {int(v)}, outside the vocabulary of {n} tokens "
+                                  f"({what}); expected 0..{n - 1}")
 
 
 def _check_finite(where: str, meta) -> None:

@@ -236,6 +236,15 @@ class _Metadata(Mapping[str, Any]):
             if not f.types or f.types[0] != GGUFValueType.ARRAY:
                 yield key, self[key]
 
+    def array_len(self, key: str) -> int:
+        """Entries of an array field, read from its header (no element is decoded)."""
+        from gguf.constants import GGUFValueType
+
+        f = self._fields[key]
+        if not f.types or f.types[0] != GGUFValueType.ARRAY:
+            raise TypeError(f"metadata '{key}' is not an array")
+        return int(f.parts[4][0])  # key length, key, value type, item type, count
+
     def __len__(self):
         return len(self._fields)
 

@@ -14,7 +14,7 @@ import pytest
 from ktransformers.errors import ConfigError, WeightError
 
 FIXTURE = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "qwen3moe-tiny" / "Q4_0.gguf"
-pytestmark = pytest.mark.skipif(not FIXTURE.is_file(), reason=f"{FIXTURE} is absent (shared fixtures)")
+needs_fixture = pytest.mark.skipif(not FIXTURE.is_file(), reason=f"{FIXTURE} is absent (shared fixtures)")
 ARCH = "qwen3moe"
 
 
@@ -96,14 +96,14 @@ CASES = [
 ]
 
 
+@needs_fixture
 @pytest.mark.parametrize("kind, edit, needle", CASES, ids=[c[0] for c in CASES])
 def test_corruption_named_before_anything_is_sized(tmp_path, kind, edit, needle):
     t0 = time.perf_counter()
     msg = outcome(corrupt(tmp_path, edit))
     assert msg is not None and needle in msg, msg
     assert time.perf_counter() - t0 < 30
-
-
+@needs_fixture
 def test_fixture_itself_loads_and_scans_clean(tmp_path):
     assert outcome(corrupt(tmp_path, lambda r: None), check_tensors=True) is None
 
@@ -113,6 +113,7 @@ def _data_of(r, name):
     return t.data.reshape(-1).view(np.uint8)
 
 
+@needs_fixture
 @pytest.mark.parametrize("tensor, fill, needle", [
     ("output_norm.weight", "nan", "tensor 'output_norm.weight' (F32 [256]) holds NaN or Inf (first at row 0, column 3)"),
     ("blk.0.attn_q.weight", "ff", "tensor 'blk.0.attn_q.weight' (Q4_0 [256, 256]) holds NaN or Inf"),
@@ -155,6 +156,7 @@ SWEEP = [0, 1, 7, 2**31 - 1]
 DEEPSEEK = FIXTURE.parents[1] / "deepseek2-tiny" / "Q4_0.gguf"
 
 
+@needs_fixture
 @pytest.mark.parametrize("fixture", [FIXTURE, DEEPSEEK], ids=["qwen3moe", "deepseek2"])
 def test_corpus_every_numeric_field_swept(tmp_path, fixture):
     if not fixture.is_file():
@@ -176,8 +178,7 @@ def test_corpus_every_numeric_field_swept(tmp_path, fixture):
             p.unlink()
             n += 1
     assert n >= 70 and errors >= n // 3, (n, errors)
-
-
+@needs_fixture
 def test_corpus_truncated_everywhere(tmp_path):
     data = FIXTURE.read_bytes()
     cuts = list(range(0, 2600, 97)) + [len(data) - 1, len(data) - 4096, len(data) // 2]
@@ -198,6 +199,7 @@ from hypothesis import strategies as st  # noqa: E402
 HEADER_END = 2592  # where the fixture's tensor data starts
 
 
+@needs_fixture
 @settings(max_examples=120, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.integers(0, HEADER_END - 1), st.integers(0, 255)), min_size=1, max_size=6))
@@ -216,3 +218,79 @@ def test_fuzz_gguf_header_named_error_or_success(tmp_path, edits):
     t0 = time.perf_counter()
     outcome(p)
     assert time.perf_counter() - t0 < 30
+
+
+# ---- keys written into a tiny Gemma-3 file: sliding window, special token ids -------------------
+
+def with_metadata(src: Path, dst: Path, fields: dict) -> Path:
+    """A copy of ``src`` with ``fields`` (key -> (GGUFValueType, value)) set or added, by gguf-py's
+    own metadata copier."""
+    import gguf
+    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
+
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(dst, arch=r.get_field("general.architecture").contents(), endianess=r.endianess)
+    copy_with_new_metadata(r, w, {k: MetadataDetails(t, v) for k, (t, v) in fields.items()}, [])
+    return dst
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma(tiny_model_dir, tmp_path_factory):
+    """A tiny random Gemma-3 GGUF with its tokenizer (vocabulary of 320 tokens, sliding window 8)."""
+    from ktransformers.convert import convert
+
+    return convert(tiny_model_dir("gemma3_text"), tmp_path_factory.mktemp("gemma") / "g.gguf", "F32", "F32", "F32")
+
+
+def _special_token_keys():
+    from gguf.constants import Keys
+
+    return sorted(v for k, v in vars(Keys.Tokenizer).items() if k.endswith("_ID"))
+
+
+def test_tiny_gemma_loads(tiny_gemma):
+    assert outcome(tiny_gemma) is None
+
+
+@pytest.mark.parametrize("key, kind, value, needle", [
+    ("gemma3.attention.sliding_window", "UINT32", 0, "'gemma3.attention.sliding_window' is 0; expected 1.."),
+    ("gemma3.attention.sliding_window", "UINT32", 2**31, "'gemma3.attention.sliding_window' is 2147483648; expected 1.."),
+    ("tokenizer.ggml.bos_token_id", "UINT32", 320, "'tokenizer.ggml.bos_token_id' is 320, outside the vocabulary of 320"),
+    ("tokenizer.ggml.eos_token_id", "UINT32", 2**32 - 1, "'tokenizer.ggml.eos_token_id' is 4294967295, outside"),
+    ("tokenizer.ggml.padding_token_id", "INT32", -1, "'tokenizer.ggml.padding_token_id' is -1, outside"),
+    ("tokenizer.ggml.unknown_token_id", "UINT32", 100000, "'tokenizer.ggml.unknown_token_id' is 100000, outside"),
+    ("tokenizer.ggml.eot_token_id", "UINT32", 5000, "'tokenizer.ggml.eot_token_id' is 5000, outside"),
+    ("tokenizer.ggml.eom_token_id", "UINT32", 320, "'tokenizer.ggml.eom_token_id' is 320, outside"),
+    ("tokenizer.ggml.eos_token_id", "STRING", "2", "'tokenizer.ggml.eos_token_id' must be a token id"),
+])
+def test_gemma_key_named(tiny_gemma, tmp_path, key, kind, value, needle):
+    import gguf
+
+    p = with_metadata(tiny_gemma, tmp_path / "k.gguf", {key: (gguf.GGUFValueType[kind], value)})
+    msg = outcome(p)
+    assert msg is not None and needle in msg, msg
+
+
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(key=st.sampled_from(["gemma3.attention.sliding_window"] + _special_token_keys()),
+       value=st.one_of(st.integers(-2**31, 2**32 - 1), st.sampled_from([0, 1, 319, 320, 1 << 20, (1 << 20) + 1]),
+                       st.booleans(), st.floats(allow_nan=True), st.text(max_size=4)))
+def test_fuzz_gemma_window_and_token_ids(tiny_gemma, tmp_path, key, value):
+    """Any value for the window or a special token id: loads exactly when it is in range, else one
+    line naming the key."""
+    import gguf
+
+    T = gguf.GGUFValueType
+    kind = (T.BOOL if isinstance(value, bool) else T.INT64 if isinstance(value, int)
+            else T.FLOAT64 if isinstance(value, float) else T.STRING)
+    p = with_metadata(tiny_gemma, tmp_path / "f.gguf", {key: (kind, value)})
+    t0 = time.perf_counter()
+    msg = outcome(p)
+    assert time.perf_counter() - t0 < 30
+    window = key.endswith("sliding_window")
+    valid = (kind == T.INT64 and (1 <= value <= 1 << 20 if window else 0 <= value < 320))
+    if valid:
+        assert msg is None, (key, value, msg)
+    else:
+        assert msg is not None and f"'{key}'" in msg, (key, value, msg)
