@@ -64,8 +64,16 @@ OPS: dict[str, dict[str, Alias]] = {
     },
     "experts": {
         "KExpertsMarlin": Alias("KExpertsTorch", "experts dequantized on the op's device"),
+        # its fine-tuning rules name the trainable op here; an adapter's expert LoRA applies beside the
+        # inference kernels, and training takes the operator (replace.class) of that name
+        "KSFTExpertsCPU": Alias("KExpertsCPU", "routed experts on the CPU kernels, an adapter's expert LoRA "
+                                               "beside them; to fine-tune, name class: KSFTExpertsCPU"),
     },
 }
+
+#: ``backend`` values that name the AMX tile layout: on a CPU without AMX the same layout runs on
+#: the best ISA tier it has (docs/rules.md, backend table); the rule records one line saying so
+AMX_BACKENDS = ("AMXInt8", "AMXBF16", "AMXInt4", "AMXInt4_1")
 
 #: kwarg spellings of the reference system -> ours
 KWARGS: dict[str, str] = {
@@ -140,8 +148,24 @@ def normalize_kwargs(kwargs: dict) -> tuple[dict, list[tuple[str, str, str]]]:
         if key == "prefill_op" and value == NULL_OP:
             used.append((f"prefill_op: {NULL_OP}", "prefill_op: null", "the generate op serves every call"))
             value = None
+        if key == "backend" and value in AMX_BACKENDS:
+            tier = _isa_tier()
+            if tier is not None and tier != "amx":
+                used.append((f"backend: {value}", f"{value} on the {tier} tier", "this CPU has no AMX; the same "
+                             "packed layout runs on its best kernels"))
         out[key] = value
     return out, used
+
+
+def _isa_tier() -> str | None:
+    """The CPU kernels' ISA tier in force, None where the kernels are not built or KT_ISA is invalid
+    (that error is the kernels' to give, at load)."""
+    try:
+        from ..kernels.pool import isa_tier
+
+        return isa_tier()
+    except (ImportError, ValueError):
+        return None
 
 
 def resolve_class_path(text: str) -> tuple[Any, ...] | None:

@@ -7,6 +7,11 @@ kernel uses where the CPU has AMX and the AVX-512 (VNNI / BF16) kernels use else
 ``AMXInt4`` / ``AMXInt4_1`` requantize to int4 per 32-k group (fp16 scale; ``_1`` also an fp16
 min), two weights per byte, run by the VNNI-512 / AVX-VNNI / AVX2 kernels.
 
+Expert LoRA (an adapter applied for inference, ``lora_forward``) runs on ``kernels.MoETrainKernel``
+over this op's kernel: the same weights (in place or the packed copy, never expanded), each
+expert's LoRA on the rows routed to it added inside the kernel before the activation (gate/up)
+and before the routing weight (down) — the int4 backends have no such kernel.
+
 Weights that are not stored quantized (safetensors, F32/BF16 GGUF) are handed over as float
 tensors (F32 for an fp32 model, BF16 otherwise).  The op runs asynchronously: ``submit``
 returns at once so the MoE block computes shared experts meanwhile; ``collect`` waits.
@@ -22,6 +27,8 @@ from .experts import ExpertsOp
 from .registry import register
 
 BACKEND_NAMES = ("llamafile", "AMXInt8", "AMXBF16", "AMXInt4", "AMXInt4_1")
+#: backends whose weights the LoRA forward / backward kernels (``kernels.MoETrainKernel``) read
+LORA_BACKENDS = ("llamafile", "AMXInt8", "AMXBF16")
 
 
 def _kernels():
@@ -64,6 +71,7 @@ class KExpertsCPU(ExpertsOp):
         super().__init__(key, config, orig_module, device, **kwargs)
         self.backend = backend
         self.kernel = None
+        self.lora_kernel = None  # MoETrainKernel over self.kernel, made by the first lora_forward
 
     def load(self, weights, dtype):
         K = _kernels()
@@ -139,6 +147,7 @@ class KExpertsCPU(ExpertsOp):
 
     def unload(self):
         self.kernel = None
+        self.lora_kernel = None
         self._arrays = None
         self._biases = None
         self.loaded = False
@@ -161,3 +170,23 @@ class KExpertsCPU(ExpertsOp):
 
     def forward(self, x, top_k_index, top_k_weights):
         return self.collect(self.submit(x, top_k_index, top_k_weights))
+
+    LORA = True
+
+    def lora_unsupported(self) -> str | None:
+        why = super().lora_unsupported()
+        if why is None and self.backend not in LORA_BACKENDS:
+            why = (f"expert LoRA runs beside the {' / '.join(LORA_BACKENDS)} kernels, not backend "
+                   f"{self.backend}; name one of them in the rule, or merge the adapter "
+                   f"(python -m ktransformers.sft export CONFIG.yaml)")
+        return why
+
+    def lora_forward(self, x, top_k_index, top_k_weights, lora):
+        K = _kernels()
+        if self.lora_kernel is None:
+            self.lora_kernel = K.MoETrainKernel(self.kernel)
+        gu = K.LoraFactors(lora.A_gu, lora.B_gu, lora.scale) if lora.A_gu is not None else None
+        dn = K.LoraFactors(lora.A_d, lora.B_d, lora.scale) if lora.A_d is not None else None
+        xs, ids, w = self._prep(x, top_k_index, top_k_weights)
+        out, _ = self.lora_kernel.forward(xs, ids, w, gu, dn, save=False)
+        return out.to(x.dtype)

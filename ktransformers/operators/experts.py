@@ -26,6 +26,7 @@ from torch import nn
 from ..errors import RuleError, WeightError
 from ..weights.experts_layout import ExpertsLayout
 from .base import BaseInjectedModule, Op
+from .expert_lora import ExpertLora, KernelLora
 from .kinds import EXPERTS
 from .registry import register
 
@@ -148,6 +149,24 @@ class ExpertsOp(Op):
     def forward(self, x, top_k_index, top_k_weights):  # pragma: no cover - interface
         raise NotImplementedError
 
+    # expert LoRA beside the base computation (an adapter applied for inference)
+    #: whether ``lora_forward`` is implemented
+    LORA = False
+
+    def lora_unsupported(self) -> str | None:
+        """Why this op cannot apply expert LoRA (None: it can)."""
+        if not self.LORA:
+            return f"the {self.name} op has no expert LoRA path"
+        if not self.layout.stacked:
+            return (f"expert LoRA follows the fused [E, 2I, H] parameters; {type(self.orig_module).__name__} "
+                    f"stores {self.layout.describe()}")
+        return None
+
+    def lora_forward(self, x, top_k_index, top_k_weights, lora: KernelLora) -> torch.Tensor:
+        """The routed experts with ``lora`` added to each targeted projection of each expert, over the
+        tokens routed to it, weighted by the routing weights; synchronous."""
+        raise NotImplementedError(self.lora_unsupported())
+
     # async interface; synchronous ops compute in submit
     def submit(self, x, top_k_index, top_k_weights):
         return self.forward(x, top_k_index, top_k_weights)
@@ -183,46 +202,101 @@ class KExpertsTorch(ExpertsOp):
         self.gate_up_bias = torch.cat((b["gate_proj"], b["up_proj"]), dim=-1) if b else None
         self.down_bias = b["down_proj"] if b else None
 
-    def forward(self, x, top_k_index, top_k_weights):
+    LORA = True
+
+    def forward(self, x, top_k_index, top_k_weights, lora: KernelLora | None = None):
         T = top_k_index.shape[0]
         out = torch.zeros(T, self.hidden, dtype=torch.float32 if x.dtype == torch.float32 else x.dtype,
                           device=x.device)
+        if lora is not None:
+            lora = KernelLora(*(None if f is None else f.to(self.device, self.gate_up.dtype) for f in lora[:4]),
+                              lora.scale)
         for e, sel, w in routed_groups(top_k_index, top_k_weights, self.num_experts):
             xs = x.index_select(0, sel).to(self.gate_up.dtype)
             gub = self.gate_up_bias[e] if self.gate_up_bias is not None else None
-            gate, up = F.linear(xs, self.gate_up[e], gub).chunk(2, dim=-1)
-            h = F.linear(self.glu(gate, up), self.down[e], self.down_bias[e] if self.down_bias is not None else None)
+            gu = F.linear(xs, self.gate_up[e], gub)
+            if lora is not None and lora.A_gu is not None:
+                gu = gu + F.linear(F.linear(xs, lora.A_gu[e]), lora.B_gu[e]) * lora.scale
+            gate, up = gu.chunk(2, dim=-1)
+            act = self.glu(gate, up)
+            h = F.linear(act, self.down[e], self.down_bias[e] if self.down_bias is not None else None)
+            if lora is not None and lora.A_d is not None:
+                h = h + F.linear(F.linear(act, lora.A_d[e]), lora.B_d[e]) * lora.scale
             h = h * w[:, None].to(h.dtype)
             out.index_add_(0, sel, h.to(out.dtype))
         return out.to(x.dtype)
 
+    def lora_forward(self, x, top_k_index, top_k_weights, lora: KernelLora) -> torch.Tensor:
+        return self.forward(x, top_k_index, top_k_weights, lora)
+
 
 @register("KTransformersExperts")
-class KTransformersExperts(BaseInjectedModule):
+class KTransformersExperts(ExpertLora, BaseInjectedModule):
     """Replaces a transformers 5 experts module; runs its routed experts with per-phase ops.
 
     kwargs: ``generate_op`` (``KExpertsCPU``, ``KExpertsTorch``), ``prefill_op``, devices,
     ``out_device``, plus op kwargs (``backend`` for ``KExpertsCPU``).
     Use ``recursive: false`` in the rule: the experts' internals are not modules to match.
+
+    An adapter's expert LoRA (``add_lora``, PEFT's layout: ``expert_lora.py``) is applied for
+    inference by the ops beside their base computation (``ExpertsOp.lora_forward``), the base
+    weights untouched; the calls then run synchronously and without autograd (training takes
+    ``KSFTExpertsCPU`` / ``KSFTExpertsTorch``, whose backward trains the factors).
     """
 
     OPS = EXPERTS_OPS
     OP_TABLE_NAME = "experts"
     DEFAULT_OP = "KExpertsTorch"
     REPLACES = (EXPERTS,)
+    #: whether the expert LoRA this operator carries is trained through its backward
+    TRAINS_LORA = False
+
+    def __init__(self, key, gguf_loader=None, config=None, orig_module=None, **kwargs):
+        super().__init__(key, gguf_loader, config, orig_module, **kwargs)
+        object.__setattr__(self, "lora_config", None)
+        object.__setattr__(self, "_lora_cache", None)
+
+    def lora_geometry(self) -> tuple[int, int, int]:
+        op = self.generate_op
+        return op.num_experts, op.hidden, op.intermediate
+
+    def check_lora_ready(self) -> None:
+        for op in self.ops():
+            if not op.loaded:
+                raise ValueError(f"{self.key}: add_lora after the model's weights are loaded")
+            why = op.lora_unsupported()
+            if why:
+                raise ValueError(f"{self.key}: {why}")
+
+    def frozen_lora(self) -> KernelLora:
+        """``kernel_lora()`` as contiguous fp32 copies, made again only when a factor changed (the
+        ops read them on every call; inference leaves them as loaded)."""
+        versions = tuple(p._version for pair in self.lora_parameters().values() for p in pair)
+        cache = self._lora_cache
+        if cache is None or cache[0] != versions:
+            with torch.no_grad():
+                k = self.kernel_lora()
+                k = KernelLora(*(None if f is None else f.detach().to(torch.float32).contiguous() for f in k[:4]),
+                               k.scale)
+            cache = (versions, k)
+            object.__setattr__(self, "_lora_cache", cache)
+        return cache[1]
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         return self.collect(self.submit(hidden_states, top_k_index, top_k_weights))
 
     def submit(self, hidden_states, top_k_index, top_k_weights):
-        """Start the routed experts; returns a handle for ``collect`` (async where the op is)."""
+        """Start the routed experts; returns a handle for ``collect`` (async where the op is; with
+        expert LoRA the result itself)."""
         op = self.select_op(hidden_states.shape[0])
         out_device = self.out_device or hidden_states.device
-        handle = op.submit(
-            hidden_states.to(op.device), top_k_index.to(op.device), top_k_weights.to(op.device)
-        )
-        return op, handle, out_device, hidden_states.dtype
+        args = (hidden_states.to(op.device), top_k_index.to(op.device), top_k_weights.to(op.device))
+        if self.lora_config is not None:
+            with torch.no_grad():
+                return None, op.lora_forward(*args, self.frozen_lora()), out_device, hidden_states.dtype
+        return op, op.submit(*args), out_device, hidden_states.dtype
 
     def collect(self, token) -> torch.Tensor:
         op, handle, out_device, dtype = token
-        return op.collect(handle).to(device=out_device, dtype=dtype)
+        out = handle if op is None else op.collect(handle)
+        return out.to(device=out_device, dtype=dtype)

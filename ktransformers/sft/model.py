@@ -164,7 +164,8 @@ def load_training_model(cfg, log=print) -> TrainModel:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.requires_grad_(False)
-    experts = expert_modules(model)
+    # the inference experts operator applies an adapter's expert LoRA but has no backward for it
+    experts = {n: m for n, m in expert_modules(model).items() if m.TRAINS_LORA}
     modules, params = split_targets(cfg.targets(), model, bool(experts))
     if params and cfg.lora_dropout:
         raise cfg.error("lora_dropout", "PEFT's LoRA on expert parameters takes no dropout; set 0, or leave the "

@@ -49,6 +49,7 @@ class KSFTExpertsTorch(BaseInjectedModule):
     Use ``recursive: false`` in the rule."""
 
     REPLACES = (EXPERTS,)
+    TRAINS_LORA = True
 
     def __init__(self, key, gguf_loader=None, config=None, orig_module=None, **kwargs):
         super().__init__(key, gguf_loader, config, orig_module, **kwargs)
@@ -63,7 +64,8 @@ class KSFTExpertsTorch(BaseInjectedModule):
         return int(self.gate_up_proj.shape[0])
 
     # -- LoRA -------------------------------------------------------------------------
-    def add_lora(self, r: int, alpha: float, dropout: float = 0.0, targets=EXPERT_PARAMS) -> None:
+    def add_lora(self, r: int, alpha: float, dropout: float = 0.0, targets=EXPERT_PARAMS,
+                 use_rslora: bool = False) -> None:
         """Create LoRA A/B for each of ``targets`` (A Kaiming-uniform, B zero, as PEFT)."""
         bad = [t for t in targets if t not in EXPERT_PARAMS]
         targets = tuple(t for t in EXPERT_PARAMS if t in targets)
@@ -81,7 +83,7 @@ class KSFTExpertsTorch(BaseInjectedModule):
             self.register_parameter(f"lora_A_{t}", nn.Parameter(a))
             self.register_parameter(f"lora_B_{t}", nn.Parameter(b))
         object.__setattr__(self, "lora_targets", targets)
-        object.__setattr__(self, "lora_scaling", float(alpha) / r)
+        object.__setattr__(self, "lora_scaling", float(alpha) / (math.sqrt(r) if use_rslora else r))
         object.__setattr__(self, "lora_rank", int(r))
 
     def lora_state_dict(self) -> dict[str, torch.Tensor]:

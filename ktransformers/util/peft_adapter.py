@@ -8,7 +8,9 @@ saving, merging; ``sft.model``: training) builds on it.  The file layout is desc
 Linears are adapted by PEFT itself: plain ``nn.Linear`` as PEFT does for any model, the
 injected ``KTransformersLinear`` (weights in the CPU kernels) through PEFT's custom-module hook
 with PEFT's own LoRA ``Linear`` layer (base output + ``B(A(x)) * scaling``).  Experts are adapted
-by their operator (``add_lora`` / ``load_lora_state_dict``).
+by their operator (``add_lora`` / ``load_lora_state_dict``): the inference operator
+(``KTransformersExperts``) applies the factors beside its kernels, the quantized weights untouched;
+the training operators (``KSFTExpertsCPU`` / ``KSFTExpertsTorch``) also train them.
 """
 
 from __future__ import annotations
@@ -101,8 +103,8 @@ def apply_adapter(model: nn.Module, folder: str | Path) -> nn.Module:
     """Load the adapter in ``folder`` onto an injected ``model`` (in place) for inference; returns ``model``.
 
     Linears get PEFT's LoRA layers; experts their operator's LoRA.  An adapter with expert LoRA
-    needs an experts operator that carries it (the training rules'); otherwise the error says how
-    to merge the adapter instead."""
+    needs an experts operator that carries it (``KTransformersExperts`` on a backend with a LoRA
+    path, or a training operator); otherwise the error says what to use or how to merge it."""
     from peft import set_peft_model_state_dict
 
     cfg, sd = read_adapter(folder)
@@ -121,12 +123,13 @@ def apply_adapter(model: nn.Module, folder: str | Path) -> nn.Module:
         if not experts:
             kinds = sorted({type(m).__name__ for n, m in model.named_modules() if n.endswith(".experts")})
             raise ConfigError(f"{folder}: the adapter has LoRA on experts ({', '.join(targets)}), which the "
-                              f"experts operator here ({', '.join(kinds) or 'none'}) cannot apply; load with "
-                              "training rules (optimize_rules/sft/) or merge it (python -m ktransformers.sft "
+                              f"experts module here ({', '.join(kinds) or 'none'}) cannot apply; replace it with "
+                              "KTransformersExperts in the rules, or merge the adapter (python -m ktransformers.sft "
                               "export CONFIG.yaml)")
+        rslora = {"use_rslora": True} if cfg.use_rslora else {}
         for name, mod in experts.items():
             try:
-                mod.add_lora(cfg.r, cfg.lora_alpha, 0.0, params)
+                mod.add_lora(cfg.r, cfg.lora_alpha, 0.0, params, **rslora)
                 mod.load_lora_state_dict(expert_sd.get(name, {}))
             except ValueError as e:  # the operator's own check, one line
                 raise ConfigError(f"{folder}: {e}") from None

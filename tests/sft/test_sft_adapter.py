@@ -95,17 +95,37 @@ def test_server_settings_take_lora_path(attn_run, tmp_path):
         parse_settings(["--model_path", str(model_dir), "--lora_path", str(tmp_path / "none")])
 
 
-def test_expert_adapter_on_inference_experts_is_refused(tmp_path):
-    """An adapter with expert LoRA cannot be applied by the inference experts operator: one line that says
-    what to do instead."""
+def test_expert_adapter_trained_here_applies_on_the_inference_rules(tmp_path):
+    """An adapter this project trained with expert LoRA applies through the shipped inference rules
+    (KTransformersExperts on the CPU kernels) as PEFT applies it to the unmodified model."""
+    from ktransformers.util.loading import load_model
+
+    model_dir = write_trainable_tiny_model(tmp_path / "m")
+    out = tmp_path / "o"
+    assert main([str(write_config(tmp_path, model_dir, out, lora_target="experts", max_steps=3,
+                                  learning_rate=5e-2))]) == 0
+    m = load_model(model_dir, rules=RULES_DIR / "Qwen3Moe-cpu.yaml", lora=out)
+    assert m.model.layers[0].mlp.experts.lora_config["targets"] == ["gate_up_proj", "down_proj"]
+    ids = torch.randint(0, 300, (1, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(m(ids).logits, _peft_logits(model_dir, out, ids), atol=1e-3, rtol=1e-3)
+
+
+def test_expert_adapter_on_experts_no_operator_carries_is_refused(tmp_path):
+    """Experts kept as the transformers module cannot carry expert LoRA: one line that says what to
+    use instead."""
     from ktransformers.sft.adapter import apply_adapter
     from ktransformers.util.loading import load_model
 
     model_dir = write_trainable_tiny_model(tmp_path / "m")
     out = tmp_path / "o"
     assert main([str(write_config(tmp_path, model_dir, out, lora_target="experts", max_steps=1))]) == 0
-    m = load_model(model_dir, rules=RULES_DIR / "Qwen3Moe-cpu.yaml")
-    with pytest.raises(ConfigError, match="LoRA on experts .* cannot apply; load with training rules"):
+    rules = tmp_path / "r.yaml"
+    text = (RULES_DIR / "Qwen3Moe-cpu.yaml").read_text()
+    a = text.rindex("- match:", 0, text.index(r'mlp\\.experts$"'))
+    rules.write_text(text[:a] + text[text.index("- match:", a + 1):])  # the experts rule left out
+    m = load_model(model_dir, rules=rules)
+    with pytest.raises(ConfigError, match="LoRA on experts .* cannot apply; replace it with KTransformersExperts"):
         apply_adapter(m, out)
 
 
