@@ -147,10 +147,15 @@ SOFTMAX_TOPK_ROUTERS = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter")
 
 
 def _experts_op(experts):
-    """The ``KExpertsCPU`` op that serves ``experts`` at T=1 with its output on the CPU, or None."""
+    """The ``KExpertsCPU`` op that serves ``experts`` at T=1 with its output on the CPU, or None.
+
+    None also for experts carrying an adapter's LoRA: the step's ``MoEKernel`` call has no LoRA,
+    so such a block runs its own forward on the step's rows (the operator applies the LoRA)."""
     from ..operators.cpu_experts import KExpertsCPU
 
     if not hasattr(experts, "generate_op") or getattr(experts, "out_device", None) not in (None, "cpu"):
+        return None
+    if getattr(experts, "lora_config", None) is not None:
         return None
     pre = experts.prefill_op
     op = pre if pre is not None and 1 > experts.prefill_threshold else experts.generate_op
