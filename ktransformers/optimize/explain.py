@@ -126,6 +126,12 @@ def explain_plan(model: nn.Module, plan: Plan, weights=None) -> Explanation:
         got = fn(name, p.kwargs, weights) if fn is not None and p.rule is not None else None
         if got is not None:
             held[name] = got
+    from .inject import tied_weight_aliases
+
+    # a tied parameter the weights do not hold on their own is the one it is tied to
+    aliases = {a: b for a, b in tied_weight_aliases(model).items() if not _stored_apart(weights, a, b)}
+    counted: set[tuple] = set()  # (tensor, read in place?, device)
+    tied: dict[str, str] = {}  # tensor -> the tensor whose bytes it shares
     modules = dict(model.named_modules())
     for name, module in modules.items():
         p = plan.placements.get(name)
@@ -151,14 +157,22 @@ def explain_plan(model: nn.Module, plan: Plan, weights=None) -> Explanation:
         for full, t in tensors:
             nbytes, in_place = _stored_bytes(weights, full, t, p)
             for dev in op_devices:
+                # a tied head read in place from the embedding's bytes, or sharing its copy on
+                # one device, is held once
+                key = (aliases.get(full, full), in_place, str(dev))
+                if key in counted:
+                    tied[full] = key[0]
+                    continue
+                counted.add(key)
                 row.bytes_per_device[str(dev)] = row.bytes_per_device.get(str(dev), 0) + nbytes
                 totals[str(dev)] = totals.get(str(dev), 0) + nbytes
-            if on_cpu:
-                mem.add(nbytes, "in_place" if in_place else "copy")
+                if torch.device(dev).type == "cpu":
+                    mem.add(nbytes, "in_place" if in_place else "copy")
     counts = [(r.index, r.where(), len(plan.matches.get(r.index, [])), r.describe_match()) for r in plan.rules]
     unmatched = [r.index for r in plan.unmatched_rules()]
     return Explanation(counts, list(rows.values()), totals, unmatched,
-                       notes=plan.absent_kind_notes() + _kv_cache_notes(model),
+                       notes=plan.absent_kind_notes() + _kv_cache_notes(model)
+                       + [f"{a} is {b} (tied): counted once, under {b.rpartition('.')[0]}" for a, b in tied.items()],
                        aliases=alias_lines(plan.rules), memory=mem)
 
 
@@ -189,6 +203,15 @@ def _kv_cache_notes(model: nn.Module) -> list[str]:
     lat, exp = latent_cache_bytes_per_token(cfg, dtype)
     return [f"KV cache per token ({str(dtype).removeprefix('torch.')}, all layers): MLA latent "
             f"{fmt_bytes(lat)} (per-head K/V would be {fmt_bytes(exp)}, {exp / lat:.0f}x)"]
+
+
+def _stored_apart(weights, a: str, b: str) -> bool:
+    """Whether ``weights`` store tensor ``a`` apart from ``b`` (a GGUF serves a tied head from the
+    embedding's own bytes)."""
+    if weights is None or not weights.has(a):
+        return False
+    name_of = getattr(weights, "gguf_name", None)
+    return name_of is None or name_of(a) != name_of(b)
 
 
 def _stored_bytes(weights, full: str, t: torch.Tensor, p) -> tuple[int, bool]:

@@ -50,6 +50,18 @@ def _config_dtype(config) -> torch.dtype:
     return d if isinstance(d, torch.dtype) else torch.float32
 
 
+def tied_weight_aliases(model: nn.Module) -> dict[str, str]:
+    """Tied parameter -> the parameter it shares (``lm_head.weight`` -> ``model.embed_tokens.weight``)
+    where the config ties them."""
+    text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if not getattr(text_cfg, "tie_word_embeddings", False):
+        return {}
+    tied = getattr(model, "_tied_weights_keys", None) or {}
+    if isinstance(tied, dict):
+        return dict(tied)
+    return {k: "model.embed_tokens.weight" for k in tied}  # older list form
+
+
 class ModelWeights:
     """A weight source seen through one model: resolves tied weights (lm_head ↔ embeddings)."""
 
@@ -57,15 +69,7 @@ class ModelWeights:
         self.source = source
         self.model = model
         self.path = source.path
-        self.aliases: dict[str, str] = {}
-        text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        if getattr(text_cfg, "tie_word_embeddings", False):
-            tied = getattr(model, "_tied_weights_keys", None) or {}
-            if isinstance(tied, dict):
-                self.aliases.update(tied)
-            else:  # older list form
-                for k in tied:
-                    self.aliases[k] = "model.embed_tokens.weight"
+        self.aliases: dict[str, str] = tied_weight_aliases(model)
 
     def _name(self, name: str) -> str:
         if not self.source.has(name) and name in self.aliases:

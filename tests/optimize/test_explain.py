@@ -47,7 +47,11 @@ def test_every_shipped_rule_file_matches_its_model(path):
     plan = plan_model(model, path)
     assert not plan.unmatched_rules(), [r.where() for r in plan.unmatched_rules()]
     ex = explain_plan(model, plan)
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    from ktransformers.optimize.inject import tied_weight_aliases
+
+    tied = set(tied_weight_aliases(model))  # held once, with the tensor they are tied to
+    total = sum(p.numel() * p.element_size() for n, p in model.named_parameters(remove_duplicate=False)
+                if n not in tied)
     total += sum(b.numel() * b.element_size() for n, b in model.named_buffers()
                  if n.rpartition(".")[2] not in model.get_submodule(n.rpartition(".")[0])._non_persistent_buffers_set)
     # every byte is placed somewhere (operators with a separate prefill copy count twice)
@@ -95,11 +99,56 @@ def test_explain_bytes_follow_devices():
     model = build_model(tiny_config("qwen3_moe"))
     rules = """
 - match: {name: "experts$"}
-  replace: {class: KTransformersExperts, kwargs: {generate_device: cpu, prefill_device: meta}}
+  replace: {class: KTransformersExperts, kwargs: {generate_device: cpu, prefill_device: "cuda:0"}}
   recursive: false
 """
     ex = explain_plan(model, plan_model(model, rules))
     experts_bytes = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." in n)
-    assert ex.bytes_per_device["meta"] == experts_bytes  # the prefill copy
+    assert ex.bytes_per_device["cuda:0"] == experts_bytes  # the prefill copy
     row = next(r for r in ex.rows if r.module == "model.layers.0.mlp.experts")
-    assert row.bytes_per_device["cpu"] == row.bytes_per_device["meta"] == experts_bytes // 2
+    assert row.bytes_per_device["cpu"] == row.bytes_per_device["cuda:0"] == experts_bytes // 2
+
+
+def _tied_tiny_gemma(tiny_model_dir, tmp_path_factory, quant):
+    from ktransformers.convert import convert
+
+    out = tmp_path_factory.mktemp("tied") / f"g-{quant}.gguf"
+    return convert(tiny_model_dir("gemma3_text"), out, quant, quant, quant, tokenizer=False)
+
+
+@pytest.mark.parametrize("quant", ["Q8_0", "F32"])
+def test_tied_embedding_counted_once(tiny_model_dir, tmp_path_factory, quant):
+    """A tied head (no output.weight in the file) is the embedding's bytes: explain's total and the
+    memory plan are the file's tensor bytes, not the embedding twice."""
+    import gguf
+
+    from ktransformers.weights import open_weights
+    from ktransformers.weights.model_config import load_config
+
+    path = _tied_tiny_gemma(tiny_model_dir, tmp_path_factory, quant)
+    stored = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+    source = open_weights(path)
+    cfg = load_config(None, source)
+    assert cfg.tie_word_embeddings
+    model = build_model(cfg)
+    ex = explain_plan(model, plan_model(model, default_rule_file(cfg, cuda=False), "cpu"), source)
+    assert ex.bytes_per_device == {"cpu": stored}
+    assert ex.memory.in_place + ex.memory.copies == stored
+    assert "lm_head.weight is model.embed_tokens.weight (tied): counted once, under model.embed_tokens" in ex.notes
+    head = next(r for r in ex.rows if r.module == "lm_head")
+    assert head.bytes_per_device == {}
+
+
+def test_tied_embedding_counted_once_without_weights(tiny_model_dir):
+    """From a config alone (and from safetensors that store no head), the tied head is not counted again."""
+    from ktransformers.weights import open_weights
+    from ktransformers.weights.model_config import load_config
+
+    d = tiny_model_dir("gemma3_text")
+    for source in (None, open_weights(d)):
+        cfg = load_config(d)
+        model = build_model(cfg)
+        ex = explain_plan(model, plan_model(model, default_rule_file(cfg, cuda=False), "cpu"), source)
+        emb = model.model.embed_tokens.weight
+        assert sum(r.bytes_per_device.get("cpu", 0) for r in ex.rows if r.module in ("lm_head", "model.embed_tokens")) \
+            == emb.numel() * emb.element_size()
