@@ -118,6 +118,10 @@ def apply_adapter(model: nn.Module, folder: str | Path) -> nn.Module:
         else:
             linear_sd[k] = v
     targets = sorted(cfg.target_parameters or [])
+    if expert_sd and not targets:  # else those tensors would be dropped without a word
+        owner, keys = next(iter(expert_sd.items()))
+        raise ConfigError(f"{folder}: tensor {PREFIX}{owner}.{next(iter(keys))} is expert LoRA, but "
+                          f"{ADAPTER_CONFIG} names no target_parameters")
     if targets:
         params = sorted({t.rpartition(".")[2] for t in targets})
         if not experts:
@@ -138,7 +142,11 @@ def apply_adapter(model: nn.Module, folder: str | Path) -> nn.Module:
         linear_cfg.target_parameters = None
         linear_cfg.inference_mode = True
         peft_model = wrap_linears(model, linear_cfg)
-        result = set_peft_model_state_dict(peft_model, linear_sd)
+        try:
+            result = set_peft_model_state_dict(peft_model, linear_sd)
+        except RuntimeError as e:  # torch's load_state_dict: "size mismatch for <tensor>: ..." lines
+            detail = next((ln.strip() for ln in str(e).splitlines() if "mismatch for" in ln), str(e).splitlines()[0])
+            raise ConfigError(f"{folder}: adapter does not fit this model ({detail})") from None
         missing = [k for k in result.missing_keys if (".lora_A." in k or ".lora_B." in k)
                    and not any(k.startswith(f"{PREFIX}{n}.") for n in experts)]  # experts: loaded above
         if missing or result.unexpected_keys:

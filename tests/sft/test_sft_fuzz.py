@@ -62,3 +62,87 @@ def test_fuzz_dataset_file_bytes(tmp_path_factory, data):
             json.dumps(rec)
     except ConfigError as e:
         assert "\n" not in str(e) and str(f) in str(e), str(e)
+
+# -- adapters with expert LoRA, applied on the inference rules -------------------------------------------
+
+EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+@pytest.fixture(scope="module")
+def expert_adapter(tmp_path_factory):
+    """(tiny Qwen3-MoE folder, (adapter config, tensors)) of a valid PEFT adapter with LoRA on the experts and q_proj."""
+    import torch
+    from safetensors.torch import load_file
+
+    from ktransformers.util.tiny_models import write_tiny_model
+
+    from .test_expert_adapter_inference import write_peft_adapter
+
+    root = tmp_path_factory.mktemp("fuzz-adapter")
+    write_tiny_model("qwen3_moe", root / "m", seed=0)
+    ad = write_peft_adapter(root / "m", root / "a", target_modules=["q_proj"], r=2)
+    sd = load_file(str(ad / "adapter_model.safetensors"))
+    assert any(".experts." in k for k in sd) and all(t.dtype == torch.float32 for t in sd.values())
+    return root / "m", (json.loads((ad / "adapter_config.json").read_text()), sd)
+
+
+def _mutate(cfg: dict, sd: dict, op: tuple):
+    import torch
+
+    kind, i, v = op
+    keys = sorted(sd)
+    k = keys[i % len(keys)]
+    if kind == "drop":
+        sd.pop(k)
+    elif kind == "rename":
+        sd[k.replace("lora_A", "lora_C") if "lora_A" in k else k + "x"] = sd.pop(k)
+    elif kind == "reshape":
+        t = sd[k]
+        sd[k] = torch.zeros(*(s + v % 3 - 1 or 1 for s in t.shape)) if v % 2 else t.reshape(-1)
+    elif kind == "extra":
+        sd[k.replace("layers.0", "layers.7")] = sd[k]
+    elif kind == "dtype":
+        sd[k] = sd[k].to(torch.float16 if v % 2 else torch.int32)
+    elif kind == "r":
+        cfg["r"] = v
+    elif kind == "alpha":
+        cfg["lora_alpha"] = v
+    elif kind == "targets":
+        cfg["target_parameters"] = [["mlp.experts.gate_proj"], ["mlp.experts.x"], [], None, EXPERT_TARGETS[:1],
+                                    ["self_attn.q_proj.weight"], ["mlp.experts.down_proj"] * 2][v % 7]
+    elif kind == "rslora":
+        cfg["use_rslora"] = bool(v % 2)
+
+
+MUTATIONS = st.lists(st.tuples(st.sampled_from(["drop", "rename", "reshape", "extra", "dtype", "r", "alpha",
+                                                "targets", "rslora"]),
+                               st.integers(0, 1000), st.integers(-3, 70)), min_size=1, max_size=3)
+
+
+@settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(MUTATIONS)
+def test_fuzz_expert_adapter_named_error_or_applied(tmp_path_factory, expert_adapter, ops):
+    """A damaged adapter with expert LoRA, loaded on the inference rules: one ConfigError line
+    naming the adapter folder, or a model that runs and gives finite logits."""
+    import copy
+
+    import torch
+    from safetensors.torch import save_file
+
+    from ktransformers.util.loading import load_model
+
+    model_dir, (cfg0, sd0) = expert_adapter
+    cfg, sd = copy.deepcopy(cfg0), dict(sd0)
+    for op in ops:
+        _mutate(cfg, sd, op)
+    folder = tmp_path_factory.mktemp("ad")
+    (folder / "adapter_config.json").write_text(json.dumps(cfg))
+    save_file({k: v.clone().contiguous() for k, v in sd.items()}, str(folder / "adapter_model.safetensors"))
+    try:
+        model = load_model(model_dir, lora=folder)
+    except ConfigError as e:
+        assert "\n" not in str(e) and str(folder) in str(e), str(e)
+        return
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
+
