@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..errors import KTError
+from ..errors import ConfigError, KTError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="rewrite the devices the rules name, e.g. cuda=cpu (a GPU rule file on a CPU-only machine)")
     e.add_argument("--allow-unmatched", action="store_true", help="do not fail on rules that match nothing")
     e.add_argument("--compact", action="store_true", help="fold rows that differ only in layer numbers")
+    e.add_argument("--context", type=int, metavar="TOKENS",
+                   help="size the KV cache in the memory plan at this many tokens and count it in the peak "
+                        "[the model's max positions, reported only]")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "check":
@@ -56,7 +59,9 @@ def _explain(args) -> int:
     from .device_map import load_rules_mapped
 
     plan = plan_model(model, load_rules_mapped(args.rules, args.device_map), args.device)
-    ex = explain_plan(model, plan, source)
+    if args.context is not None and args.context < 1:
+        raise ConfigError(f"--context must be at least 1 token (got {args.context})")
+    ex = explain_plan(model, plan, source, context=args.context)
     print(format_explanation(ex, compact=args.compact))
     if ex.unmatched and not args.allow_unmatched:
         bad = [plan.rules[i] for i in ex.unmatched]

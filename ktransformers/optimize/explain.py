@@ -37,14 +37,18 @@ class Explanation:
 
 @dataclass
 class MemoryPlan:
-    """What a load will hold in host memory (the CPU-placed weights; caches grow later).
+    """What a load will hold: host memory, and each accelerator's.
 
     ``in_place``: stored bytes the kernels read from the mapped weight file (page cache, read as
     used); ``copies``: tensors converted into the model's dtype (private memory); ``packed``:
     packed expert copies a first load makes (each layer written to the packed-weight cache and
     then mapped, so at most ``packed_layer`` is private at a time; all of it private without a
-    cache); ``packed_cached``: packed copies already in the cache (mapped).  ``available``: the
-    machine's MemAvailable (None when unknown)."""
+    cache); ``packed_cached``: packed copies already in the cache (mapped).  ``kv_cache``: the
+    host-placed KV cache at ``context`` tokens; part of the peak only when the context was chosen
+    (``context_chosen``; otherwise the cache grows with the conversation and ``context`` is the
+    model's own limit).  ``runtime``: what this process holds already (torch, transformers, the
+    CPU kernels), outside ``available``, the machine's MemAvailable (None when unknown).
+    ``devices``: accelerator -> ``[weights, KV cache, free bytes or None]``."""
 
     in_place: int = 0
     copies: int = 0
@@ -53,6 +57,11 @@ class MemoryPlan:
     packed_cached: int = 0
     cache_on: bool = True
     available: int | None = None
+    kv_cache: int = 0
+    context: int | None = None
+    context_chosen: bool = False
+    runtime: int | None = None
+    devices: dict[str, list] = field(default_factory=dict)
 
     def add(self, nbytes: int, how: str) -> None:
         if how == "in_place":
@@ -67,12 +76,30 @@ class MemoryPlan:
 
     @property
     def private(self) -> int:
-        """Private memory the load needs at its peak."""
-        return self.copies + (self.packed_layer if self.cache_on else self.packed)
+        """Private memory the load needs at its peak (with the KV cache of a chosen context)."""
+        return (self.copies + (self.packed_layer if self.cache_on else self.packed)
+                + (self.kv_cache if self.context_chosen else 0))
 
     @property
     def mapped(self) -> int:
         return self.in_place + self.packed_cached + (self.packed if self.cache_on else 0)
+
+    def device_needs(self, dev: str) -> int:
+        """Bytes an accelerator needs: its weights, and its KV cache when the context was chosen."""
+        weights, kv, _ = self.devices[dev]
+        return weights + (kv if self.context_chosen else 0)
+
+    def short_devices(self) -> list[tuple[str, int, int]]:
+        """(device, needed, free) of each accelerator whose free memory is known and too small."""
+        return [(d, self.device_needs(d), free) for d, (_, _, free) in sorted(self.devices.items())
+                if free is not None and self.device_needs(d) > free]
+
+    def _kv_words(self, kv: int) -> str:
+        if self.context is None:
+            return ""
+        if self.context_chosen:
+            return f"KV cache at {self.context} tokens {fmt_bytes(kv)}"
+        return f"KV cache up to {fmt_bytes(kv)} (grows with the conversation to the model's {self.context} tokens)"
 
     def lines(self) -> list[str]:
         parts = [f"read in place from the weights {fmt_bytes(self.in_place)}", f"copies {fmt_bytes(self.copies)}"]
@@ -81,6 +108,10 @@ class MemoryPlan:
                          + (" (written to the packed-weight cache, then mapped)" if self.cache_on else " (no cache: kept)"))
         if self.packed_cached:
             parts.append(f"packed experts mapped from the cache {fmt_bytes(self.packed_cached)}")
+        if self.context is not None and (self.kv_cache or not self.devices):
+            parts.append(self._kv_words(self.kv_cache))
+        if self.runtime is not None:
+            parts.append(f"runtime (torch, transformers, CPU kernels: this process now) {fmt_bytes(self.runtime)}")
         out = ["Memory plan (host): " + "; ".join(parts) + "."]
         if self.available is not None:
             verdict = ("fits" if self.private + self.mapped <= self.available else
@@ -88,6 +119,11 @@ class MemoryPlan:
                        if self.private <= self.available else "does NOT fit")
             out.append(f"  private memory at the peak {fmt_bytes(self.private)}, mapped "
                        f"{fmt_bytes(self.mapped)}; this machine has {fmt_bytes(self.available)} available: {verdict}")
+        for dev, (weights, kv, free) in sorted(self.devices.items()):
+            words = [f"weights {fmt_bytes(weights)}"] + ([self._kv_words(kv)] if self.context is not None else [])
+            room = "" if free is None else (f"; {fmt_bytes(free)} free: "
+                                            + ("fits" if self.device_needs(dev) <= free else "does NOT fit"))
+            out.append(f"Memory plan ({dev}): " + "; ".join(words) + room + ".")
         return out
 
 
@@ -95,13 +131,14 @@ def _tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def explain_plan(model: nn.Module, plan: Plan, weights=None) -> Explanation:
+def explain_plan(model: nn.Module, plan: Plan, weights=None, context: int | None = None) -> Explanation:
     """Per rule: modules matched; per matched module: operator, devices/ops and bytes placed.
 
     Bytes are those of the module's parameters and persistent buffers not claimed by a
     deeper matched module; an operator whose prefill op lives elsewhere holds a copy on both
     devices.  With ``weights`` (a WeightSource), quantized tensors that an op keeps as stored
-    are counted at their stored size.
+    are counted at their stored size.  The memory plan sizes the KV cache at ``context`` tokens
+    (a chosen context, part of the peak), else at the model's own limit (reported, not counted).
     """
     owner: dict[str, str] = {}  # module name -> name of the placement row that owns its bytes
     rows: dict[str, Row] = {}
@@ -168,6 +205,7 @@ def explain_plan(model: nn.Module, plan: Plan, weights=None) -> Explanation:
                 totals[str(dev)] = totals.get(str(dev), 0) + nbytes
                 if torch.device(dev).type == "cpu":
                     mem.add(nbytes, "in_place" if in_place else "copy")
+    _add_kv_and_devices(mem, model, plan, totals, context)
     counts = [(r.index, r.where(), len(plan.matches.get(r.index, [])), r.describe_match()) for r in plan.rules]
     unmatched = [r.index for r in plan.unmatched_rules()]
     return Explanation(counts, list(rows.values()), totals, unmatched,
@@ -180,7 +218,82 @@ def _memory_header() -> "MemoryPlan":
     from ..kernels.packed_cache import cache_dir
     from ..kernels.pool import free_host_bytes
 
-    return MemoryPlan(cache_on=cache_dir() is not None, available=free_host_bytes())
+    return MemoryPlan(cache_on=cache_dir() is not None, available=free_host_bytes(), runtime=resident_bytes())
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory (Linux VmRSS), or None when unknown."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def model_context(model: nn.Module) -> int:
+    """The most tokens the model's positions allow (its config's ``max_position_embeddings``)."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return int(getattr(cfg, "max_position_embeddings", 0) or 4096)
+
+
+def kv_cache_bytes(model: nn.Module, plan: Plan, tokens: int) -> dict[str, int]:
+    """Device -> bytes of the KV cache at ``tokens`` tokens of context, per attention layer where
+    its module is placed: keys and values of each KV head (MLA: the latent and rope key), for the
+    tokens transformers' static cache gives the layer (a sliding window holds at most its window).
+    Linear-attention layers keep a fixed state and are not counted."""
+    from transformers import StaticCache
+
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    try:
+        lengths = [getattr(la, "max_cache_len", None) for la in StaticCache(config=model.config,
+                                                                           max_cache_len=tokens).layers]
+    except (KeyError, ValueError, TypeError):  # layer kinds only the model's own dynamic cache holds
+        lengths = []
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    elt = torch.empty((), dtype=dtype).element_size()
+    out: dict[str, int] = {}
+    for name, mod in model.named_modules():
+        if not name.endswith("self_attn") or not hasattr(mod, "layer_idx"):
+            continue
+        i = int(mod.layer_idx)
+        n = lengths[i] if i < len(lengths) and lengths[i] is not None else tokens
+        if hasattr(mod, "kv_lora_rank"):
+            width = int(mod.kv_lora_rank) + int(mod.qk_rope_head_dim)
+        else:
+            kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+            head_dim = int(getattr(mod, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+            width = 2 * kv_heads * head_dim
+        p = plan.placements.get(name)
+        dev = str(p.generate_device) if p is not None else "cpu"
+        out[dev] = out.get(dev, 0) + width * int(n) * elt
+    return out
+
+
+def _device_free(dev: str) -> int | None:
+    """Free bytes of an accelerator (torch's CUDA memory info), or None when it cannot tell."""
+    d = torch.device(dev)
+    if d.type != "cuda" or not torch.cuda.is_available():
+        return None
+    try:
+        return int(torch.cuda.mem_get_info(d)[0])
+    except (RuntimeError, AssertionError, ValueError):
+        return None
+
+
+def _add_kv_and_devices(mem: MemoryPlan, model: nn.Module, plan: Plan, totals: dict[str, int],
+                        context: int | None) -> None:
+    mem.context = context if context is not None else model_context(model)
+    mem.context_chosen = context is not None
+    kv = kv_cache_bytes(model, plan, mem.context)
+    for dev, nbytes in kv.items():
+        if torch.device(dev).type == "cpu":
+            mem.kv_cache += nbytes
+    for dev in sorted(set(totals) | set(kv)):
+        if torch.device(dev).type != "cpu":
+            mem.devices[dev] = [totals.get(dev, 0), kv.get(dev, 0), _device_free(dev)]
 
 
 def alias_lines(rules) -> list[str]:

@@ -29,20 +29,26 @@ def inject(model, rules, weights, **kwargs):
     return model
 
 
-def check_memory_plan(model, plan, source, say=lambda msg: None) -> None:
-    """Say what the load will hold in host memory (``explain``'s memory plan) and refuse, before
-    any weight is read, a load whose private memory exceeds what the machine has available
-    (``KT_IGNORE_MEMORY_PLAN=1`` loads anyway)."""
+def check_memory_plan(model, plan, source, say=lambda msg: None, context: int | None = None) -> None:
+    """Say what the load will hold in host and accelerator memory (``explain``'s memory plan; the KV
+    cache at ``context`` tokens when one is chosen) and refuse, before any weight is read, a load
+    that exceeds what the machine has available (``KT_IGNORE_MEMORY_PLAN=1`` loads anyway)."""
     from ..optimize.explain import fmt_bytes, explain_plan
 
-    mem = explain_plan(model, plan, source).memory
+    mem = explain_plan(model, plan, source, context=context).memory
     for line in mem.lines():
         say(line.strip())
-    if (mem.available is not None and mem.private > mem.available
-            and os.environ.get("KT_IGNORE_MEMORY_PLAN", "0") == "0"):
+    if os.environ.get("KT_IGNORE_MEMORY_PLAN", "0") != "0":
+        return
+    for dev, need, free in mem.short_devices():
+        raise ConfigError(f"{getattr(source, 'path', source)}: the load needs {fmt_bytes(need)} on {dev} "
+                          f"and it has {fmt_bytes(free)} free; place fewer modules there (--device_map, the rule "
+                          f"file) or KT_IGNORE_MEMORY_PLAN=1 loads anyway")
+    if mem.available is not None and mem.private > mem.available:
         raise ConfigError(
             f"{getattr(source, 'path', source)}: the load needs {fmt_bytes(mem.private)} of private memory "
-            f"(copies {fmt_bytes(mem.copies)}, packed experts {fmt_bytes(mem.packed if not mem.cache_on else mem.packed_layer)}) "
+            f"(copies {fmt_bytes(mem.copies)}, packed experts {fmt_bytes(mem.packed if not mem.cache_on else mem.packed_layer)}"
+            + (f", KV cache at {mem.context} tokens {fmt_bytes(mem.kv_cache)}" if mem.context_chosen else "") + ") "
             f"and this machine has {fmt_bytes(mem.available)} available; the experts' llamafile backend reads the "
             f"file in place, the packed-weight cache (KT_PACKED_CACHE) maps packed copies; KT_IGNORE_MEMORY_PLAN=1 "
             f"loads anyway")
