@@ -91,7 +91,8 @@ def split_targets(names: list[str], model: nn.Module, experts_trainable: bool) -
     if params and not experts_trainable:
         kinds = sorted({type(m).__name__ for n, m in model.named_modules() if n.endswith(".experts")})
         raise ConfigError(f"lora_target: LoRA on experts needs a training experts operator ({KERNEL_OPERATOR} or "
-                          f"KSFTExpertsTorch); the rules put {', '.join(kinds) or 'no experts'} there")
+                          f"KSFTExpertsTorch as the rule's class; generate_op: {KERNEL_OPERATOR} names the "
+                          f"inference op); the rules put {', '.join(kinds) or 'no experts'} there")
     return sorted(dict.fromkeys(modules)), params
 
 

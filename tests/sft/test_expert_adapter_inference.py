@@ -238,3 +238,20 @@ def test_reference_sft_rules_load_unmodified_and_apply_the_adapter(tiny, tmp_pat
     else:  # weights requantized (int8 per row) or rounded (bf16): the answer, not the bits
         assert int(got[0, -1].argmax()) == int(want[0, 0].argmax())
         assert (got - want[:, :1]).abs().max() < 0.05 * want[:, :1].abs().max()
+
+
+def test_training_on_the_reference_sft_rules_names_the_operator_to_use(tmp_path, capsys):
+    """Fine-tuning here trains expert LoRA through an operator's backward: rules naming
+    ``KSFTExpertsCPU`` as an op (the inference op) are refused in one line that says so."""
+    from ktransformers.sft.__main__ import main
+
+    from ._util import write_config, write_trainable_tiny_model
+
+    model_dir = write_trainable_tiny_model(tmp_path / "m")
+    (tmp_path / "ref.yaml").write_text(REFERENCE_SFT_RULES.replace("BACKEND", "llamafile"))
+    cfg = write_config(tmp_path, model_dir, tmp_path / "o", max_steps=1, lora_target="experts",
+                       kt_optimize_rule=str(tmp_path / "ref.yaml"))
+    capsys.readouterr()
+    assert main([str(cfg)]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert len(err) == 1 and "KSFTExpertsCPU or KSFTExpertsTorch as the rule's class" in err[0], err
