@@ -28,6 +28,9 @@ WEB_DIR = Path(__file__).with_name("web")
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]", "::1")
 STATE_CHANGING = ("POST", "PUT", "PATCH", "DELETE")
+#: ``Sec-Fetch-Site`` values of a request a browser sent for another site's page; without an
+#: ``Origin`` header there is no origin to hold against ``--cors_origins``, so these are refused
+CROSS_SITE_FETCHES = ("cross-site", "same-site")
 
 
 def _header(scope, name: bytes) -> str | None:
@@ -53,8 +56,10 @@ class GuardMiddleware:
       traceback and the keep-alive connection stays usable.
     * ``Host`` must be one of ``allowed_hosts`` (the loopback names, the bind address and
       ``--allowed_hosts``): a DNS-rebinding page cannot read the server through its own name.
+    * A request without ``Host`` (HTTP/1.0 allows it) is refused while the Host check is on.
     * A state-changing request (POST/PUT/PATCH/DELETE) that a browser sends from another origin
-      (``Origin`` header) is refused unless that origin is in ``--cors_origins``.
+      (``Origin`` header) is refused unless that origin is in ``--cors_origins``; so is one without
+      ``Origin`` that the browser marks ``Sec-Fetch-Site: cross-site`` / ``same-site``.
     * With an API key, every route except ``GET /health`` (and the static ``/web`` files,
       which hold no data; the page asks for the key) needs ``Authorization: Bearer <key>``.
     * Bodies above ``max_body_bytes`` are refused with 413, by Content-Length when given,
@@ -93,7 +98,10 @@ class GuardMiddleware:
     def _refusal(self, scope) -> tuple[int, str, dict] | None:
         """(status, message, headers) when the request must not reach a route."""
         host = _header(scope, b"host")
-        if self.allowed_hosts is not None and host is not None and _host_name(host) not in self.allowed_hosts:
+        if self.allowed_hosts is not None and host is None:  # HTTP/1.0 may omit it; the check needs it
+            return 400, (f"the request names no Host; this server answers requests for "
+                         f"{', '.join(sorted(self.allowed_hosts))} (add names with --allowed_hosts)"), {}
+        if self.allowed_hosts is not None and _host_name(host) not in self.allowed_hosts:
             return 403, (f"Host '{host}' is not served here (allowed: {', '.join(sorted(self.allowed_hosts))}; "
                          "add names with --allowed_hosts)"), {}
         origin = _header(scope, b"origin")
@@ -102,6 +110,10 @@ class GuardMiddleware:
             if not same:
                 return 403, (f"cross-site request from Origin '{origin}' refused (allow an origin with "
                              "--cors_origins)"), {}
+        fetch_site = (_header(scope, b"sec-fetch-site") or "").strip().lower()
+        if origin is None and scope["method"] in STATE_CHANGING and fetch_site in CROSS_SITE_FETCHES:
+            return 403, (f"cross-site request (Sec-Fetch-Site: {fetch_site}, no Origin) refused (a page "
+                         "allowed by --cors_origins sends its Origin)"), {}
         if self.api_key and not self._authorized(scope):
             return 401, "missing or wrong API key: send 'Authorization: Bearer <key>'", {"WWW-Authenticate": "Bearer"}
         length = _header(scope, b"content-length")

@@ -28,7 +28,7 @@ from .engine import Engine, GenerationRequest, QueueFull
 from .errors import STREAMS_SSE, APIError
 from .prompting import content_text
 from .schemas import (AssistantCreate, AssistantModify, MessageCreate, MetadataModify, RunCreate, RunModify,
-                      ThreadAndRunCreate, ThreadCreate)
+                      ThreadAndRunCreate, ThreadCreate, json_type_name)
 
 router = APIRouter()
 Limit = Annotated[int, Query(ge=1, le=100)]
@@ -47,6 +47,18 @@ def _now() -> int:
 
 
 def _parts(content, param: str) -> list[dict]:
+    """A thread message's content as stored; a text part without its text is a 400 naming it (a
+    stored message with no text would only fail later, in every run of the thread)."""
+    for j, part in enumerate(content if isinstance(content, list) else []):
+        text = part.get("text") if isinstance(part, dict) else part
+        if isinstance(part, dict) and part.get("type", "text") not in ("text", "input_text", "output_text"):
+            continue  # content_text names the unsupported kind
+        if isinstance(text, dict):
+            if not isinstance(text.get("value"), str):
+                raise APIError(400, f"'{param}[{j}].text.value' must be a string, not "
+                                    f"{json_type_name(text.get('value'))}", param=param)
+        elif text is None:  # other types: content_text names them
+            raise APIError(400, f"'{param}[{j}].text' is required: a string or {{\"value\": string}}", param=param)
     text = content_text(content, param)
     return [{"type": "text", "text": {"value": text, "annotations": []}}]
 

@@ -13,6 +13,7 @@ The batching engine (batch_engine.py) keeps this interface and replaces the work
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import queue
@@ -62,6 +63,17 @@ def _check_unicode(text, param: str) -> None:
     bad = lone_surrogate(text, param)
     if bad:
         raise APIError(400, f"{bad} is not valid Unicode", param=param)
+
+
+def text_chars(value) -> int:
+    """Characters in the strings of a JSON value (the text a chat template renders from it)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(text_chars(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(text_chars(v) for v in value)
+    return 0
 
 
 @dataclass
@@ -228,10 +240,35 @@ class Engine:
                                param=param)
         return list(ids)
 
+    @functools.cached_property
+    def longest_token_chars(self) -> int:
+        """Characters of the longest vocabulary entry as the tokenizer spells it (byte-level BPE one
+        character per byte, SentencePiece one per character): no token covers more text than that."""
+        try:
+            vocab = self.tokenizer.get_vocab()
+        except Exception:  # a tokenizer without a vocabulary listing: no bound
+            return 0
+        return max((len(k) for k in vocab), default=0)
+
+    @property
+    def max_prompt_chars(self) -> int | None:
+        """Prompt text longer than this cannot fit the context whatever it tokenizes to (each token
+        covers at most ``longest_token_chars``); such text is refused before it is tokenized."""
+        return self.max_context * self.longest_token_chars or None
+
+    def check_prompt_chars(self, n_chars: int, param: str) -> None:
+        """A 400 for prompt text too long to fit, before the tokenizer spends time (and memory) on it."""
+        limit = self.max_prompt_chars
+        if limit is not None and n_chars > limit:
+            raise APIError(400, f"prompt text is {n_chars} characters; this server's context holds "
+                                f"{self.max_context} tokens (--cache_lens), which no text of more than {limit} "
+                                f"characters fits in this tokenizer", param=param, code="context_length_exceeded")
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text`` as the model's tokenizer makes them by default (with its own BOS
         setting), the same way local_chat does; ``add_special_tokens=False`` for a continuation."""
         _check_unicode(text, "prompt")
+        self.check_prompt_chars(len(text), "prompt")
         if hasattr(self.generator, "encode"):
             return list(self.generator.encode(text, add_special_tokens=add_special_tokens))
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
@@ -256,6 +293,7 @@ class Engine:
         """Prompt ids; ``template_kwargs`` are variables for the template (``enable_thinking`` ...)."""
         for i, m in enumerate(messages):
             _check_unicode(m.get("content"), f"messages[{i}].content")
+        self.check_prompt_chars(text_chars(messages) + text_chars(tools), "messages")
         try:
             return list(self.generator.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                            tools=tools, **(template_kwargs or {})))

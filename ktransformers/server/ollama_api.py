@@ -20,7 +20,7 @@ from .common import Collected, check_model, collect, guarded, ndjson, pieces, st
 from .engine import Engine, EngineStream, GenerationRequest
 from .errors import STREAMS_NDJSON, APIError
 from .prompting import fim_prompt, fim_tokens, render_go_template
-from .schemas import OllamaChatRequest, OllamaGenerateRequest, OllamaOptions, OllamaShowRequest
+from .schemas import UNTIL_LIMIT, OllamaChatRequest, OllamaGenerateRequest, OllamaOptions, OllamaShowRequest
 
 router = APIRouter()
 
@@ -43,12 +43,9 @@ def _ns(seconds: float) -> int:
 
 def _request(engine: Engine, ids: list[int], options: OllamaOptions | None, tag: str) -> GenerationRequest:
     o = options or OllamaOptions()
-    max_new = o.num_predict
-    if max_new is not None:
-        if max_new in (-1, -2):
-            max_new = max(1, engine.max_context - len(ids))
-        elif max_new <= 0:
-            raise APIError(400, f"options.num_predict must be positive, -1 or -2 (got {max_new})")
+    # -1 (until the model stops) and -2 (fill the context) take the server's limit (--max_new_tokens),
+    # capped to the room the prompt leaves, as a request without num_predict does
+    max_new = None if o.num_predict in UNTIL_LIMIT else o.num_predict
     return GenerationRequest(ids, temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, max_new_tokens=max_new,
                              stop=stop_list(o.stop), seed=o.seed, repetition_penalty=o.repeat_penalty, tag=tag)
 

@@ -9,6 +9,7 @@ from typing import Any
 from .common import new_id
 from .errors import APIError, UnknownCursor
 from .prompting import content_text
+from .schemas import json_type_name
 
 
 def _text_part(role: str, text: str) -> dict:
@@ -45,12 +46,18 @@ def normalize_items(raw: Any, param: str = "input") -> list[dict]:
     out = []
     for i, it in enumerate(raw):
         where = f"{param}[{i}]"
+        if not isinstance(it.get("type"), (str, type(None))):
+            raise APIError(400, f"'{where}.type' must be a string, not {json_type_name(it['type'])}",
+                           param=f"{where}.type")
         kind = it.get("type") or ("message" if "role" in it else None)
         if kind == "message":
             role = it.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise APIError(400, f"'{where}.role' must be user, assistant, system or developer (got {role!r})",
                                param=f"{where}.role")
+            if it.get("content") is None:
+                raise APIError(400, f"'{where}.content' is required: a string or a list of content parts",
+                               param=f"{where}.content")
             text = content_text(_checked_parts(it.get("content"), f"{where}.content"), f"{where}.content")
             item = message_item(role, text)
         elif kind == "function_call":

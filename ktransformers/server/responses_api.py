@@ -34,7 +34,8 @@ from .prompting import ChatPrompt
 from .response_items import items_to_messages, message_item, normalize_items, page_list  # noqa: F401 - public here too
 from .responses_store import (ConversationRow, ResponseRow, add_conversation_items, conversation_items,
                               create_tables, expire_unfinished_responses, response_chain_items)
-from .schemas import FUNCTION_TOOL_SCHEMA, INPUT_ITEM_SCHEMA, Metadata, ModelName, Seed, StopType, _check_stop, _Req
+from .schemas import (FUNCTION_TOOL_SCHEMA, INPUT_ITEM_SCHEMA, Metadata, ModelName, Seed, StopType, _check_stop, _Req,
+                      tool_name_problem)
 
 router = APIRouter()
 log = logging.getLogger("ktransformers.server")
@@ -120,8 +121,11 @@ def chat_tools(tools: list[dict], tool_choice: Any) -> list[dict]:
         if t.get("type") != "function":
             raise APIError(400, f"'tools[{i}].type' {t.get('type')!r} is not supported: this server runs "
                                 "function tools only", param=f"tools[{i}].type")
-        if not isinstance(t.get("name"), str) or not t["name"]:
+        if not t.get("name"):
             raise APIError(400, f"'tools[{i}].name' is required", param=f"tools[{i}].name")
+        problem = tool_name_problem(t["name"])
+        if problem:
+            raise APIError(400, f"'tools[{i}].name': {problem}", param=f"tools[{i}].name")
         fn = {"name": t["name"], "description": t.get("description"), "parameters": t.get("parameters")}
         out.append({"type": "function", "function": {k: v for k, v in fn.items() if v is not None}})
     if isinstance(tool_choice, dict):

@@ -89,24 +89,47 @@ TEXT_PART_SCHEMA = {"type": "object", "properties": {
     "type": {"enum": _TEXT_KINDS},
     "text": {"anyOf": [{"type": "string"}, {"type": "null"},
                        {"type": "object", "properties": {"value": {"type": "string"}}}]}}}
+#: a text part of a stored thread message: its text is there, as a string or ``{"value": string}``
+THREAD_TEXT_PART_SCHEMA = {"type": "object", "required": ["text"], "properties": {
+    "type": {"enum": _TEXT_KINDS},
+    "text": {"anyOf": [{"type": "string"},
+                       {"type": "object", "required": ["value"], "properties": {"value": {"type": "string"}}}]}}}
 #: message content of the chat routes: a string, or parts (strings or text parts)
 CHAT_CONTENT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "null"},
                                  {"type": "array", "items": {"anyOf": [{"type": "string"}, TEXT_PART_SCHEMA]}}]}
 #: content of an Assistants thread message: a string or text parts
-THREAD_CONTENT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART_SCHEMA}]}
-#: content of Responses input items: a string or text-part objects
-ITEM_CONTENT_SCHEMA = {"anyOf": [
-    {"type": "string"}, {"type": "null"},
+THREAD_CONTENT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": THREAD_TEXT_PART_SCHEMA}]}
+#: content of a Responses input message: a string or text-part objects
+MESSAGE_CONTENT_SCHEMA = {"anyOf": [
+    {"type": "string"},
     {"type": "array", "items": {"type": "object", "properties": {
         "type": {"enum": _TEXT_KINDS}, "text": {"type": "string"}}}}]}
+#: a function call's output: as a message's content, or null
+ITEM_CONTENT_SCHEMA = {"anyOf": [{"type": "null"}, *MESSAGE_CONTENT_SCHEMA["anyOf"]]}
+#: OpenAI's rule for a function (tool) name: 1 to 64 letters, digits, '_' or '-'
+TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+def tool_name_problem(name: Any) -> str | None:
+    """Why ``name`` is not a function name a request may declare (None when it is one)."""
+    import re
+
+    if not isinstance(name, str):
+        return f"must be a string, not {json_type_name(name)}"
+    if not re.fullmatch(TOOL_NAME_PATTERN, name):
+        shown = name if len(name) <= 40 else name[:40] + f"… ({len(name)} characters)"
+        return f"{shown!r} is not a function name: 1 to 64 letters, digits, '_' or '-'"
+    return None
+
+
 #: a Responses tool: only function tools run here
 FUNCTION_TOOL_SCHEMA = {"type": "object", "required": ["type", "name"], "properties": {
-    "type": {"const": "function"}, "name": {"type": "string", "minLength": 1}}}
+    "type": {"const": "function"}, "name": {"type": "string", "pattern": TOOL_NAME_PATTERN}}}
 #: one Responses / Conversations input item (``normalize_items`` checks it)
 INPUT_ITEM_SCHEMA = {"anyOf": [
-    {"type": "object", "required": ["role"], "properties": {
+    {"type": "object", "required": ["role", "content"], "properties": {
         "type": {"enum": ["message", "", None]},
-        "role": {"enum": ["user", "assistant", "system", "developer"]}, "content": ITEM_CONTENT_SCHEMA}},
+        "role": {"enum": ["user", "assistant", "system", "developer"]}, "content": MESSAGE_CONTENT_SCHEMA}},
     {"type": "object", "required": ["type", "call_id", "name", "arguments"], "properties": {
         "type": {"const": "function_call"}, "call_id": {"type": "string"}, "name": {"type": "string"},
         "arguments": {"type": "string"}}},
@@ -177,6 +200,11 @@ class _Checked(BaseModel):
 
 
 def json_type_name(v) -> str:
+    """The JSON name of a value's type, for error messages."""
+    if v is None:
+        return "null"
+    if isinstance(v, (dict, list)):
+        return "object" if isinstance(v, dict) else "array"
     return {"bool": "boolean", "number": "number", "string": "string"}.get(_kind(v), type(v).__name__)
 
 
@@ -210,9 +238,17 @@ class ChatMessage(_Open):
 
 
 class FunctionDef(_Open):
-    name: str = Field(min_length=1)
+    name: str = Field(json_schema_extra={"pattern": TOOL_NAME_PATTERN})
     description: str | None = None
     parameters: dict[str, Any] | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _tool_name(cls, v):
+        problem = tool_name_problem(v)
+        if problem:
+            raise ValueError(problem)
+        return v
 
 
 class Tool(_Open):
@@ -363,12 +399,17 @@ class Completion(BaseModel):
 
 # ---- Ollama -------------------------------------------------------------------------------
 
+#: Ollama's ``num_predict`` values without a count: -1 (until the model stops) and -2 (fill the
+#: context); both are bounded here by the server's --max_new_tokens and the context
+UNTIL_LIMIT = (-1, -2)
+
+
 class OllamaOptions(_Req):
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, ge=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
-    num_predict: int | None = Field(None, json_schema_extra={"anyOf": [  # -1: until the context is full, -2: fill it
-        {"type": "integer", "minimum": 1}, {"enum": [-1, -2]}, {"type": "null"}]})
+    num_predict: int | None = Field(None, json_schema_extra={"anyOf": [
+        {"type": "integer", "minimum": 1}, {"enum": list(UNTIL_LIMIT)}, {"type": "null"}]})
     stop: StopType = None
     seed: Seed | None = None
     repeat_penalty: float | None = Field(None, gt=0.0)
@@ -378,6 +419,13 @@ class OllamaOptions(_Req):
     @classmethod
     def _stop_limit(cls, v):
         return _check_stop(v)
+
+    @field_validator("num_predict")
+    @classmethod
+    def _num_predict(cls, v):
+        if v is not None and v < 1 and v not in UNTIL_LIMIT:
+            raise ValueError(f"must be a positive token count, -1 or -2 (got {v})")
+        return v
 
 
 class OllamaMessage(_Open):
