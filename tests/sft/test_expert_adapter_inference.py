@@ -255,3 +255,18 @@ def test_training_on_the_reference_sft_rules_names_the_operator_to_use(tmp_path,
     assert main([str(cfg)]) == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
     assert len(err) == 1 and "KSFTExpertsCPU or KSFTExpertsTorch as the rule's class" in err[0], err
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_expert_adapter_on_other_moe_families_matches_peft(tmp_path, arch):
+    """Mixtral (no shared expert) and Qwen2-MoE (a gated shared expert beside the routed ones), default rules."""
+    from ktransformers.util.loading import load_model
+    from ktransformers.util.tiny_models import write_tiny_model
+
+    write_tiny_model(arch, tmp_path / "m", seed=0)
+    ad = write_peft_adapter(tmp_path / "m", tmp_path / "a", target_modules=["q_proj"])
+    model = load_model(tmp_path / "m", lora=ad)
+    assert all(e.lora_config is not None for e in _experts(model))
+    ids = prompt(30)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, peft_model(tmp_path / "m", ad)(ids).logits, **TOL)
