@@ -7,9 +7,15 @@ The reference system's names are not registered here: they resolve through :mod:
 
 ``replace.class`` accepts a registered name (``KTransformersLinear``), a dotted path under
 ``ktransformers.operators.`` (its leaf is looked up, whatever the module: the reference
-system's ``ktransformers.operators.balance_serve_attention.KQwen3MoeAttention`` too), a dotted
-path to an ``nn.Module`` in a package rule files may import (:func:`import_rule_attribute`),
-or ``default``.
+system's ``ktransformers.operators.balance_serve_attention.KQwen3MoeAttention`` too), the
+exact path of a registered operator elsewhere in the project, an ``nn.Module`` operator of a
+package named in ``KT_RULE_IMPORTS``, or ``default``.
+
+Class paths are resolved, never executed: :func:`rule_module` reaches only the namespaces a
+rule may name (:data:`CLASS_NAMESPACES`), and imports only a transformers modeling module
+(what building the model imports anyway) or a package the user named in ``KT_RULE_IMPORTS``;
+``torch.nn``'s modules are taken as torch imported them.  A ``__main__`` module (a program) is
+never a class's home, even in a user's package.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from __future__ import annotations
 import difflib
 import importlib
 import os
+import re
+import sys
 from dataclasses import dataclass
 
 from torch import nn
@@ -28,42 +36,104 @@ from .op import Op
 
 OPERATORS: dict[str, type] = {}
 
-#: packages whose modules a rule file's ``class:`` paths may import; importing runs a module's
-#: code, so ``check`` on a rule file from elsewhere must not reach any other module
-RULE_IMPORT_PACKAGES = ("ktransformers", "transformers", "torch")
+#: what a rule file's dotted class paths may name (docs/rules.md, "Class paths")
+CLASS_NAMESPACES = ("torch.nn", "transformers.models.*.modeling_*", "ktransformers operators")
 #: comma-separated extra packages (your own operators), e.g. ``KT_RULE_IMPORTS=my_ops,lab.kernels``
 RULE_IMPORTS_ENV = "KT_RULE_IMPORTS"
+#: a class path is a handful of identifiers; longer ones are refused before any lookup
+#: (importlib recurses once per dotted part: 2000 parts end in RecursionError)
+MAX_CLASS_PATH_CHARS = 200
+MAX_CLASS_PATH_PARTS = 12
+
+_TORCH_NN = "torch.nn"
+_MODELING_MODULE = re.compile(r"transformers\.models\.[A-Za-z0-9_]+\.modeling_[A-Za-z0-9_]+")
 
 
-def rule_import_packages() -> tuple[str, ...]:
-    extra = [p.strip() for p in os.environ.get(RULE_IMPORTS_ENV, "").split(",") if p.strip()]
-    return RULE_IMPORT_PACKAGES + tuple(extra)
+def user_rule_packages() -> tuple[str, ...]:
+    """The packages (dotted prefixes) named in ``KT_RULE_IMPORTS``."""
+    return tuple(p.strip() for p in os.environ.get(RULE_IMPORTS_ENV, "").split(",") if p.strip())
 
 
-def import_rule_module(module: str):
-    """The module a rule file's dotted path names, imported only inside :func:`rule_import_packages`.
-
-    RuleError for a module outside them; ImportError / ValueError / TypeError as ``import_module``."""
-    allowed = rule_import_packages()
-    if not any(module == p or module.startswith(p + ".") for p in allowed):
-        raise RuleError(f"module '{module}' is outside the packages rule files may import "
-                        f"({', '.join(allowed)}); to load operators of your own, set "
-                        f"{RULE_IMPORTS_ENV}={module.partition('.')[0]}")
-    return importlib.import_module(module)
+def _under(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
 
 
-def import_rule_attribute(path: str):
-    """``getattr(import_rule_module(module), leaf)`` of a dotted path, None when it cannot be imported."""
-    mod_name, _, attr = path.rpartition(".")
+def check_class_path(text: str) -> list[str]:
+    """The dotted parts of a rule's class path; RuleError when it is not one (too long, not
+    identifiers, or through a ``__main__`` module)."""
+    shown = text if len(text) <= 60 else text[:60] + "..."
+    if len(text) > MAX_CLASS_PATH_CHARS or text.count(".") >= MAX_CLASS_PATH_PARTS:
+        raise RuleError(f"class path '{shown}' is longer than a class path is ({MAX_CLASS_PATH_PARTS} dotted parts, "
+                        f"{MAX_CLASS_PATH_CHARS} characters at most)")
+    parts = text.split(".")
+    if not all(p.isidentifier() for p in parts):
+        raise RuleError(f"'{shown}' is not a class path (Python names joined by dots, e.g. torch.nn.Linear)")
+    if "__main__" in parts:
+        raise RuleError(f"class path '{shown}' goes through a __main__ module: that is a program to run, "
+                        "not a module a class is taken from")
+    return parts
+
+
+def rule_module(module: str):
+    """The module a rule's dotted class path names, None when there is no such module.
+
+    Only the namespaces of :data:`CLASS_NAMESPACES` (the ``ktransformers.*`` ones are the caller's:
+    the registry and :mod:`.compat`) and the ``KT_RULE_IMPORTS`` packages; RuleError for any other
+    module, before anything is imported."""
+    check_class_path(module)
+    if _under(module, _TORCH_NN):
+        return sys.modules.get(module)  # imported with torch; importing more would run torch's tools
+    user = next((p for p in user_rule_packages() if _under(module, p)), None)
+    if user is None and not _MODELING_MODULE.fullmatch(module):
+        top = module.partition(".")[0]
+        hint = "" if top in ("torch", "transformers", "ktransformers") else (
+            f"; to load operators of your own, set {RULE_IMPORTS_ENV}={top}")
+        raise RuleError(f"module '{module}' is outside what rule files may name ({', '.join(CLASS_NAMESPACES)}){hint}")
     try:
-        return getattr(import_rule_module(mod_name), attr, None)
-    except (ImportError, TypeError, ValueError):  # also ".." or "a..b": not a module path
+        return importlib.import_module(module)
+    except ImportError:
         return None
+    except Exception as e:  # noqa: BLE001 - a user package's own import-time error, named
+        raise RuleError(f"importing '{module}' failed: {type(e).__name__}: {e}") from None
+
+
+def rule_class(path: str):
+    """The attribute a dotted path names inside :func:`rule_module` (None when absent)."""
+    mod_name, _, attr = path.rpartition(".")
+    mod = rule_module(mod_name) if mod_name else None
+    return getattr(mod, attr, None) if mod is not None else None
+
+
+def registered_class(path: str) -> type | None:
+    """The registered operator a ``ktransformers.`` dotted path names: any module under
+    ``ktransformers.operators.`` (reference paths name other files), elsewhere its exact path."""
+    cls = operators().get(path.rpartition(".")[2])
+    if cls is None:
+        return None
+    if path.startswith(f"{__package__}.") or path == f"{cls.__module__}.{cls.__name__}":
+        return cls
+    return None
+
+
+def check_operator_class(text: str, cls) -> None:
+    """RuleError unless ``cls`` can be an operator: an ``nn.Module`` class, but neither
+    ``nn.Module`` itself nor a whole model (a ``PreTrainedModel``, e.g. ``…ForCausalLM``)."""
+    from transformers import PreTrainedModel
+
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise RuleError(f"'{text}' is not a torch.nn.Module class")
+    if cls is nn.Module or issubclass(cls, PreTrainedModel):
+        what = "the base class of every module" if cls is nn.Module else "a whole model"
+        raise RuleError(f"'{text}' is {what}, not an operator: replace.class names an operator that replaces one "
+                        "module (KTransformersLinear, KTransformersExperts, ...) or 'default'")
+
 
 # modules whose import registers operators and ops; optional ones may be absent in a build
 _OPERATOR_MODULES = ("linear", "embedding", "experts", "moe", "gate", "RoPE", "layernorm", "mlp", "models",
                      "attention")
 _OPTIONAL_MODULES = ("cpu_experts", "sft_experts", "cpu_linear", "fp8_linear", "gpu_quant_linear")
+#: operators registered outside this package (rule files name them by their full path too)
+_OTHER_OPERATOR_MODULES = ("ktransformers.sft.torch_experts",)
 _loaded = False
 
 
@@ -98,6 +168,8 @@ def load_all() -> None:
         except ModuleNotFoundError as e:  # only a missing module of ours is optional
             if e.name != f"{__package__}.{name}":
                 raise
+    for name in _OTHER_OPERATOR_MODULES:
+        importlib.import_module(name)
     _loaded = True
 
 
@@ -118,21 +190,34 @@ def resolve_operator(text: str) -> Resolved:
     """The operator for ``replace.class``; RuleError with a same-kind suggestion otherwise."""
     if text == "default":
         return Resolved(None)
+    check_class_path(text)
     shorts = operators()
     leaf = text.rpartition(".")[2]
-    ours_path = "." not in text or text.startswith(f"{__package__}.")
-    if ours_path:
+    if "." not in text or text.startswith(f"{__package__}."):
         if leaf in shorts:
             return Resolved(shorts[leaf])
         alias = compat.OPERATORS.get(leaf)
         if alias is not None:
             cls = None if alias.ours == "default" else shorts[alias.ours]
             return Resolved(cls, (leaf, alias.ours, alias.what))
-    else:
-        cls = import_rule_attribute(text)
+    elif text.startswith("ktransformers."):
+        cls = registered_class(text)
         if cls is not None:
-            if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-                raise RuleError(f"'{text}' is not a torch.nn.Module class")
+            return Resolved(cls)
+        if leaf in shorts:
+            ours = shorts[leaf]
+            raise RuleError(f"operator '{text}' not found; did you mean '{ours.__module__}.{ours.__name__}' "
+                            f"(or just '{leaf}')?")
+    else:
+        if not any(_under(text, p) for p in user_rule_packages()):
+            cls = rule_class(text)  # torch.nn / transformers: a module to match, never an operator
+            if cls is not None:
+                check_operator_class(text, cls)
+            raise RuleError(f"'{text}' is not an operator: torch.nn and transformers classes are what a rule "
+                            "matches (match.class); replace.class names an operator or 'default'")
+        cls = rule_class(text)
+        if cls is not None:
+            check_operator_class(text, cls)
             return Resolved(cls)
     raise RuleError(_unknown_operator(text, leaf, shorts))
 

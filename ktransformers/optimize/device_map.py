@@ -17,6 +17,8 @@ import torch
 import yaml
 
 from ..errors import ConfigError, RuleError
+from . import safe_yaml
+from .rules import RULE_DEVICE_TYPES
 
 DEVICE_KEYS = ("device", "generate_device", "prefill_device", "out_device")
 
@@ -39,6 +41,8 @@ def parse_device_map(text: str | None) -> dict[str, str]:
                 torch.device(d)
             except (RuntimeError, ValueError):
                 raise ConfigError(f"--device_map '{text}': '{d}' is not a device (cpu, cuda, cuda:1, ...)") from None
+        if torch.device(dst).type not in RULE_DEVICE_TYPES:
+            raise ConfigError(f"--device_map '{text}': rules cannot place modules on '{dst}' (cpu, cuda, cuda:1, ...)")
         out[src] = dst
     return out
 
@@ -62,9 +66,9 @@ def remap_rules_text(text: str, device_map: dict[str, str]) -> str:
     if not device_map:
         return text
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError:
-        return text  # the parser reports it with its line
+        root = safe_yaml.compose(text, "<device map>")
+    except RuleError:
+        return text  # the rule parser reports it with its file and line
     edits: list[tuple[int, int, str]] = []
 
     def scalar(node) -> None:
@@ -110,7 +114,7 @@ def load_rules_mapped(rules, device_map: dict[str, str] | str | None = None):
         path = Path(rules)
         if not path.is_file():
             raise RuleError(f"{path}: rule file not found")
-        return parse_rules(remap_rules_text(path.read_text(encoding="utf-8"), device_map), str(path))
+        return parse_rules(remap_rules_text(safe_yaml.read_text(path), device_map), str(path))
     if isinstance(rules, str):
         return parse_rules(remap_rules_text(rules, device_map), "<string>")
     if isinstance(rules, (list, tuple)) and not any(hasattr(r, "key_lines") for r in rules):

@@ -157,9 +157,11 @@ def check_devices_available(plan: Plan) -> None:
                 rule = p.rule or (plan.placements.get(p.from_ancestor or "", None) or p).rule
                 where = rule.where() if rule else "default device"
                 have = f"{n_cuda} CUDA device(s)" if n_cuda else "no CUDA device"
+                remap = "cuda=cpu" if n_cuda == 0 else f"{dev}=cuda:0"
                 raise RuleError(
                     f"{where}: places '{p.name or '<model>'}' on {dev}, but this machine has {have}; "
-                    f"use a -cpu rule file or change the device"
+                    f"run the rule file with --device_map {remap} (device_map='{remap}' in Python), "
+                    f"use a -cpu rule file, or change the device"
                 )
             if dev.type not in ("cpu", "cuda", "meta"):
                 raise RuleError(f"'{p.name}': device type {dev.type} is not supported")

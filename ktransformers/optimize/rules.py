@@ -31,13 +31,19 @@ from torch import nn
 from ..errors import RuleError
 from ..operators import compat
 from ..operators.phases import PhaseError, decide_phases
-from ..operators.registry import import_rule_attribute, import_rule_module, resolve_op, resolve_operator
+from ..operators.registry import (check_class_path, registered_class, resolve_op, resolve_operator, rule_class,
+                                  rule_module)
 from . import safe_yaml
 
 RULE_KEYS = ("match", "replace", "recursive")
 MATCH_KEYS = ("name", "class")
 REPLACE_KEYS = ("class", "device", "kwargs")
 DEVICE_KWARGS = ("generate_device", "prefill_device", "out_device", "device")
+#: device types a rule may name: the CPU kernels and CUDA (ROCm too) are what the operators run on;
+#: ``meta`` would load nothing, ``mps`` / ``xla`` / ``hpu`` / ... have no operators here
+RULE_DEVICE_TYPES = ("cpu", "cuda")
+#: an integer kwarg is a count or a size (``prefill_threshold``, ``chunk_size``, ``block_size``)
+MAX_INT_KWARG = 2**31 - 1
 
 
 @dataclass
@@ -108,6 +114,8 @@ def parse_rules(text: str, source: str = "<string>") -> list[Rule]:
         raise RuleError(f"{source}: the rule file is empty")
     if not isinstance(root, yaml.SequenceNode):
         raise RuleError(f"{source}:{_line(root)}: a rule file is a YAML list of rules (- match: ... replace: ...)")
+    if not root.value:
+        raise RuleError(f"{source}:{_line(root)}: the rule file has no rules (an empty list places nothing)")
     return [_parse_rule(node, i, source) for i, node in enumerate(root.value)]
 
 
@@ -119,16 +127,10 @@ _construct = safe_yaml.construct
 
 
 def _mapping(node, where: str) -> dict[str, tuple[Any, Any]]:
-    """key -> (key_node, value_node) of a mapping node, with duplicate keys refused."""
+    """key -> (key_node, value_node) of a mapping node (duplicate keys were refused by safe_yaml)."""
     if not isinstance(node, yaml.MappingNode):
         raise RuleError(f"{where} must be a mapping (key: value)")
-    out: dict[str, tuple[Any, Any]] = {}
-    for k, v in node.value:
-        key = _construct(k)
-        if key in out:
-            raise RuleError(f"{where.split(':')[0]}:{_line(k)}: {where.split(': ', 1)[-1]}: key '{key}' given twice")
-        out[str(key)] = (k, v)
-    return out
+    return {str(_construct(k)): (k, v) for k, v in node.value}
 
 
 def _unknown_key(source: str, node, key: str, allowed: tuple[str, ...], rule_index: int, parent: str) -> RuleError:
@@ -199,9 +201,12 @@ def _parse_rule(node, index: int, source: str) -> Rule:
     kwargs: dict[str, Any] = {}
     if "kwargs" in replace:
         _, vn = replace["kwargs"]
-        kwargs = _construct(vn) or {}
+        kwargs = _construct(vn)
+        if kwargs is None:  # ``kwargs:`` with nothing after it
+            kwargs = {}
         if not isinstance(kwargs, dict):
-            raise err("replace.kwargs", "must be a mapping", _line(vn))
+            raise err("replace.kwargs", f"must be a mapping (key: value), not {_shown(kwargs)}; leave 'kwargs' out "
+                                        "for none", _line(vn))
         klines = {str(_construct(k)): _line(k) for k, _ in vn.value} if isinstance(vn, yaml.MappingNode) else {}
         kwargs, renamed = compat.normalize_kwargs(kwargs)
         for theirs, ours, what in renamed:
@@ -235,11 +240,12 @@ def _value(pair, key: str, kind: type, wrong_kind, resolve, err):
 
 def resolve_match_class(text: str) -> tuple[type, ...] | str:
     """Classes for ``match.class``; a bare name is returned as a string and matched by class name."""
+    check_class_path(text)
     if "." not in text:
         return text
     classes = compat.resolve_class_path(text)
     if classes is None:
-        cls = import_rule_attribute(text)
+        cls = registered_class(text) if text.startswith("ktransformers.") else rule_class(text)
         classes = (cls,) if cls is not None else ()
     if not classes:
         raise RuleError(f"class '{text}' cannot be imported{_did_you_mean_module(text)}")
@@ -252,9 +258,10 @@ def resolve_match_class(text: str) -> tuple[type, ...] | str:
 def _did_you_mean_module(text: str) -> str:
     mod_name, _, leaf = text.rpartition(".")
     mod_name = compat.MODULE_PATHS.get(mod_name, mod_name)
-    try:
-        mod = import_rule_module(mod_name)
-    except (ImportError, TypeError, ValueError):  # also ".." or "a..b": not a module path
+    if mod_name.startswith("ktransformers."):
+        return " (not a registered operator; see docs/rules.md, Class paths)"
+    mod = rule_module(mod_name)
+    if mod is None:
         return f" ('{mod_name}' is not an importable module)"
     names = [n for n in dir(mod) if isinstance(getattr(mod, n, None), type)]
     near = difflib.get_close_matches(leaf, names, n=1, cutoff=0.5)
@@ -276,11 +283,21 @@ def _op_aliases(cls, kwargs: dict) -> list[tuple[str, str, str]]:
 
 def _check_device(value, fail) -> None:
     if not isinstance(value, str):
-        raise fail(f"a device is a string such as 'cpu' or 'cuda:0', not {value!r}")
+        raise fail(f"a device is a string such as 'cpu' or 'cuda:0', not {_shown(value)}")
     try:
-        torch.device(value)
+        dev = torch.device(value)
     except (RuntimeError, ValueError):
-        raise fail(f"'{value}' is not a device (use 'cpu', 'cuda', 'cuda:1', ...)") from None
+        raise fail(f"'{_short(value)}' is not a device (use 'cpu', 'cuda', 'cuda:1', ...)") from None
+    if dev.type not in RULE_DEVICE_TYPES:
+        raise fail(f"'{value}' is not a device rules can place modules on (use 'cpu', 'cuda', 'cuda:1', ...)")
+
+
+def _shown(value) -> str:
+    return "an empty string" if value == "" else repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "..."
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= 40 else text[:40] + "..."
 
 
 def _check_kwargs(cls, rtext: str, kwargs: dict, klines: dict[str, int], source: str, index: int,
@@ -309,12 +326,28 @@ def _check_kwargs(cls, rtext: str, kwargs: dict, klines: dict[str, int], source:
             hint = f"did you mean '{near[0]}'?" if near else f"accepted: {', '.join(sorted(spec))}"
             raise fail(key, f"{rtext} does not accept this kwarg; {hint}")
         types = spec[key].types
-        if (value is None and type(None) not in types) or (value is not None and not isinstance(value, types)):
+        if ((value is None and type(None) not in types) or (value is not None and not isinstance(value, types))
+                or (isinstance(value, bool) and bool not in types)):  # YAML's true is an int to Python
             names = " or ".join("null" if t is type(None) else t.__name__ for t in types)
-            raise fail(key, f"must be {names}, not {value!r}")
-        if key in DEVICE_KWARGS and value is not None:
-            _check_device(value, lambda m: fail(key, m))
+            raise fail(key, f"must be {names}, not {_shown(value)}")
+        _check_kwarg_value(key, value, lambda m: fail(key, m))
     try:
         decide_phases(cls, kwargs, device)
     except PhaseError as e:
         raise fail(e.key, str(e)) from None
+
+
+def _check_kwarg_value(key: str, value, fail) -> None:
+    """Values of the right type that still cannot be meant: an empty name, a count out of range,
+    a device rules cannot place on (a ``transfer_map``'s too)."""
+    if value == "":
+        raise fail("the value is an empty string; leave the key out for its default")
+    if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value <= MAX_INT_KWARG:
+        raise fail(f"{_shown(value)} is out of range (a count or size: 0 to {MAX_INT_KWARG})")
+    if key in DEVICE_KWARGS and value is not None:
+        _check_device(value, fail)
+    if key == "transfer_map" and isinstance(value, dict):
+        for layer, dev in value.items():
+            if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
+                raise fail(f"keys are layer numbers (0, 1, ...), not {_shown(layer)}")
+            _check_device(dev, lambda m, layer=layer: fail(f"layer {layer}: {m}"))

@@ -33,7 +33,8 @@ def rules_error(text: str) -> str:
          ["r.yaml:3:", "rule #1", "(match.name)", "does not compile"]),
         ("- match: {class: torch.nn.Linearr}\n  replace: {}\n",
          ["r.yaml:1:", "(match.class)", "cannot be imported", "did you mean 'torch.nn.Linear'"]),
-        ("- match: {class: torch.Tensor}\n  replace: {}\n", ["(match.class)", "not a torch.nn.Module"]),
+        ("- match: {class: torch.nn.Parameter}\n  replace: {}\n", ["(match.class)", "not a torch.nn.Module"]),
+        ("- match: {class: torch.Tensor}\n  replace: {}\n", ["(match.class)", "module 'torch' is outside what rule"]),
         ("- match: {class: builtins.dict}\n  replace: {}\n",
          ["r.yaml:1:", "(match.class)", "module 'builtins' is outside", "KT_RULE_IMPORTS=builtins"]),
         ("- match: {name: x}\n  replace: {class: KTransformersLinearr}\n",
@@ -113,19 +114,19 @@ def _plan(arch, text, **kw):
 def test_first_match_wins_and_inheritance():
     plan = _plan("qwen3_moe", """
         - match: {name: "^model\\\\.layers\\\\.0\\\\.self_attn\\\\.q_proj$"}
-          replace: {class: KTransformersLinear, device: meta}
+          replace: {class: KTransformersLinear, device: "cuda:1"}
         - match: {class: torch.nn.Linear}
           replace: {class: KTransformersLinear, device: cpu}
         - match: {name: "^model\\\\.layers\\\\.1$"}
-          replace: {class: default, device: meta}
+          replace: {class: default, device: "cuda:1"}
     """)
     p = plan.placements
     assert p["model.layers.0.self_attn.q_proj"].rule.index == 0
-    assert p["model.layers.0.self_attn.q_proj"].generate_device == torch.device("meta")
+    assert p["model.layers.0.self_attn.q_proj"].generate_device == torch.device("cuda:1")
     assert p["model.layers.0.self_attn.k_proj"].rule.index == 1
-    # a layer placed on meta: its unmatched children inherit, matched ones follow their own rule
+    # a layer placed on cuda:1: its unmatched children inherit, matched ones follow their own rule
     assert p["model.layers.1.input_layernorm"].rule is None
-    assert p["model.layers.1.input_layernorm"].generate_device == torch.device("meta")
+    assert p["model.layers.1.input_layernorm"].generate_device == torch.device("cuda:1")
     assert p["model.layers.1.input_layernorm"].from_ancestor == "model.layers.1"
     assert p["model.layers.1.self_attn.q_proj"].generate_device == torch.device("cpu")
     # no catch-all needed: unmatched top-level modules get the default device
@@ -176,11 +177,11 @@ def test_ops_and_devices_per_phase_in_plan():
         - match: {name: "experts$"}
           replace:
             class: KTransformersExperts
-            kwargs: {generate_device: cpu, prefill_device: meta, prefill_op: KExpertsTorch}
+            kwargs: {generate_device: cpu, prefill_device: "cuda:1", prefill_op: KExpertsTorch}
           recursive: false
     """)
     p = plan.placements["model.layers.0.mlp.experts"]
-    assert (p.generate_device, p.prefill_device) == (torch.device("cpu"), torch.device("meta"))
+    assert (p.generate_device, p.prefill_device) == (torch.device("cpu"), torch.device("cuda:1"))
     assert (p.generate_op, p.prefill_op) == ("KExpertsTorch", "KExpertsTorch")
 
 
@@ -188,7 +189,7 @@ def test_operator_with_one_device_refuses_two():
     with pytest.raises(RuleError, match="one device"):
         _plan("qwen3_moe", """
             - match: {name: "mlp$"}
-              replace: {class: KMoEBlock, kwargs: {generate_device: cpu, prefill_device: meta}}
+              replace: {class: KMoEBlock, kwargs: {generate_device: cpu, prefill_device: "cuda:1"}}
         """)
 
 
@@ -199,8 +200,12 @@ def test_unavailable_device_names_the_rule(tiny_model_dir):
 
     rules = "- match: {name: '^lm_head$'}\n  replace: {class: KTransformersLinear, device: 'cuda:0'}\n"
     d = tiny_model_dir("llama")
-    with pytest.raises(RuleError, match=r"<string>:1: rule #0.*'lm_head' on cuda:0.*no CUDA device"):
+    with pytest.raises(RuleError, match=r"<string>:1: rule #0.*'lm_head' on cuda:0.*no CUDA device; run the rule file "
+                                        r"with --device_map cuda=cpu \(device_map='cuda=cpu' in Python\)"):
         load_model(d, model_path=d, rules=rules)
+    # the fix it names works
+    model = load_model(d, model_path=d, rules=rules, device_map="cuda=cpu")
+    assert model.kt_plan.placements["lm_head"].generate_device == torch.device("cpu")
 
 
 def test_rules_from_list_of_dicts():
@@ -246,11 +251,11 @@ def test_transfer_map_is_checked_against_placement(tiny_model_dir):
 - match: {name: "^model$"}
   replace:
     class: KTransformersModel
-    kwargs: {generate_device: cpu, transfer_map: {1: meta}}
+    kwargs: {generate_device: cpu, transfer_map: {1: "cuda:0"}}
 """
-    with pytest.raises(RuleError, match=r"transfer_map puts layer 1 on meta, but the rules place 'model.layers.1' on cpu"):
+    with pytest.raises(RuleError, match=r"transfer_map puts layer 1 on cuda:0, but the rules place 'model.layers.1' on cpu"):
         load_model(d, model_path=d, rules=rules)
-    agreeing = rules.replace("{1: meta}", "{1: cpu}")
+    agreeing = rules.replace('{1: "cuda:0"}', "{1: cpu}")
     assert load_model(d, model_path=d, rules=agreeing).kt_plan
 
 

@@ -89,9 +89,9 @@ def test_class_path_outside_the_allowed_packages_is_not_imported(tmp_path, monke
     rule.write_text(text)
     assert optimize_main(["check", str(rule)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == (f"error: {rule}:{line}: rule #0 ({key}.class): module 'my_ops.experts' is outside the packages "
-                   "rule files may import (ktransformers, transformers, torch); to load operators of your own, "
-                   "set KT_RULE_IMPORTS=my_ops"), err
+    assert err == (f"error: {rule}:{line}: rule #0 ({key}.class): module 'my_ops.experts' is outside what rule "
+                   "files may name (torch.nn, transformers.models.*.modeling_*, ktransformers operators); to load "
+                   "operators of your own, set KT_RULE_IMPORTS=my_ops"), err
     assert not (pkg / "imported.marker").exists()  # refused before the import, not after
 
     monkeypatch.setenv("KT_RULE_IMPORTS", "other, my_ops")  # the documented opt-in
@@ -249,3 +249,273 @@ def test_fuzz_rule_file_bytes(tmp_path_factory, data):
         load_rules(f)
     except RuleError as e:
         assert "\n" not in str(e) and str(e).startswith(str(f))
+
+
+# ---- bad input that loaded, hung or ended in a traceback (second round) ---------------------
+
+NEW_CASES = [
+    (b'- match: {name: "a{2147483648}"}\n  replace: {}\n', ":1: rule #0 (match.name): regular expression "
+                                                        "'a{2147483648}' repeats 2147483648 times"),
+    (b'- match: {name: "(?:(?:a{100}){100}){100}"}\n  replace: {}\n', "nested repetitions that expand"),
+    (b'- match: {name: "' + b"x" * 1001 + b'"}\n  replace: {}\n', "is 1001 characters long"),
+    (b'- match: {name: x}\n  replace: {class: "\\UFFFFFFFF"}\n', ":2: not valid YAML: a character escape"),
+    (b'- match: {name: "\\U00110000"}\n  replace: {}\n', ":1: not valid YAML: a character escape"),
+    (b"- match: {class: torch." + b"a." * 2000 + b"b}\n  replace: {}\n", "(match.class): class path 'torch.a.a"),
+    (b"- match: {name: x}\n  replace: {class: ktransformers.server.__main__.X}\n", "goes through a __main__ module"),
+    (b"- match: {class: torch.utils.model_dump.__main__.X}\n  replace: {}\n", "goes through a __main__ module"),
+    (b"- match: {class: torch.utils.model_dump.X}\n  replace: {}\n", "module 'torch.utils.model_dump' is outside"),
+    (b"- match: {name: x}\n  replace: {class: KTransformersLinear, kwargs: ''}\n",
+     "(replace.kwargs): must be a mapping (key: value), not an empty string"),
+    (b"- match: {name: x}\n  replace:\n    class: KTransformersLinear\n    kwargs:\n      generate_op: KLinearTorch\n"
+     b"      generate_op: KLinearCPU\n", ":6: rule #0 (replace.kwargs): key 'generate_op' given twice (first on line 5)"),
+    (b"- match: {name: x}\n  match: {name: y}\n  replace: {}\n", ":2: rule #0 (rule): key 'match' given twice"),
+    (b"- match: {name: x}\n  replace: {class: KTransformersLinear, kwargs: {prefill_threshold: true}}\n",
+     "(replace.kwargs.prefill_threshold): must be int, not True"),
+    (b"- match: {name: x}\n  replace: {class: KTransformersLinear, kwargs: {prefill_threshold: -5}}\n",
+     "(replace.kwargs.prefill_threshold): -5 is out of range"),
+    (b"- match: {name: x}\n  replace: {class: KTransformersLinear, kwargs: {prefill_threshold: 1" + b"0" * 30 + b"}}\n",
+     "(replace.kwargs.prefill_threshold): 1000000000000000000000000000000 is out of range"),
+    (b"- match: {name: x}\n  replace: {class: KTransformersLinear, kwargs: {prefill_threshold: 1:30}}\n",
+     "'1:30' reads as a base-60 number in YAML 1.1 (1:30 = 90)"),
+    (b"- match: {name: x}\n  replace: {class: KTransformersLinear, kwargs: {generate_op: ''}}\n",
+     "(replace.kwargs.generate_op): the value is an empty string"),
+    (b"- match: {name: x}\n  replace: {class: torch.nn.Module}\n", "'torch.nn.Module' is the base class of every module"),
+    (b"- match: {name: x}\n  replace: {class: transformers.models.llama.modeling_llama.LlamaForCausalLM}\n",
+     "LlamaForCausalLM' is a whole model, not an operator"),
+    (b"- match: {name: x}\n  replace: {class: torch.nn.Linear}\n", "'torch.nn.Linear' is not an operator"),
+    (b"- match: {name: x}\n  replace: {class: default, kwargs: {transfer_map: {1: meta}}}\n", "takes only devices"),
+    (b"- match: {name: '^model$'}\n  replace: {class: KTransformersModel, kwargs: {transfer_map: {1: mps}}}\n",
+     "(replace.kwargs.transfer_map): layer 1: 'mps' is not a device rules can place modules on"),
+    (b"[]\n", ":1: the rule file has no rules"),
+    (b"# nothing yet\n--- []\n", ":2: the rule file has no rules"),
+] + [(f"- match: {{name: x}}\n  replace: {{class: default, device: {d}}}\n".encode(),
+      f"(replace.device): '{d}' is not a device rules can place modules on")
+     for d in ("meta", "mps", "xla", "lazy", "hpu", "privateuseone", "xpu:1")]
+
+
+@pytest.mark.parametrize("data, needle", NEW_CASES)
+def test_second_round_reproductions_exit_2_with_one_line(tmp_path, capsys, data, needle):
+    f = tmp_path / "bad.yaml"
+    f.write_bytes(data)
+    t0 = time.perf_counter()
+    assert optimize_main(["check", str(f)]) == 2
+    assert time.perf_counter() - t0 < 10
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: {f}:") and needle in err, err
+
+
+def test_class_paths_run_no_program_and_no_module_outside_the_namespaces(tmp_path, monkeypatch):
+    import sys
+
+    for mod in ("ktransformers.server.__main__", "torch.utils.model_dump", "torch.utils.model_dump.__main__"):
+        monkeypatch.delitem(sys.modules, mod, raising=False)
+    for text in ("ktransformers.server.__main__.X", "torch.utils.model_dump.__main__.X", "torch.utils.model_dump.X",
+                 "ktransformers.server.main.X", "os.path.X"):
+        for key in ("match", "replace"):
+            rule = (f"- match: {{class: {text}}}\n  replace: {{}}\n" if key == "match"
+                    else f"- match: {{name: x}}\n  replace: {{class: {text}}}\n")
+            msg = _ends_well(rule)
+            assert msg is not None and f"({key}.class)" in msg, (text, key, msg)
+    assert "ktransformers.server.__main__" not in sys.modules
+    assert "torch.utils.model_dump" not in sys.modules
+    # a user's package named in KT_RULE_IMPORTS: its modules, never its __main__
+    pkg = tmp_path / "site" / "my_prog"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "__main__.py").write_text("import pathlib\npathlib.Path(__file__).with_name('ran').write_text('x')\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("KT_RULE_IMPORTS", "my_prog")
+    assert "__main__ module" in _ends_well("- match: {name: x}\n  replace: {class: my_prog.__main__.X}\n")
+    assert not (pkg / "ran").exists()
+    sys.modules.pop("my_prog", None)
+
+
+def test_the_namespaces_rules_name_still_resolve():
+    from torch import nn
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    rules = parse_rules(
+        "- match: {class: torch.nn.modules.linear.Linear}\n  replace: {class: KTransformersLinear}\n"
+        "- match: {class: transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts}\n"
+        "  replace: {class: ktransformers.sft.torch_experts.KSFTExpertsTorch}\n"
+        "- match: {class: ktransformers.operators.linear.KTransformersLinear}\n  replace: {class: default}\n"
+        "- match: {name: '^lm_head$'}\n  replace:\n    class: ktransformers.operators.linear.KTransformersLinear\n"
+        "    kwargs:\n", "ok.yaml")
+    assert rules[0].match_class == (nn.Linear,)
+    assert rules[1].match_class == (modeling_qwen3_moe.Qwen3MoeExperts,)
+    assert rules[1].replace_class.__name__ == "KSFTExpertsTorch"
+    assert rules[2].match_class[0].__name__ == "KTransformersLinear"
+    assert rules[3].kwargs == {}  # ``kwargs:`` with nothing after it: none
+    # a path that names a registered leaf through the wrong module says where it is
+    msg = _ends_well("- match: {name: x}\n  replace: {class: ktransformers.server.KTransformersLinear}\n")
+    assert "did you mean 'ktransformers.operators.linear.KTransformersLinear'" in msg, msg
+    # quoted, a base-60 look-alike is the text it looks like
+    assert parse_rules("- match: {name: '1:30'}\n  replace: {}\n", "q.yaml")[0].name_pattern.pattern == "1:30"
+
+
+def test_device_map_reads_the_file_through_the_same_checks(tmp_path):
+    from ktransformers.errors import ConfigError
+    from ktransformers.optimize.device_map import load_rules_mapped, parse_device_map
+
+    f = tmp_path / "gpu.yaml"
+    f.write_bytes(b'- match: {name: "\\UFFFFFFFF"}\n  replace: {class: default, device: cuda}\n')
+    with pytest.raises(RuleError, match=rf"^{re.escape(str(f))}:1: not valid YAML: a character escape"):
+        load_rules_mapped(f, "cuda=cpu")
+    f.write_bytes(b"- match: {name: x}\n  replace: {class: default, device: cuda}\n" + b"#\xff\n")
+    with pytest.raises(RuleError, match=r":3: not UTF-8 text"):
+        load_rules_mapped(f, "cuda=cpu")
+    deep = "- match: {name: " + "[" * 2000 + "]" * 2000 + "}\n  replace: {class: default, device: cuda}\n"
+    with pytest.raises(RuleError, match="nested more than"):
+        load_rules_mapped(deep, "cuda=cpu")
+    with pytest.raises(ConfigError, match=r"--device_map 'cuda=meta': rules cannot place modules on 'meta'"):
+        parse_device_map("cuda=meta")
+
+
+# ---- property-based: each class of bad input, generated ---------------------------------------
+
+HARD_LIMIT_S = 60  # a hang kills the run with every thread's traceback instead of stalling it
+EXAMPLE_LIMIT_S = 5.0
+
+
+def _ends_in_time(text: str, source: str = "m.yaml") -> str | None:
+    import faulthandler
+
+    faulthandler.dump_traceback_later(HARD_LIMIT_S, exit=True)
+    t0 = time.perf_counter()
+    try:
+        return _ends_well(text, source)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        assert time.perf_counter() - t0 < EXAMPLE_LIMIT_S, text[:200]
+
+
+def _rule(match: str = "{name: x}", replace: str = "{class: KTransformersLinear}") -> str:
+    return f"- match: {match}\n  replace: {replace}\n"
+
+
+_ATOMS = st.sampled_from(["a", ".", "\\d", "[a-z]", "\\.", "(?:x|y)", "(", ")", "(?:", "{", "}", ",", "*", "+", "?"])
+
+
+@st.composite
+def repeat_heavy_patterns(draw):
+    """Patterns with counted repeats, nested or not, small to absurd (``a{2147483648}``)."""
+    out = ""
+    for _ in range(draw(st.integers(1, 8))):
+        out += draw(_ATOMS)
+        if draw(st.booleans()):
+            n = draw(st.one_of(st.integers(0, 2000), st.integers(2**31 - 2, 2**32 + 2), st.integers(0, 10**40)))
+            out += draw(st.sampled_from(["{%d}", "{%d,}", "{,%d}", "{1,%d}", "{e<=%d}"])) % n
+        if draw(st.integers(0, 3)) == 0:
+            out = f"(?:{out})"
+    return out
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(repeat_heavy_patterns())
+def test_fuzz_match_name_repeats_end_in_time(pattern):
+    _ends_in_time(_rule(match="{name: %s}" % _yaml_quote(pattern)))
+
+
+def _yaml_quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(st.sampled_from(["\\U", "\\u", "\\x"]), st.integers(0, 2**32 - 1), st.sampled_from(["name", "class"]))
+def test_fuzz_character_escapes_end_in_a_named_error_or_load(kind, code, key):
+    width = {"\\U": 8, "\\u": 4, "\\x": 2}[kind]
+    escape = f"{kind}{code % 16 ** width:0{width}X}"
+    _ends_in_time(f'- match: {{name: x}}\n  replace: {{}}\n- match: {{{key}: "{escape}"}}\n  replace: {{}}\n')
+
+
+_PART = st.text(alphabet="ab_", min_size=1, max_size=6).filter(str.isidentifier)
+_PREFIXES = ["torch", "torch.nn", "torch.utils", "transformers", "transformers.models", "ktransformers",
+             "ktransformers.server", "ktransformers.operators", "ktransformers.models", "os", "subprocess", "my_ops"]
+
+
+@st.composite
+def class_paths(draw):
+    parts = [draw(st.sampled_from(_PREFIXES))]
+    n = draw(st.one_of(st.integers(0, 6), st.integers(10, 3000)))
+    parts += [draw(_PART)] * n if n > 50 else [draw(st.one_of(_PART, st.just("__main__"))) for _ in range(n)]
+    parts.append(draw(st.sampled_from(["X", "Linear", "Module", "KTransformersLinear", "LlamaForCausalLM"])))
+    return ".".join(parts)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # the env, once
+@given(class_paths(), st.sampled_from(["match", "replace"]))
+def test_fuzz_class_paths_import_nothing_outside_the_namespaces(monkeypatch_env, path, key):
+    import sys
+
+    from ktransformers.operators.registry import load_all
+
+    load_all()  # the project's own operator modules register once, whatever the path
+    before = set(sys.modules)
+    text = _rule(match=f"{{class: {path}}}", replace="{}") if key == "match" else _rule(replace=f"{{class: {path}}}")
+    msg = _ends_in_time(text)
+    assert set(sys.modules) == before, sorted(set(sys.modules) - before)
+    if key == "replace":  # none of these names an operator
+        assert msg is not None and "(replace.class)" in msg, (path, msg)
+
+
+@pytest.fixture
+def monkeypatch_env():
+    import os
+
+    saved = os.environ.pop("KT_RULE_IMPORTS", None)
+    yield
+    if saved is not None:
+        os.environ["KT_RULE_IMPORTS"] = saved
+
+
+_BAD_THRESHOLDS = st.one_of(st.booleans(), st.integers(max_value=-1), st.integers(min_value=2**31),
+                            st.builds(lambda h, m: f"{h}:{m:02d}", st.integers(0, 99), st.integers(0, 59)))
+_BAD_DEVICE_TYPES = ["meta", "mps", "xla", "lazy", "hpu", "privateuseone", "xpu", "ipu", "mtia", "vulkan", "fpga"]
+
+
+@st.composite
+def accepted_but_wrong(draw):
+    """Rule files YAML reads fine whose values cannot be meant."""
+    kind = draw(st.sampled_from(["threshold", "empty op", "kwargs scalar", "device", "kwarg device", "empty file",
+                                 "duplicate key"]))
+    if kind == "threshold":
+        v = draw(_BAD_THRESHOLDS)
+        return _rule(replace=f"{{class: KTransformersLinear, kwargs: {{prefill_threshold: {str(v).lower()}}}}}")
+    if kind == "empty op":
+        key = draw(st.sampled_from(["generate_op", "prefill_op", "backend", "generate_device"]))
+        return _rule(replace=f"{{class: KTransformersExperts, kwargs: {{{key}: ''}}}}")
+    if kind == "kwargs scalar":
+        v = draw(st.sampled_from(["''", "0", "1", "true", "false", "x", "'{}'", "[]", "[a]"]))
+        return _rule(replace=f"{{class: KTransformersLinear, kwargs: {v}}}")
+    if kind in ("device", "kwarg device"):
+        dev = draw(st.sampled_from(_BAD_DEVICE_TYPES)) + draw(st.sampled_from(["", ":0", ":1"]))
+        if kind == "device":
+            return _rule(replace=f"{{class: default, device: '{dev}'}}")
+        key = draw(st.sampled_from(["generate_device", "prefill_device", "out_device"]))
+        return _rule(replace=f"{{class: KTransformersLinear, kwargs: {{{key}: '{dev}'}}}}")
+    if kind == "empty file":
+        return draw(st.sampled_from(["[]", "[ ]", "--- []", "# rules\n[]", "[]\n...\n", "!!seq []"])) + "\n"
+    # a key twice in one of the rule's mappings, at any place
+    where = draw(st.sampled_from(["rule", "match", "replace", "kwargs"]))
+    kw = ["generate_op: KLinearTorch", "prefill_threshold: 3", "generate_device: cpu"]
+    maps = {"rule": ["match: {name: x}", "replace: {class: KTransformersLinear}", "recursive: true"],
+            "match": ["name: x", "class: torch.nn.Linear"], "replace": ["class: KTransformersLinear", "device: cpu"],
+            "kwargs": kw}
+    items = maps[where]
+    dup = draw(st.sampled_from(items))
+    items = items[:]
+    items.insert(draw(st.integers(0, len(items))), dup)
+    body = {"rule": None, "match": "{name: x}", "replace": "{class: KTransformersLinear}", "kwargs": None}
+    if where == "rule":
+        return "- " + "\n  ".join(items) + "\n"
+    if where == "kwargs":
+        return _rule(replace="{class: KTransformersLinear, kwargs: {" + ", ".join(items) + "}}")
+    body[where] = "{" + ", ".join(items) + "}"
+    return _rule(match=body["match"], replace=body["replace"])
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(accepted_but_wrong())
+def test_fuzz_accepted_but_wrong_values_are_refused(text):
+    assert _ends_in_time(text) is not None, text
