@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..errors import ConfigError, KTError
+from ..errors import KTError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,8 +59,6 @@ def _explain(args) -> int:
     from .device_map import load_rules_mapped
 
     plan = plan_model(model, load_rules_mapped(args.rules, args.device_map), args.device)
-    if args.context is not None and args.context < 1:
-        raise ConfigError(f"--context must be at least 1 token (got {args.context})")
     ex = explain_plan(model, plan, source, context=args.context)
     print(format_explanation(ex, compact=args.compact))
     if ex.unmatched and not args.allow_unmatched:

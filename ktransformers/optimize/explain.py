@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..errors import ConfigError
 from .plan import Plan
 
 
@@ -285,7 +286,11 @@ def _device_free(dev: str) -> int | None:
 
 def _add_kv_and_devices(mem: MemoryPlan, model: nn.Module, plan: Plan, totals: dict[str, int],
                         context: int | None) -> None:
-    mem.context = context if context is not None else model_context(model)
+    limit = model_context(model)
+    if context is not None and not 1 <= context <= limit:
+        raise ConfigError(f"context of {context} tokens: expected 1 to {limit} (the model's "
+                          f"max_position_embeddings)")
+    mem.context = context if context is not None else limit
     mem.context_chosen = context is not None
     kv = kv_cache_bytes(model, plan, mem.context)
     for dev, nbytes in kv.items():

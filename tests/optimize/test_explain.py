@@ -152,3 +152,26 @@ def test_tied_embedding_counted_once_without_weights(tiny_model_dir):
         emb = model.model.embed_tokens.weight
         assert sum(r.bytes_per_device.get("cpu", 0) for r in ex.rows if r.module in ("lm_head", "model.embed_tokens")) \
             == emb.numel() * emb.element_size()
+
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(context=st.one_of(st.integers(-2**63, 2**63), st.integers(-2, 300)))
+def test_fuzz_explain_context(tiny_model_dir, capsys, context):
+    """Any --context: the memory plan at that many tokens, or one error line with the model's limit."""
+    from ktransformers.optimize.__main__ import main
+
+    d = tiny_model_dir("qwen3_moe")
+    limit = tiny_config("qwen3_moe").max_position_embeddings
+    rc = main(["explain", "ktransformers/optimize_rules/Qwen3Moe-cpu.yaml", "--model_path", str(d),
+               f"--context={context}"])
+    out, err = capsys.readouterr()
+    if 1 <= context <= limit:
+        assert rc == 0 and f"KV cache at {context} tokens" in out, err
+    else:
+        assert rc == 2 and err.strip() == (f"error: context of {context} tokens: expected 1 to {limit} "
+                                           "(the model's max_position_embeddings)")
