@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
       help="long_context (Llama only): keep the KV cache in CPU memory")
     a("--force_think", action="store_true", help="start every answer with '<think>\\n' (reasoning models)")
     a("--chunk_size", type=int, default=8192, help="prompt tokens per prefill step (default 8192)")
+    a("--speculative", choices=["ngram"], default=None,
+      help="speculative decoding: ngram = prompt lookup (guesses copied from the text so far, verified in one "
+           "step; the same answer, faster where it repeats the prompt; docs/speculative.md)")
+    a("--draft_max", type=int, default=8, help="most guessed tokens per speculative step (1-32, default 8)")
     a("--device", default=None, help="device for modules no rule places (default cuda:0 if available, else cpu)")
     a("--device_map", default=None, metavar="FROM=TO[,...]",
       help="rewrite the devices the rule file names, e.g. cuda=cpu to try a GPU rule file on a CPU-only machine")
@@ -114,6 +118,8 @@ def _check_args(args) -> None:
         raise ConfigError(f"--max_new_tokens must be at least 1 (got {args.max_new_tokens})")
     if args.chunk_size < 1:
         raise ConfigError(f"--chunk_size must be at least 1 (got {args.chunk_size})")
+    if not 1 <= args.draft_max <= 32:
+        raise ConfigError(f"--draft_max must be between 1 and 32 (got {args.draft_max})")
     if args.cpu_infer is not None and args.cpu_infer < 1:
         raise ConfigError(f"--cpu_infer must be at least 1 (got {args.cpu_infer})")
 
@@ -143,7 +149,8 @@ def load(args, log=print, progress=None):
                                  lora=args.lora_path)
     model, tokenizer = loaded.model, loaded.tokenizer
     log(f"{model.kt_load_report.summary()}; rules: {loaded.rules}")
-    gen = Generator(model, tokenizer, chunk_size=args.chunk_size, offload_cache=args.mode == "long_context")
+    gen = Generator(model, tokenizer, chunk_size=args.chunk_size, offload_cache=args.mode == "long_context",
+                    speculative=args.speculative, draft_max=args.draft_max)
     return model, tokenizer, gen
 
 

@@ -659,6 +659,88 @@ class DecodeStep:
                 self._finish_dynamic(after)
             return logits
 
+    def step_rows(self, tokens: list[int], pos: int, cache):
+        """Verify several tokens in one step (speculative decoding): ``(logits [n, vocab], undo)``
+        for ``tokens`` at ``pos, pos + 1, ...`` of one sequence over a ``StaticCache``, or None
+        when this cache state is not one the step reproduces.
+
+        Row ``r`` has the bits ``step(tokens[r], pos + r)`` gives after the steps of
+        ``tokens[:r]``: every projection, norm and MoE row is computed as it is alone (the kernels
+        are row-invariant), and each row's attention is its own single-row call, made in order, so
+        it reads the keys the rows before it just wrote.  ``undo(kept)`` then leaves the cache as
+        if only the first ``kept`` tokens had been stepped (counters reset; a sliding window that
+        rolled gets back the entries the dropped rows pushed out)."""
+        from transformers import StaticCache
+
+        n = len(tokens)
+        if n < 1 or type(cache) is not StaticCache or not self.accepts_rows(n) or not self.accepts(cache):
+            return None
+        with self._lock:
+            try:
+                plan, full = self._static_plan(cache)
+            except Unsupported:
+                return None
+            if full is not None:
+                cl, cap = plan[full][0], plan[full][4]
+                if pos + n > cap or int(cl.cumulative_length) != pos:
+                    return None
+            if any(sliding and cap < n for _, _, _, _, cap, sliding in plan):
+                return None
+            saved = []  # per sliding layer: (counter int, counter tensor, the entries rolls may drop)
+            for cl, kp, vp, lp, cap, sliding in plan:
+                if not sliding:
+                    saved.append(None)
+                    continue
+                cur0 = cl.cumulative_length_int
+                drop = max(0, min(cur0, cap) + n - cap)
+                front = (cl.keys[:, :, :drop].clone(), cl.values[:, :, :drop].clone()) if drop else None
+                saved.append((cur0, int(cl.cumulative_length), front))
+            ptr = torch.zeros(1, dtype=torch.int64)  # one row's position / first key, rewritten per call
+            lo = torch.zeros(1, dtype=torch.int64)
+            pp, lop = ptr.data_ptr(), lo.data_ptr()
+
+            def keys_of(lay, q, cos, sin, out):
+                cl, kp, vp, lp, cap, sliding = plan[lay.idx]
+                qw, cw, ow = 4 * lay.qkv.out_features, 4 * self._rope_width[lay.layer_type], 4 * lay.hq * lay.d
+                for r in range(n):
+                    p = pos + r
+                    if sliding:
+                        cur = cl.cumulative_length_int
+                        cl.cumulative_length_int = cur + 1
+                        roll, filled, lenp = (0, cur + 1, lp) if cur < cap else (1, cap, 0)
+                    else:
+                        roll, filled, lenp = 0, p + 1, lp
+                    ptr[0], lo[0] = p, p + 1 - filled
+                    self._ops.attend_rows(self._cpuinfer, q + r * qw, 1, lay.hq, lay.hkv, lay.d, lay.qk_ptr,
+                                          lay.qk_eps, cos + r * cw, sin + r * cw, kp, vp, lay.d, cap * lay.d, 0,
+                                          _NO_ROWS.data_ptr(), _NO_ROWS.data_ptr(), pp, lop, roll, cap, lenp,
+                                          lay.scaling, out + r * ow)
+
+            logits = self._rows(list(tokens), list(range(pos, pos + n)), keys_of)
+
+        def undo(kept: int) -> None:
+            if not 0 <= kept <= n:
+                raise ValueError(f"undo: kept {kept} of {n} rows")
+            for (cl, kp, vp, lp, cap, sliding), sv in zip(plan, saved):
+                if not sliding:
+                    cl.cumulative_length.fill_(pos + kept)
+                    continue
+                cur0, t0, front = sv
+                cl.cumulative_length_int = cur0 + kept
+                cl.cumulative_length.fill_(t0 + max(0, min(kept, cap - cur0)))
+                filled0 = min(cur0, cap)
+                if front is None or kept == n:
+                    continue  # no row rolled the window, or every row stays
+                # the layer's sequence: the entries rolled out, then the window as it is now
+                fk, fv = front
+                seq_k = torch.cat([fk, cl.keys], dim=2)[:, :, :filled0 + kept]
+                seq_v = torch.cat([fv, cl.values], dim=2)[:, :, :filled0 + kept]
+                keep = min(cap, filled0 + kept)
+                cl.keys[:, :, :keep].copy_(seq_k[:, :, -keep:])
+                cl.values[:, :, :keep].copy_(seq_v[:, :, -keep:])
+
+        return logits, undo
+
     def step_pages(self, tokens: list[int], positions: list[int], tables: list[list[int]], pool) -> torch.Tensor:
         """Logits ``[N, vocab]`` of ``tokens[r]`` at ``positions[r]`` appended to the sequence whose
         block table (new page included) is ``tables[r]`` in ``pool``; its K/V rows are written into

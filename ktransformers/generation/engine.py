@@ -89,6 +89,8 @@ class GenerationStats:
     generated_tokens: int
     decode_seconds: float
     cached_tokens: int = 0       # prompt tokens reused from a prefix cache, not evaluated again
+    drafted_tokens: int = 0      # speculative decoding: tokens guessed, and how many the model kept
+    accepted_tokens: int = 0
 
     @property
     def prefill_tps(self) -> float:
@@ -99,13 +101,21 @@ class GenerationStats:
         steps = max(self.generated_tokens - 1, 0)
         return steps / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
+    @property
+    def acceptance(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
     def line(self) -> str:
-        return (
+        text = (
             f"prompt eval count: {self.prompt_tokens} token(s), duration: {self.prefill_seconds:.3f}s, "
             f"rate: {self.prefill_tps:.2f} tokens/s | "
             f"eval count: {self.generated_tokens} token(s), duration: {self.decode_seconds:.3f}s, "
             f"rate: {self.decode_tps:.2f} tokens/s"
         )
+        if self.drafted_tokens:
+            text += (f" | drafted {self.drafted_tokens}, accepted {self.accepted_tokens} "
+                     f"({100 * self.acceptance:.0f} %)")
+        return text
 
 
 def _module_device(module: torch.nn.Module | None) -> torch.device | None:
@@ -146,12 +156,19 @@ class Generator:
     prompt + new tokens (the static cache is sized prompt + max_new_tokens, capped by it).
     ``offload_cache``: keep the KV cache in host memory between layers when the model runs on
     CUDA (transformers' cache offloading; the ``long_context`` mode of local_chat).
+    ``speculative``: a drafter name (generation/speculative.py, e.g. ``"ngram"``) to verify up to
+    ``draft_max`` guessed tokens per step; the answer is the same (greedy: token for token).
     """
 
     def __init__(self, model, tokenizer, *, chunk_size: int = 8192, max_cache_len: int | None = None,
-                 offload_cache: bool = False):
+                 offload_cache: bool = False, speculative: str | None = None, draft_max: int = 8):
+        from .speculative import check_drafter
+
         if chunk_size < 1:
             raise ConfigError(f"chunk_size must be >= 1 (got {chunk_size})")
+        check_drafter(speculative, draft_max)
+        self.speculative = speculative
+        self.draft_max = int(draft_max)
         self.model = model
         self.tokenizer = tokenizer
         self.chunk_size = int(chunk_size)
@@ -253,46 +270,108 @@ class Generator:
                            keep_ids=self.keep_special_ids)
 
         t0 = time.perf_counter()
-        cache = self.new_cache(n + max_new)
+        cap = n + max_new
+        cache = self.new_cache(cap)
         logits = self.prefill(input_ids, cache, cancel)
         stats.prefill_seconds = time.perf_counter() - t0  # updated below to include the first sample
         sampler = Sampler(params, logits.device if logits is not None else self.device)
         history = None
         if sampler.needs_ids:
-            history = torch.zeros((1, n + max_new), dtype=torch.long, device=sampler_device(logits, self.device))
+            history = torch.zeros((1, cap), dtype=torch.long, device=sampler_device(logits, self.device))
             history[0, :n] = torch.tensor(input_ids, dtype=torch.long)
-        pos = n
+        spec = self._speculation(input_ids)
+        pos = n          # where the newest decided token goes in the cache
         finish = None
         first = True
+        decided: list[int] = []  # tokens to emit: all but the last are in the cache (accepted guesses)
         while True:
-            if logits is None or (cancel is not None and cancel.is_set()):
-                finish = "cancelled"
+            if not decided:
+                if logits is None or (cancel is not None and cancel.is_set()):
+                    finish = "cancelled"
+                    break
+                with torch.inference_mode():
+                    decided = [sampler(logits, history[:, :pos] if history is not None else None)]
+            for j, token in enumerate(decided):
+                event = out.add(token)
+                if spec is not None:
+                    spec[0].append(token)
+                stats.generated_tokens = out.generated
+                now = time.perf_counter()
+                if first:
+                    stats.prefill_seconds = now - t0
+                    first = False
+                else:
+                    stats.decode_seconds += now - t0
+                t0 = now
+                if event is not None:
+                    yield event
+                    t0 = time.perf_counter()  # the consumer's time between tokens is not ours
+                if out.finish_reason is not None:
+                    finish = out.finish_reason
+                    break
+                if cancel is not None and cancel.is_set():
+                    finish = "cancelled"
+                    break
+                if j + 1 < len(decided):
+                    pos += 1  # an accepted guess: already in the cache
+            if finish is not None:
                 break
-            with torch.inference_mode():
-                token = sampler(logits, history[:, :pos] if history is not None else None)
-            event = out.add(token)
-            stats.generated_tokens = out.generated
-            now = time.perf_counter()
-            if first:
-                stats.prefill_seconds = now - t0
-                first = False
-            else:
-                stats.decode_seconds += now - t0
-            if event is not None:
-                yield event
-            if out.finish_reason is not None:
-                finish = out.finish_reason
-                break
-            if cancel is not None and cancel.is_set():
-                finish = "cancelled"
-                break
+            token, decided = decided[-1], []
             t0 = time.perf_counter()
             if history is not None:
                 history[0, pos] = token
+            room = min(cap - 1 - pos, max_new - out.generated - 1)
+            guesses = spec[0].draft(min(spec[1].next_k(), room)) if spec is not None and room > 0 else []
             with torch.inference_mode():
-                logits = self._forward(torch.tensor([[token]], dtype=torch.long, device=self.device), pos, cache)
+                got = self._verify(token, guesses, pos, cache, sampler, history, stats, spec[1]) if guesses else None
+                if got is not None:
+                    decided = got  # sampled already; the next logits are not needed
+                else:
+                    if guesses:  # the step does not take this cache: plain decoding from here
+                        spec = None
+                    logits = self._forward(torch.tensor([[token]], dtype=torch.long, device=self.device), pos, cache)
             pos += 1
         yield out.final(finish)
+
+    def _speculation(self, input_ids):
+        """(drafter, policy) for a request when the Generator speculates and its decode step can
+        verify rows (else None: plain decoding, the same tokens)."""
+        if self.speculative is None:
+            return None
+        step = self._decode_step()
+        if step is None:
+            return None
+        from .speculative import Policy, make_drafter
+
+        drafter = make_drafter(self.speculative)
+        drafter.extend(input_ids)
+        return drafter, Policy(self.draft_max)
+
+    def _verify(self, token, guesses, pos, cache, sampler, history, stats, policy) -> list[int] | None:
+        """One speculative step: ``token`` at ``pos`` and the ``guesses`` after it as rows of one
+        step; the accepted guesses and the model's token after them (the cache keeps exactly the
+        rows of ``token`` and the accepted guesses), or None when the step cannot take the cache."""
+        step = self._decode_step()
+        rows = [token] + list(guesses)
+        got = step.step_rows(rows, pos, cache) if step.accepts(cache) else None
+        if got is None:
+            return None
+        logits, undo = got
+        decided = []
+        for i in range(len(rows)):
+            if history is not None:
+                history[0, pos + i] = rows[i]
+            guess = rows[i + 1] if i + 1 < len(rows) else None
+            t = sampler.verify(logits[i:i + 1], history[:, :pos + i + 1] if history is not None else None, guess)
+            decided.append(t)
+            if t != guess:
+                break
+        accepted = len(decided) - 1
+        undo(accepted + 1)
+        stats.drafted_tokens += len(guesses)
+        stats.accepted_tokens += accepted
+        policy.update(len(guesses), accepted)
+        return decided
 
     def generate(self, input_ids: list[int], params: SamplingParams,
                  cancel: threading.Event | None = None) -> tuple[str, list[int], str]:

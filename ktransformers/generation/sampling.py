@@ -91,6 +91,21 @@ class Sampler:
         probs = torch.softmax(logits, dim=-1)
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
+    def verify(self, logits: torch.Tensor, ids: torch.Tensor | None, draft: int | None) -> int:
+        """The token of one row of a speculative verify (generation/speculative.py): greedy, the
+        token ``__call__`` picks; sampling, ``draft`` kept with probability p(draft) and otherwise
+        a draw from p without it, so the token has p's distribution whatever the draft."""
+        if self.greedy or draft is None:
+            return self(logits, ids)
+        for processor in self.processors:
+            logits = _finite(processor(ids, logits))
+        probs = torch.softmax(logits, dim=-1).reshape(-1)
+        u = float(torch.rand(1, generator=self.generator, device=probs.device))
+        if u < float(probs[draft]):
+            return int(draft)
+        probs[draft] = 0.0
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:
     """The first maximal index of each row of a [N, V] tensor (torch.argmax's tie rule).
