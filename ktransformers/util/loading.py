@@ -157,6 +157,7 @@ def load_for_generation(
     log=None,
     check_config=None,
     check_tensors: bool = False,
+    context: int | None = None,
     lora=None,
 ) -> LoadedModel:
     """The one load sequence of ``local_chat`` and the server: weights header, config (read once),
@@ -165,7 +166,8 @@ def load_for_generation(
     ``check_config(config)`` may refuse the config (e.g. a mode for another architecture).
     Before the weights load, the chat template must compile and, with ``check_tensors``, no
     tensor may hold NaN/Inf (``weights.gguf_checks.preflight``): a server refuses to start
-    rather than failing every request.
+    rather than failing every request.  ``context``: the tokens the KV cache will hold, counted in
+    the memory plan's check (None: reported up to the model's limit, not counted).
 
     ``allow_unmatched`` defaults to True for the shipped rule file (a family file may cover
     modules a given model lacks) and False for rules the caller names.  ``lora``: a LoRA adapter
@@ -200,7 +202,7 @@ def load_for_generation(
         raise RuleError(f"{r.where()}: matches no module of {type(model).__name__} ({r.describe_match()})")
     check_devices_available(plan)
     check_transfer_maps(plan)
-    check_memory_plan(model, plan, source, say)
+    check_memory_plan(model, plan, source, say, context)
     say("building the tokenizer ...")
     tokenizer = load_tokenizer(model_path, source)
     from ..weights.gguf_checks import preflight

@@ -174,3 +174,16 @@ def test_accelerator_memory_planned_and_a_load_that_would_not_fit_refused(tiny_m
         check_memory_plan(model, plan, None, context=128)
     monkeypatch.setenv("KT_IGNORE_MEMORY_PLAN", "1")
     check_memory_plan(model, plan, None, context=128)
+
+
+def test_loader_counts_the_context_it_is_given(gguf, monkeypatch):
+    model, plan, source, _ = _plan(gguf, "llamafile")
+    mem = explain_plan(model, plan, source, context=200).memory
+    monkeypatch.setattr(importlib.import_module("ktransformers.kernels.pool"), "free_host_bytes",
+                        lambda: mem.copies + mem.kv_cache // 2)
+    said = []
+    with pytest.raises(ConfigError, match="KV cache at 200 tokens"):
+        loading.load_for_generation(gguf, context=200, log=said.append)
+    assert any("KV cache at 200 tokens" in s for s in said)
+    with pytest.raises(ConfigError, match="carries no tokenizer"):  # no context chosen: past the memory check
+        loading.load_for_generation(gguf)
