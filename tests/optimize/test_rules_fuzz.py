@@ -283,7 +283,6 @@ NEW_CASES = [
     (b"- match: {name: x}\n  replace: {class: transformers.models.llama.modeling_llama.LlamaForCausalLM}\n",
      "LlamaForCausalLM' is a whole model, not an operator"),
     (b"- match: {name: x}\n  replace: {class: torch.nn.Linear}\n", "'torch.nn.Linear' is not an operator"),
-    (b"- match: {name: x}\n  replace: {class: default, kwargs: {transfer_map: {1: meta}}}\n", "takes only devices"),
     (b"- match: {name: '^model$'}\n  replace: {class: KTransformersModel, kwargs: {transfer_map: {1: mps}}}\n",
      "(replace.kwargs.transfer_map): layer 1: 'mps' is not a device rules can place modules on"),
     (b"[]\n", ":1: the rule file has no rules"),
@@ -478,7 +477,15 @@ _BAD_DEVICE_TYPES = ["meta", "mps", "xla", "lazy", "hpu", "privateuseone", "xpu"
 def accepted_but_wrong(draw):
     """Rule files YAML reads fine whose values cannot be meant."""
     kind = draw(st.sampled_from(["threshold", "empty op", "kwargs scalar", "device", "kwarg device", "empty file",
-                                 "duplicate key"]))
+                                 "duplicate key", "not an operator"]))
+    if kind == "not an operator":
+        family = draw(st.sampled_from(["llama", "qwen3_moe", "mixtral", "gemma3"]))
+        module = f"transformers.models.{family}.modeling_{family}"
+        name = {"llama": "Llama", "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral", "gemma3": "Gemma3"}[family]
+        cls = draw(st.sampled_from(["torch.nn.Module", "torch.nn.modules.module.Module", "torch.nn.Linear",
+                                    f"{module}.{name}ForCausalLM", f"{module}.{name}Model",
+                                    f"{module}.{name}PreTrainedModel"]))
+        return _rule(replace=f"{{class: {cls}}}")
     if kind == "threshold":
         v = draw(_BAD_THRESHOLDS)
         return _rule(replace=f"{{class: KTransformersLinear, kwargs: {{prefill_threshold: {str(v).lower()}}}}}")
