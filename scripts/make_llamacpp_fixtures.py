@@ -68,9 +68,7 @@ EXTRA_CONFIG = {"deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux
                 # GLM's config.json has no bos_token_id (the config class's default 0 would win over the
                 # [gMASK] llama.cpp's GLM vocab writer makes the BOS)
                 "glm_moe_dsa": {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "bos_token_id": None},
-                "glm4_moe": {"bos_token_id": None},
-                # MiniMaxM2Config's default BOS (200034) lies outside the tiny 320-token vocabulary
-                "minimax_m2": {"bos_token_id": None}}
+                "glm4_moe": {"bos_token_id": None}}
 
 # runs in a fresh interpreter: llama.cpp's converter with the two replacements of the module docstring
 _RUN_CONVERTER = """

@@ -87,8 +87,9 @@ TINY_CONFIGS: dict[str, dict] = {
                         mlp_layer_types=["hash_moe", "moe", "moe"]),
     # MiniMax-M2: every layer sparse, no shared expert, sigmoid router whose correction bias sits on the
     # block; q/k norms over all heads; partial rotary (rotary_dim = head_dim / 2 as released)
+    # no BOS: the config class's default (200034, the released vocabulary's) lies outside the tiny one
     "minimax_m2": dict(_COMMON, head_dim=16, rotary_dim=8, num_local_experts=8, num_experts_per_tok=2,
-                       intermediate_size=32),
+                       intermediate_size=32, bos_token_id=None),
     # gpt-oss: sliding (window 8) and full attention alternate, attention sinks and biases; experts
     # transposed with gate/up interleaved, per-expert biases, clamped SwiGLU; router with a bias
     "gpt_oss": dict(_COMMON, head_dim=16, num_local_experts=8, num_experts_per_tok=2, intermediate_size=96,
