@@ -60,9 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
       help="long_context (Llama only): keep the KV cache in CPU memory")
     a("--force_think", action="store_true", help="start every answer with '<think>\\n' (reasoning models)")
     a("--chunk_size", type=int, default=8192, help="prompt tokens per prefill step (default 8192)")
-    a("--speculative", choices=["ngram"], default=None,
-      help="speculative decoding: ngram = prompt lookup (guesses copied from the text so far, verified in one "
-           "step; the same answer, faster where it repeats the prompt; docs/speculative.md)")
+    a("--speculative", default=None, metavar="ngram|draft:PATH",
+      help="speculative decoding, the same answer: ngram = prompt lookup (guesses copied from the text so far; "
+           "pays where the answer repeats the prompt), draft:PATH = a smaller model of the same vocabulary "
+           "(GGUF or folder, default rules); docs/speculative.md")
     a("--draft_max", type=int, default=8, help="most guessed tokens per speculative step (1-32, default 8)")
     a("--device", default=None, help="device for modules no rule places (default cuda:0 if available, else cpu)")
     a("--device_map", default=None, metavar="FROM=TO[,...]",
@@ -120,8 +121,32 @@ def _check_args(args) -> None:
         raise ConfigError(f"--chunk_size must be at least 1 (got {args.chunk_size})")
     if not 1 <= args.draft_max <= 32:
         raise ConfigError(f"--draft_max must be between 1 and 32 (got {args.draft_max})")
+    spec = args.speculative
+    if spec is not None and spec != "ngram":
+        path = spec[len("draft:"):] if spec.startswith("draft:") else None
+        if not path:
+            raise ConfigError(f"--speculative {spec!r}: choose ngram or draft:PATH")
+        if not Path(path).exists():
+            raise ConfigError(f"--speculative draft:{path}: no such file or directory")
     if args.cpu_infer is not None and args.cpu_infer < 1:
         raise ConfigError(f"--cpu_infer must be at least 1 (got {args.cpu_infer})")
+
+
+def load_draft(args, tokenizer, device, log):
+    """The draft model of ``--speculative draft:PATH`` (default rules), or None; its tokenizer must
+    be the model's (the same tokens under the same ids)."""
+    spec = args.speculative
+    if not spec or not spec.startswith("draft:"):
+        return None
+    from .util.loading import load_for_generation
+
+    path = spec[len("draft:"):]
+    draft = load_for_generation(path, None, None, device=device, device_map=args.device_map)
+    if draft.tokenizer is not None and tokenizer is not None and draft.tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ConfigError(f"--speculative draft:{path}: its tokenizer's vocabulary differs from the model's; a draft "
+                          "model must share the model's tokenizer")
+    log(f"draft model: {path} ({type(draft.model).__name__})")
+    return draft.model
 
 
 def load(args, log=print, progress=None):
@@ -150,7 +175,8 @@ def load(args, log=print, progress=None):
     model, tokenizer = loaded.model, loaded.tokenizer
     log(f"{model.kt_load_report.summary()}; rules: {loaded.rules}")
     gen = Generator(model, tokenizer, chunk_size=args.chunk_size, offload_cache=args.mode == "long_context",
-                    speculative=args.speculative, draft_max=args.draft_max)
+                    speculative=None if args.speculative is None else args.speculative.split(":", 1)[0],
+                    draft_max=args.draft_max, draft_model=load_draft(args, tokenizer, device, log))
     return model, tokenizer, gen
 
 

@@ -156,19 +156,24 @@ class Generator:
     prompt + new tokens (the static cache is sized prompt + max_new_tokens, capped by it).
     ``offload_cache``: keep the KV cache in host memory between layers when the model runs on
     CUDA (transformers' cache offloading; the ``long_context`` mode of local_chat).
-    ``speculative``: a drafter name (generation/speculative.py, e.g. ``"ngram"``) to verify up to
-    ``draft_max`` guessed tokens per step; the answer is the same (greedy: token for token).
+    ``speculative``: a drafter name (generation/speculative.py: ``"ngram"``, or ``"draft"`` with a
+    ``draft_model`` of the same vocabulary) to verify up to ``draft_max`` guessed tokens per step;
+    the answer is the same (greedy: token for token).
     """
 
     def __init__(self, model, tokenizer, *, chunk_size: int = 8192, max_cache_len: int | None = None,
-                 offload_cache: bool = False, speculative: str | None = None, draft_max: int = 8):
+                 offload_cache: bool = False, speculative: str | None = None, draft_max: int = 8,
+                 draft_model=None):
         from .speculative import check_drafter
 
         if chunk_size < 1:
             raise ConfigError(f"chunk_size must be >= 1 (got {chunk_size})")
-        check_drafter(speculative, draft_max)
+        check_drafter(speculative, draft_max, draft_model)
+        if draft_model is not None:
+            check_same_vocabulary(model, draft_model)
         self.speculative = speculative
         self.draft_max = int(draft_max)
+        self.draft_model = draft_model
         self.model = model
         self.tokenizer = tokenizer
         self.chunk_size = int(chunk_size)
@@ -279,7 +284,7 @@ class Generator:
         if sampler.needs_ids:
             history = torch.zeros((1, cap), dtype=torch.long, device=sampler_device(logits, self.device))
             history[0, :n] = torch.tensor(input_ids, dtype=torch.long)
-        spec = self._speculation(input_ids)
+        spec = self._speculation(input_ids, cap)
         pos = n          # where the newest decided token goes in the cache
         finish = None
         first = True
@@ -333,7 +338,7 @@ class Generator:
             pos += 1
         yield out.final(finish)
 
-    def _speculation(self, input_ids):
+    def _speculation(self, input_ids, capacity: int):
         """(drafter, policy) for a request when the Generator speculates and its decode step can
         verify rows (else None: plain decoding, the same tokens)."""
         if self.speculative is None:
@@ -343,7 +348,7 @@ class Generator:
             return None
         from .speculative import Policy, make_drafter
 
-        drafter = make_drafter(self.speculative)
+        drafter = make_drafter(self.speculative, self.draft_model, capacity)
         drafter.extend(input_ids)
         return drafter, Policy(self.draft_max)
 
@@ -416,6 +421,14 @@ class Generator:
                 text += "\n"
             text += part
         return self.encode(text, add_special_tokens=True)
+
+
+def check_same_vocabulary(model, draft_model) -> None:
+    """A draft model guesses token ids: its vocabulary must be the target's (same size)."""
+    sizes = [int(getattr(m.config.get_text_config(), "vocab_size", 0) or 0) for m in (model, draft_model)]
+    if sizes[0] != sizes[1]:
+        raise ConfigError(f"draft model: vocabulary of {sizes[1]} tokens, the model's has {sizes[0]}; a draft model "
+                          "must share the model's tokenizer")
 
 
 def sampler_device(logits: torch.Tensor | None, default: torch.device) -> torch.device:

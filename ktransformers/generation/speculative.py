@@ -13,9 +13,10 @@ processed distribution at that row) and otherwise a token is drawn from ``p`` wi
 has exactly the distribution ``p`` (the random stream differs from plain decoding; the
 distribution does not).
 
-The drafter here is prompt lookup (``NgramDrafter``): the continuation of the latest earlier
-occurrence of the text's last n tokens, in the prompt or the answer so far -- no extra weights,
-and it pays where an answer copies (code edits, quoting summaries, JSON rewrites).  ``Policy``
+Drafters: prompt lookup (``NgramDrafter``), the continuation of the latest earlier occurrence of
+the text's last n tokens, in the prompt or the answer so far -- no extra weights, and it pays where
+an answer copies (code edits, quoting summaries, JSON rewrites); and a smaller model of the same
+vocabulary (``DraftModelDrafter``), greedy on its own cache.  ``Policy``
 adapts the draft length to what is accepted and backs off where guesses keep failing, so plain
 chat runs at plain speed.
 """
@@ -27,15 +28,17 @@ from dataclasses import dataclass
 from ..errors import ConfigError
 
 #: drafters a user can name (local_chat --speculative, Generator(speculative=...))
-DRAFTERS = ("ngram",)
+DRAFTERS = ("ngram", "draft")
 
 
-def check_drafter(name: str | None, draft_max: int) -> None:
+def check_drafter(name: str | None, draft_max: int, draft_model=None) -> None:
     """A clear error for a drafter or length the loop cannot use."""
     if name is not None and name not in DRAFTERS:
-        raise ConfigError(f"--speculative {name!r}: unknown drafter (choose from {', '.join(DRAFTERS)})")
+        raise ConfigError(f"--speculative {name!r}: unknown drafter (choose from ngram, draft:PATH)")
     if not 1 <= int(draft_max) <= 32:
         raise ConfigError(f"--draft_max must be between 1 and 32 (got {draft_max})")
+    if (name == "draft") != (draft_model is not None):
+        raise ConfigError("speculative='draft' needs a draft_model (and a draft_model needs speculative='draft')")
 
 
 class NgramDrafter:
@@ -124,7 +127,87 @@ class SpeculativeStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
 
-def make_drafter(name: str):
+class DraftModelDrafter:
+    """Guesses from a smaller model of the same vocabulary, greedy, on its own cache.
+
+    The draft model follows the text: before each draft it is fed the tokens emitted since the last
+    one (its guesses the target kept are already in its cache; the rows of the others are undone),
+    then it guesses ``k`` tokens one step at a time.  Its steps are the target's kind of step
+    (``DecodeStep.step_rows``), so its cache can be rewound the same way; a draft model the step
+    does not serve is refused when it is named.
+    """
+
+    def __init__(self, model, capacity: int):
+        from .decode_step import decode_step_for
+        from .engine import Generator
+
+        self.step = decode_step_for(model)
+        if self.step is None:
+            raise ConfigError(f"draft model {type(model).__name__}: its family is not served by the decode step "
+                              "(Gemma-3 text, Llama / Mistral / Qwen2 / Qwen3, Qwen-MoE), so it cannot draft")
+        self.gen = Generator(model, None)
+        self.capacity = int(capacity)
+        self.tokens: list[int] = []   # the text so far (prompt and emitted tokens)
+        self.fed: list[int] = []      # tokens in the draft cache, in order
+        self.guessed: list = []       # undo of each guess fed since the last draft (after the confirmed rows)
+        self.cache = None
+        self.logits = None            # the draft's logits after its last fed token
+        self.broken = False
+
+    def extend(self, tokens) -> None:
+        self.tokens.extend(int(t) for t in tokens)
+
+    def append(self, token: int) -> None:
+        self.tokens.append(int(token))
+
+    def _feed(self, tokens: list[int], keep: bool) -> bool:
+        got = self.step.step_rows(tokens, len(self.fed), self.cache)
+        if got is None:
+            self.broken = True  # a cache state the step does not take: stop guessing
+            return False
+        logits, undo = got
+        self.logits = logits[-1:]
+        self.fed.extend(tokens)
+        if not keep:
+            self.guessed.append(undo)
+        return True
+
+    def draft(self, k: int) -> list[int]:
+        import torch
+
+        from .sampling import argmax_rows
+
+        if k <= 0 or self.broken:
+            return []
+        with torch.inference_mode():
+            if self.cache is None:  # the prompt, as the target read it: whole, on the draft's own cache
+                self.cache = self.gen.new_cache(self.capacity)
+                self.logits = self.gen.prefill(self.tokens, self.cache)
+                self.fed = list(self.tokens)
+            else:
+                # keep the guesses the target accepted, undo the rest (latest first)
+                base = len(self.fed) - len(self.guessed)
+                same = base
+                while same < len(self.fed) and same < len(self.tokens) and self.fed[same] == self.tokens[same]:
+                    same += 1
+                for undo in reversed(self.guessed[same - base:]):
+                    undo(0)
+                del self.fed[same:]
+                self.guessed = []
+                rest = self.tokens[same:]
+                if rest and not self._feed(rest, keep=True):
+                    return []
+            out = []
+            while len(out) < k and len(self.fed) < self.capacity:
+                out.append(argmax_rows(self.logits)[0])
+                if len(out) < k and not self._feed([out[-1]], keep=False):
+                    break
+        return out
+
+
+def make_drafter(name: str, draft_model=None, capacity: int = 0):
     if name == "ngram":
         return NgramDrafter()
-    raise ConfigError(f"unknown drafter {name!r} (choose from {', '.join(DRAFTERS)})")
+    if name == "draft":
+        return DraftModelDrafter(draft_model, capacity)
+    raise ConfigError(f"unknown drafter {name!r} (choose from ngram, draft:PATH)")

@@ -117,7 +117,7 @@ def test_speculative_greedy_is_the_plain_answer(tiny, arch, extra, penalty, monk
     g = Generator(model, _NoText(), speculative="ngram", draft_max=6)
     _, got, _ = g.generate(prompt, params)
     assert got == want  # prompt lookup's own guesses
-    monkeypatch.setattr(spec, "make_drafter", lambda name: _OracleDrafter(prompt, want))
+    monkeypatch.setattr(spec, "make_drafter", lambda *a: _OracleDrafter(prompt, want))
     _, got, _ = g.generate(prompt, params)
     assert got == want  # guesses right and wrong at every depth
     st = g.last_stats
@@ -174,11 +174,59 @@ def test_speculative_sampling_runs_and_guesses(tiny, monkeypatch):
     model = tiny("llama", head_dim=64)
     prompt = _copy_prompt(np.random.default_rng(5))
     _, greedy, _ = Generator(model, _NoText()).generate(prompt, SamplingParams(max_new_tokens=30))
-    monkeypatch.setattr(spec, "make_drafter", lambda name: _OracleDrafter(prompt, greedy))
+    monkeypatch.setattr(spec, "make_drafter", lambda *a: _OracleDrafter(prompt, greedy))
     g = Generator(model, _NoText(), speculative="ngram")
     _, got, finish = g.generate(prompt, SamplingParams(max_new_tokens=30, temperature=0.7, seed=3))
     assert len(got) == 30 and finish == "length"
     assert g.last_stats.drafted_tokens > 0
+
+
+@pytest.mark.parametrize("arch,extra", [("llama", {}), ("gemma3_text", {"sliding_window": 8})], ids=["llama", "gemma3"])
+def test_a_draft_model_that_is_the_model_guesses_everything(tiny, arch, extra, tmp_path):
+    """The model as its own draft (a second copy): every guess is the model's own token, so all are
+    kept -- the draft's cache follows the text, undo included (its window rolls on gemma3)."""
+    from ktransformers import load_model
+    from ktransformers.util.tiny_models import write_tiny_model
+
+    model = tiny(arch, head_dim=64, **extra)
+    write_tiny_model(arch, tmp_path, seed=2, head_dim=64, **extra)
+    twin = load_model(tmp_path, model_path=tmp_path)
+    prompt = _copy_prompt(np.random.default_rng(3))
+    params = SamplingParams(max_new_tokens=40)
+    _, want, _ = Generator(model, _NoText()).generate(prompt, params)
+    g = Generator(model, _NoText(), speculative="draft", draft_model=twin, draft_max=5)
+    _, got, _ = g.generate(prompt, params)
+    assert got == want
+    st = g.last_stats
+    assert st.drafted_tokens > 20 and st.accepted_tokens == st.drafted_tokens
+
+
+def test_a_different_draft_model_keeps_the_answer(tiny, tmp_path):
+    from ktransformers import load_model
+    from ktransformers.util.tiny_models import write_tiny_model
+
+    model = tiny("qwen3_moe", head_dim=64)
+    write_tiny_model("llama", tmp_path, seed=9, head_dim=64, vocab_size=model.config.vocab_size)
+    other = load_model(tmp_path, model_path=tmp_path)
+    prompt = _copy_prompt(np.random.default_rng(4))
+    for params in (SamplingParams(max_new_tokens=30), SamplingParams(max_new_tokens=30, repetition_penalty=1.2)):
+        _, want, _ = Generator(model, _NoText()).generate(prompt, params)
+        g = Generator(model, _NoText(), speculative="draft", draft_model=other, draft_max=4)
+        _, got, _ = g.generate(prompt, params)
+        assert got == want and g.last_stats.drafted_tokens > 0
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(tiny, tmp_path):
+    from ktransformers import load_model
+    from ktransformers.util.tiny_models import write_tiny_model
+
+    model = tiny("llama", head_dim=64)
+    write_tiny_model("llama", tmp_path, seed=9, head_dim=64, vocab_size=model.config.vocab_size + 64)
+    other = load_model(tmp_path, model_path=tmp_path)
+    with pytest.raises(ConfigError, match="draft model: vocabulary of"):
+        Generator(model, _NoText(), speculative="draft", draft_model=other)
+    with pytest.raises(ConfigError, match="needs a draft_model"):
+        Generator(model, _NoText(), speculative="draft")
 
 
 def test_ngram_drafter_takes_the_latest_longest_match():
@@ -236,3 +284,21 @@ def test_local_chat_flags(tmp_path):
     _check_args(args)
     with pytest.raises(ConfigError, match="--draft_max must be between 1 and 32"):
         _check_args(build_parser().parse_args(["--gguf_path", str(model), "--draft_max", "0"]))
+
+
+def test_local_chat_with_a_draft_model_gives_the_plain_answer(tiny_model_dir):
+    from tests.test_local_chat import run_chat
+
+    d = tiny_model_dir("llama")
+    common = ("--model_path", d, "--prompt", "Hello Hello Hello Hello", "--max_new_tokens", 24, "--stats",
+              "--cpu_infer", 1, "--temperature", 0)
+    plain = run_chat(*common)
+    spec = run_chat(*common, "--speculative", f"draft:{d}", "--draft_max", 4)
+    assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout
+    assert "drafted " in spec.stderr and "draft model:" in spec.stderr, spec.stderr
+    bad = run_chat("--model_path", d, "--prompt", "Hi", "--speculative", "draft:/nonexistent/model.gguf")
+    assert bad.returncode == 2 and "--speculative draft:/nonexistent/model.gguf: no such file" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    bad = run_chat("--model_path", d, "--prompt", "Hi", "--speculative", "mtp")
+    assert bad.returncode == 2 and "choose ngram or draft:PATH" in bad.stderr
