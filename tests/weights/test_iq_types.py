@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from ktransformers.weights import block_dequant as bd
 from ktransformers.weights import dequant as dq
 from ktransformers.weights.ggml_types import ggml_type_info
 
@@ -78,10 +79,10 @@ def test_every_index_and_sign_pattern(name):
 
 
 def test_tables_come_from_gguf_py():
-    assert dq.iq_grid("IQ2_XXS").shape == (256, 8)
-    assert dq.iq_grid("IQ1_S").shape == (2048, 8)
-    assert set(np.unique(dq.iq_grid("IQ1_S"))) == {-1.0, 0.0, 1.0}
-    ks = dq.iq_ksigns()
+    assert bd.iq_grid("IQ2_XXS").shape == (256, 8)
+    assert bd.iq_grid("IQ1_S").shape == (2048, 8)
+    assert set(np.unique(bd.iq_grid("IQ1_S"))) == {-1.0, 0.0, 1.0}
+    ks = bd.iq_ksigns()
     assert ks.shape == (128,)
     # ksigns: bit 7 makes the parity of the 8 sign bits even
     assert all(bin(int(v)).count("1") % 2 == 0 for v in ks)
