@@ -38,13 +38,18 @@ class QueueFull(APIError):
 
 
 class PromptTooLong(APIError):
-    def __init__(self, n: int, limit: int, max_new: int | None = None):
+    """``model_limit``: the model's own context (max_position_embeddings); a larger --cache_lens is
+    suggested only below it."""
+
+    def __init__(self, n: int, limit: int, max_new: int | None = None, model_limit: int | None = None):
+        at_model = model_limit is not None and limit >= model_limit
+        why = "the model's own limit, max_position_embeddings" if at_model else "--cache_lens"
         if max_new is None:
-            msg = (f"prompt is {n} tokens but this server's context holds {limit} tokens "
-                   f"(--cache_lens); shorten the prompt or restart with a larger --cache_lens")
+            fix = "shorten the prompt" + ("" if at_model else " or restart with a larger --cache_lens")
+            msg = f"prompt is {n} tokens but this server's context holds {limit} tokens ({why}); {fix}"
         else:
             msg = (f"prompt of {n} tokens + {max_new} max tokens is {n + max_new} tokens but this server's context "
-                   f"holds {limit} tokens (--cache_lens); ask for at most {limit - n} tokens")
+                   f"holds {limit} tokens ({why}); ask for at most {limit - n} tokens")
         super().__init__(400, msg, code="context_length_exceeded",
                          param="messages" if max_new is None else "max_tokens")
 
@@ -311,14 +316,16 @@ class Engine:
         n = len(req.input_ids)
         if n == 0:
             raise APIError(400, "the prompt is empty (0 tokens)", param="prompt")
+        model_limit = getattr(getattr(getattr(self.generator, "model", None), "config", None),
+                              "max_position_embeddings", None)
         if n >= self.max_context:
-            raise PromptTooLong(n, self.max_context)
+            raise PromptTooLong(n, self.max_context, model_limit=model_limit)
         room = self.max_context - n
         max_new = d.max_new_tokens if req.max_new_tokens is None else int(req.max_new_tokens)
         if max_new < 1:
             raise APIError(400, f"max tokens must be at least 1 (got {max_new})", param="max_tokens")
         if req.max_new_tokens is not None and max_new > room:  # the server's default is capped instead
-            raise PromptTooLong(n, self.max_context, max_new)
+            raise PromptTooLong(n, self.max_context, max_new, model_limit=model_limit)
         top_p = float(d.top_p if req.top_p is None else req.top_p)
         temperature = float(d.temperature if req.temperature is None else req.temperature)
         if temperature < MIN_TEMPERATURE:  # logits / 1e-300 overflow to inf and NaN; the limit is greedy
