@@ -7,7 +7,7 @@ operator (and device, per phase) each module gets, then stream the weights in::
     model = inject(build_model(config), "rules.yaml", "model.gguf")
     model.generate(...)
 
-or in one call: ``load_model(weights_path, model_path=None, rules=None)``.
+or in one call: ``model, tokenizer = load("model.gguf")`` (``load_model`` gives the model alone).
 """
 
 __version__ = "0.1.0"
@@ -19,6 +19,7 @@ _LAZY = {
     "build_model": "optimize", "explain_plan": "optimize", "format_explanation": "optimize",
     "inject": "util.loading", "optimize_and_load_gguf": "optimize", "plan_model": "optimize",
     "load_config": "util.loading", "load_model": "util.loading", "open_weights": "weights",
+    "load": "util.loading", "load_tokenizer": "util.loading",
 }
 
 
@@ -33,5 +34,6 @@ def __getattr__(name: str):
 
 __all__ = [
     "ConfigError", "KTError", "RuleError", "WeightError", "build_model", "explain_plan", "format_explanation",
-    "inject", "load_config", "load_model", "open_weights", "optimize_and_load_gguf", "plan_model",
+    "inject", "load", "load_config", "load_model", "load_tokenizer", "open_weights", "optimize_and_load_gguf",
+    "plan_model",
 ]

@@ -1,8 +1,8 @@
 """Chat with a model in the terminal: ``python -m ktransformers.local_chat --gguf_path MODEL.gguf``.
 
-Interactive by default (streaming, multi-turn through the tokenizer's chat template); with
-``--prompt TEXT`` it prints one answer and exits.  Errors print one ``error: ...`` line on
-stderr and exit with status 2.
+Interactive by default (streaming, multi-turn through the tokenizer's chat template, or the one
+``--chat_template`` names); with ``--prompt TEXT`` it prints one answer and exits.  Errors print
+one ``error: ...`` line on stderr and exit with status 2.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a model hub
@@ -25,12 +26,14 @@ BANNER = ('Type a message and press Enter.  A line of """ opens/closes a multi-l
 COMMANDS = {
     "/help": "this list",
     "/clear": "forget the conversation so far (start a new one)",
+    "/undo": "forget the last question and its answer (an answer stopped with Ctrl-C stays in the "
+             "conversation, as far as it got, until /undo)",
     "/stats": "token counts and rates of the last answer; '/stats on' / '/stats off' after every answer",
     "/exit": "leave (also Ctrl-D)",
 }
 HELP = "\n".join([f"  {c:<8} {what}" for c, what in COMMANDS.items()]
                  + ["  //text   sends '/text' to the model", '  """      opens/closes a multi-line block',
-                    "  a path   sends that file's text"])
+                    "  a path   sends that file's text (an absolute /path too, when the file exists)"])
 
 
 class _Parser(argparse.ArgumentParser):
@@ -49,7 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--optimize_config_path", help="YAML rule file (default: the shipped rule file for the architecture)")
     a("--lora_path", help="LoRA adapter folder (PEFT format, e.g. from python -m ktransformers.sft) applied "
                           "to the model")
-    a("--max_new_tokens", type=int, default=1000, help="most tokens per answer (default 1000)")
+    a("--chat_template", metavar="NAME|FILE",
+      help="chat template instead of the model's own: a Jinja file, or a name (chatml, gemma, llama3, or a "
+           "template the GGUF names as tokenizer.chat_template.NAME)")
+    a("--max_new_tokens", type=int, default=1000,
+      help="most tokens per answer (default 1000); an answer cut there is marked")
     a("--cpu_infer", type=int, default=None, help="CPU threads for torch and the CPU kernels (default: physical cores)")
     a("--use_cuda_graph", action=argparse.BooleanOptionalAction, default=None,
       help="capture the decode step in a CUDA graph (CUDA only; ignored with a note on CPU)")
@@ -132,6 +139,24 @@ def _check_args(args) -> None:
         raise ConfigError(f"--cpu_infer must be at least 1 (got {args.cpu_infer})")
 
 
+def ready_line(loaded, started: float, now: float) -> str:
+    """Where the time to the first prompt went, phase by phase: the start-up (imports), the loader's
+    phases (:attr:`LoadedModel.phases`), and what the tokenizer and the weights phases did."""
+    startup = max(0.0, now - started - loaded.seconds)
+    parts = [f"start-up {startup:.1f} s (torch, transformers, CPU kernels)"]
+    notes = {"tokenizer": getattr(loaded.tokenizer, "kt_tokenizer_note", None)}
+    report = getattr(loaded.model, "kt_load_report", None)
+    if report is not None:
+        per = ", ".join(f"{d}: {b / 2**30:.2f} GiB" for d, b in sorted(report.bytes_per_device.items()))
+        mapped = "; mapped from the file: its pages are read as the first answers touch them" \
+            if _mapped(loaded.source) else ""
+        notes["weights"] = f"{per}{mapped}" if per else None
+    for phase, seconds in loaded.phases.items():
+        note = notes.get(phase)
+        parts.append(f"{phase} {seconds:.1f} s" + (f" ({note})" if note else ""))
+    return f"ready in {now - started:.1f} s: " + ", ".join(parts) + f"; rules: {loaded.rules}"
+
+
 def load_draft(args, tokenizer, device, log):
     """The draft model of ``--speculative draft:PATH`` (default rules), or None; its tokenizer must
     be the model's (the same tokens under the same ids)."""
@@ -149,7 +174,12 @@ def load_draft(args, tokenizer, device, log):
     return draft.model
 
 
-def load(args, log=print, progress=None):
+def _mapped(source) -> bool:
+    """Weights served from a memory-mapped GGUF (their pages load on first use, not at load)."""
+    return hasattr(source, "tensor_info")
+
+
+def load(args, log=print, progress=None, started: float | None = None):
     """(model, tokenizer, generator) for parsed ``args``, through the loader the server uses too."""
     import torch
 
@@ -171,9 +201,14 @@ def load(args, log=print, progress=None):
     loaded = load_for_generation(args.gguf_path or args.model_path, args.model_path, args.optimize_config_path,
                                  device=device, device_map=args.device_map, progress=True,
                                  log=progress, check_config=check_config, check_tensors=args.check_tensors,
-                                 lora=args.lora_path)
+                                 lora=args.lora_path, chat_template=args.chat_template)
     model, tokenizer = loaded.model, loaded.tokenizer
-    log(f"{model.kt_load_report.summary()}; rules: {loaded.rules}")
+    now = time.perf_counter()
+    log(ready_line(loaded, now - loaded.seconds if started is None else started, now))
+    if not getattr(tokenizer, "chat_template", None):
+        from .util.chat_templates import ADD_TEMPLATE_HINT
+
+        log(f"note: the model has no chat template: prompts are continued as plain text; {ADD_TEMPLATE_HINT}")
     gen = Generator(model, tokenizer, chunk_size=args.chunk_size, offload_cache=args.mode == "long_context",
                     speculative=None if args.speculative is None else args.speculative.split(":", 1)[0],
                     draft_max=args.draft_max, draft_model=load_draft(args, tokenizer, device, log))
@@ -187,14 +222,15 @@ def _think_prefix(gen) -> list[int]:
     return gen.encode("<think>\n", add_special_tokens=False)
 
 
-def answer(gen, messages, params, force_think, out=sys.stdout, cancel=None) -> tuple[str, str]:
-    """Stream one answer to ``out``; (text, finish_reason)."""
+def answer(gen, messages, params, force_think, out=sys.stdout, cancel=None, parts=None) -> tuple[str, str]:
+    """Stream one answer to ``out``; (text, finish_reason).  ``parts`` collects the text as it
+    comes, so a caller interrupted mid-answer still has what was shown."""
     ids = gen.apply_chat_template(messages)
     if force_think:
         ids = ids + _think_prefix(gen)
         out.write("<think>\n")
         out.flush()
-    parts = []
+    parts = [] if parts is None else parts
     finish = "stop"
     for ev in gen.stream(ids, params, cancel):
         if ev.text:
@@ -204,6 +240,12 @@ def answer(gen, messages, params, force_think, out=sys.stdout, cancel=None) -> t
         if ev.finish_reason is not None:
             finish = ev.finish_reason
     return "".join(parts), finish
+
+
+def length_marker(params) -> str:
+    """The line after an answer that ran to the token limit (it was cut, not finished)."""
+    n = params.max_new_tokens
+    return f"[cut: the answer reached --max_new_tokens ({n} token{'' if n == 1 else 's'})]"
 
 
 def _read_block(first: str) -> str:
@@ -252,7 +294,12 @@ def interactive(gen, params, args) -> int:
     except ImportError:
         pass
     stats = args.stats if args.stats is not None else True
-    mode = "chat template" if gen.has_chat_template() else "plain completion (no chat template)"
+    if gen.has_chat_template():
+        mode = f"chat template: {getattr(gen.tokenizer, 'kt_template_origin', None) or 'the tokenizer'}"
+    else:
+        from .util.chat_templates import ADD_TEMPLATE_HINT
+
+        mode = f"plain completion (no chat template; {ADD_TEMPLATE_HINT})"
     print(f"{BANNER}\n[{mode}]", flush=True)
     history: list[dict] = []
     interrupted = False
@@ -270,7 +317,7 @@ def interactive(gen, params, args) -> int:
             interrupted = True
             continue
         interrupted = False
-        if line.strip().startswith("/") and not line.strip().startswith("//"):
+        if _is_command(line):
             word, _, rest = line.strip().partition(" ")
             if word == "/exit":
                 return 0
@@ -279,6 +326,12 @@ def interactive(gen, params, args) -> int:
             elif word == "/clear":
                 history = []
                 print("[conversation cleared]", flush=True)
+            elif word == "/undo":
+                if history:
+                    history = history[:-2]
+                    print(f"[last question and answer forgotten; {len(history) // 2} turn(s) left]", flush=True)
+                else:
+                    print("[nothing to undo]", flush=True)
             elif word == "/stats":
                 if rest.strip() in ("on", "off"):
                     stats = rest.strip() == "on"
@@ -288,56 +341,80 @@ def interactive(gen, params, args) -> int:
                 else:
                     print(gen.last_stats.line(), flush=True)
             else:
-                print(f"[unknown command {word}; /help lists them, //text sends text starting with '/']",
-                      flush=True)
+                print(f"[unknown command {word} (and no such file); /help lists the commands, //text sends "
+                      f"text starting with '/']", flush=True)
             continue
-        if line.strip().startswith("//"):
-            line = line.strip()[1:]
         try:
-            if line.strip().startswith(BLOCK):
+            if line.strip().startswith("//"):
+                content = line.strip()[1:]
+            elif line.strip().startswith(BLOCK):
                 content = _read_block(line)
             elif not line.strip():
                 if not args.prompt_file:
                     continue
-                content = Path(args.prompt_file).read_text()
-                print(f"[prompt from {args.prompt_file}: {len(content)} characters]", flush=True)
+                content = _read_prompt_file(args.prompt_file)
             elif Path(line.strip()).is_file():
-                content = Path(line.strip()).read_text()
-                print(f"[prompt from {line.strip()}: {len(content)} characters]", flush=True)
+                content = _read_prompt_file(line.strip())
             else:
                 content = line
         except KeyboardInterrupt:
             print("\n(input discarded)", flush=True)
             continue
+        except (OSError, UnicodeDecodeError) as e:
+            print(f"[cannot read {line.strip() or args.prompt_file}: "
+                  f"{getattr(e, 'strerror', None) or 'not UTF-8 text'}]", flush=True)
+            continue
         if not content.strip():
             continue
         msgs = history + [{"role": "user", "content": content}]
         cancel = threading.Event()
+        parts: list[str] = []
         try:
             with _SigintCancels(cancel):
-                text, finish = answer(gen, msgs, params, args.force_think, cancel=cancel)
+                text, finish = answer(gen, msgs, params, args.force_think, cancel=cancel, parts=parts)
         except KeyboardInterrupt:
-            text, finish = "", "cancelled"
+            text, finish = "".join(parts), "cancelled"
         print(flush=True)
+        # the turn stays as the user saw it, a stopped answer as far as it got (/undo drops it)
+        history = msgs + [{"role": "assistant", "content": text}]
         if finish == "cancelled":
-            print("[stopped]", flush=True)
+            print("[stopped: the question and the answer so far stay in the conversation; /undo forgets them]",
+                  flush=True)
             interrupted = True
-        else:
-            history = msgs + [{"role": "assistant", "content": text}]
+        elif finish == "length":
+            print(length_marker(params), flush=True)
         if stats and gen.last_stats is not None:
             print(gen.last_stats.line(), file=sys.stderr, flush=True)
+
+
+def _read_prompt_file(path: str) -> str:
+    content = Path(path).read_text(encoding="utf-8")
+    print(f"[prompt from {path}: {len(content)} characters]", flush=True)
+    return content
+
+
+def _is_command(line: str) -> bool:
+    """A line starting with '/' is a command, unless it starts with '//' (text) or names an existing
+    file (an absolute path sends that file, as /help says)."""
+    text = line.strip()
+    if not text.startswith("/") or text.startswith("//"):
+        return False
+    return text.partition(" ")[0] in COMMANDS or not Path(text).is_file()
 
 
 def one_shot(gen, params, args) -> int:
     _, finish = answer(gen, [{"role": "user", "content": args.prompt}], params, args.force_think)
     sys.stdout.write("\n")
     sys.stdout.flush()
+    if finish == "length":  # on stderr: stdout holds the answer alone
+        print(length_marker(params), file=sys.stderr, flush=True)
     if args.stats and gen.last_stats is not None:
         print(gen.last_stats.line(), file=sys.stderr, flush=True)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()
     args = build_parser().parse_args(argv)
 
     def log(msg):
@@ -352,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         from .operators.cpu_threads import use_threads
 
         use_threads(args.cpu_infer)
-        model, tokenizer, gen = load(args, log, progress)
+        model, tokenizer, gen = load(args, log, progress, started)
         params = default_sampling(args, model)
         if args.prompt is not None:
             return one_shot(gen, params, args)

@@ -46,6 +46,54 @@ def test_readme_transformers_snippet_runs_verbatim(tiny_model_dir, tmp_path, mon
     assert out.shape[1] == len(scope["tokenizer"]("Hello")["input_ids"]) + 4
 
 
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """A tiny llama GGUF carrying config, tokenizer and chat template (the model folder converted)."""
+    from ktransformers.convert import convert
+    from ktransformers.util.tiny_models import write_tiny_model
+
+    d = tmp_path_factory.mktemp("tiny-gguf")
+    write_tiny_model("llama", d / "hf")
+    return convert(d / "hf", d / "model.gguf", "F32", "F32", "F32")
+
+
+def _readme_blocks_after(heading: str) -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    start = text.index(heading)
+    end = text.index("\n## ", start)
+    return re.findall(r"```python\n(.*?)```", text[start:end], re.S)
+
+
+def test_readme_gguf_only_snippets_run_verbatim(tiny_gguf, tmp_path, monkeypatch, one_torch_thread):
+    """The README's GGUF-only forms: inject() with the GGUF's own config and tokenizer, and load()."""
+    blocks = [b for b in _readme_blocks_after("**3. Inside your own transformers script**") if "model.gguf" in b]
+    assert len(blocks) == 2, blocks
+    shutil.copy(tiny_gguf, tmp_path / "model.gguf")
+    shutil.copy(RULES / "Dense-cpu.yaml", tmp_path / "rules.yaml")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KT_CACHE_DIR", str(tmp_path / "cache"))
+    for code in blocks:
+        scope: dict = {}
+        exec(compile(code, "README.md", "exec"), scope)
+        model, tok = scope["model"], scope["tokenizer"]
+        ids = tok("Hello", return_tensors="pt")
+        out = model.generate(**ids, max_new_tokens=3, do_sample=False)
+        assert out.shape[1] == ids["input_ids"].shape[1] + 3
+        assert tok.chat_template and "<|im_start|>" in tok.chat_template  # the GGUF's own template
+
+
+def test_load_returns_model_and_tokenizer_with_chat_template_option(tiny_gguf, tmp_path, monkeypatch,
+                                                                     one_torch_thread):
+    import ktransformers
+
+    monkeypatch.setenv("KT_CACHE_DIR", str(tmp_path / "cache"))
+    model, tok = ktransformers.load(tiny_gguf, chat_template="llama3")
+    assert model.kt_plan and "<|start_header_id|>" in tok.chat_template
+    assert tok.kt_template_origin == "the built-in template 'llama3'"
+    with pytest.raises(ConfigError, match=r"--chat_template nope: no such file, and not a template name"):
+        ktransformers.load(tiny_gguf, chat_template="nope")
+
+
 def test_load_model_on_a_safetensors_folder(tiny_model_dir, one_torch_thread):
     from transformers import AutoModelForCausalLM
 

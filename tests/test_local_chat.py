@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+READY_RE = re.compile(r"ready in ([\d.]+) s: start-up ([\d.]+) s \(torch, transformers, CPU kernels\), "
+                      r"header and plan ([\d.]+) s, tokenizer ([\d.]+) s, weights ([\d.]+) s")
 STATS_RE = re.compile(r"prompt eval count: (\d+) token\(s\), duration: [\d.]+s, rate: [\d.]+ tokens/s \| "
                       r"eval count: (\d+) token\(s\), duration: [\d.]+s, rate: [\d.]+ tokens/s")
 
@@ -46,8 +48,29 @@ def test_one_shot_prompt_prints_answer_and_stats(tiny_model_dir):
     m = STATS_RE.search(r.stderr)
     assert m, r.stderr
     assert int(m.group(2)) == 12 and int(m.group(1)) > 5
-    assert "loaded weights in" in r.stderr and "Dense-cpu.yaml" in r.stderr
+    assert READY_RE.search(r.stderr) and "Dense-cpu.yaml" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_ready_line_adds_up_the_phases(tiny_model_dir):
+    """The start-up line says where the time went, and its phases add up to the total."""
+    d = tiny_model_dir("llama")
+    r = run_chat("--model_path", d, "--prompt", "Hi", "--max_new_tokens", 2, "--cpu_infer", 1)
+    assert r.returncode == 0, r.stderr
+    m = READY_RE.search(r.stderr)
+    assert m, r.stderr
+    total, parts = float(m.group(1)), [float(x) for x in m.group(2, 3, 4, 5)]
+    assert abs(sum(parts) - total) <= 0.25, r.stderr  # each printed to 0.1 s
+
+
+def test_one_token_answer_prints_no_rate_and_is_marked_cut(tiny_model_dir):
+    d = tiny_model_dir("llama")
+    r = run_chat("--model_path", d, "--prompt", "Hi", "--max_new_tokens", 1, "--stats", "--cpu_infer", 1)
+    assert r.returncode == 0, r.stderr
+    assert "eval count: 1 token(s)" in r.stderr and "0.00 tokens/s" not in r.stderr, r.stderr
+    assert "rate: - (too few tokens to time)" in r.stderr
+    assert "[cut: the answer reached --max_new_tokens (1 token)]" in r.stderr
+    assert "[cut" not in r.stdout  # stdout holds the answer alone
 
 
 def test_one_shot_without_stats_flag_prints_no_stats(tiny_model_dir):
@@ -156,22 +179,46 @@ def test_interactive_two_turns_and_multiline_block(tiny_model_dir, tmp_path):
     assert child.exitstatus == 0
 
 
+STOPPED = "[stopped: the question and the answer so far stay in the conversation; /undo forgets them]"
+
+
 def test_interactive_ctrl_c_stops_generation_then_exits(tiny_model_dir):
+    """A stopped turn stays in the conversation, question and partial answer; /undo forgets it."""
     d = tiny_model_dir("llama")
-    pexpect, child = _spawn("--model_path", d, "--max_new_tokens", 20000, "--cpu_infer", 1, "--no-stats")
+    pexpect, child = _spawn("--model_path", d, "--max_new_tokens", 20000, "--cpu_infer", 1, "--stats")
     try:
         child.expect_exact("Chat: ")
         child.sendline("tell me everything")
         child.expect("S{20}")  # the tiny llama answers with a long run of 'S'; it is generating now
         time.sleep(0.5)
         child.sendintr()
-        child.expect_exact("[stopped]", timeout=30)
+        child.expect_exact(STOPPED, timeout=30)
+        child.expect(STATS_RE)
+        first_prompt, first_answer = int(child.match.group(1)), int(child.match.group(2))
         child.expect_exact("Chat: ")
-        # still usable after the interruption
+        # still usable after the interruption, and the stopped turn is part of the next prompt
         child.sendline("again")
+        time.sleep(1.5)  # 20000 tokens take a minute or more: it is generating now
+        child.sendintr()
+        child.expect_exact(STOPPED, timeout=30)
+        child.expect(STATS_RE)
+        assert int(child.match.group(1)) >= first_prompt + first_answer + len("again")
+        child.expect_exact("Chat: ")
+        child.sendline("/undo")
+        child.expect_exact("[last question and answer forgotten; 1 turn(s) left]")
+        child.expect_exact("Chat: ")
+        child.sendline("/undo")
+        child.expect_exact("[last question and answer forgotten; 0 turn(s) left]")
+        child.expect_exact("Chat: ")
+        child.sendline("/undo")
+        child.expect_exact("[nothing to undo]")
+        child.expect_exact("Chat: ")
+        child.sendline("tell me everything")
         child.expect("S{20}")
         child.sendintr()
-        child.expect_exact("[stopped]", timeout=30)
+        child.expect_exact(STOPPED, timeout=30)
+        child.expect(STATS_RE)
+        assert int(child.match.group(1)) == first_prompt  # the forgotten turns are gone
         child.expect_exact("Chat: ")
         child.sendintr()  # a second Ctrl-C, now at the prompt: exit
         child.expect(pexpect.EOF, timeout=30)
@@ -179,3 +226,33 @@ def test_interactive_ctrl_c_stops_generation_then_exits(tiny_model_dir):
         child.close()
     assert child.exitstatus == 0
     assert "Traceback" not in (child.before or "")
+
+
+def test_interactive_absolute_path_sends_the_file_and_a_cut_answer_is_marked(tiny_model_dir, tmp_path):
+    d = tiny_model_dir("llama")
+    question = tmp_path / "question.txt"
+    question.write_text("a question kept in a file")
+    binary = tmp_path / "blob.bin"
+    binary.write_bytes(b"\xff\xfe\x00\x80")
+    pexpect, child = _spawn("--model_path", d, "--max_new_tokens", 3, "--cpu_infer", 1, "--no-stats")
+    try:
+        child.expect_exact("Chat: ")
+        child.sendline(str(question))  # an absolute path: the file, not a command
+        child.expect_exact(f"[prompt from {question}: 25 characters]")
+        child.expect_exact("[cut: the answer reached --max_new_tokens (3 tokens)]")
+        child.expect_exact("Chat: ")
+        child.sendline(str(tmp_path / "missing.txt"))
+        child.expect_exact(f"[unknown command {tmp_path / 'missing.txt'} (and no such file)")
+        child.expect_exact("Chat: ")
+        child.sendline(str(binary))
+        child.expect_exact(f"[cannot read {binary}: not UTF-8 text]")
+        child.expect_exact("Chat: ")
+        child.sendline("/" + str(question))  # //text sends the text itself
+        child.expect_exact("[cut: the answer reached")
+        assert "[prompt from" not in child.before
+        child.expect_exact("Chat: ")
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0

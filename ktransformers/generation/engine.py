@@ -108,14 +108,19 @@ class GenerationStats:
     def line(self) -> str:
         text = (
             f"prompt eval count: {self.prompt_tokens} token(s), duration: {self.prefill_seconds:.3f}s, "
-            f"rate: {self.prefill_tps:.2f} tokens/s | "
+            f"{_rate(self.prefill_tps, self.prompt_tokens > 0 < self.prefill_seconds)} | "
             f"eval count: {self.generated_tokens} token(s), duration: {self.decode_seconds:.3f}s, "
-            f"rate: {self.decode_tps:.2f} tokens/s"
+            f"{_rate(self.decode_tps, self.generated_tokens > 1 and self.decode_seconds > 0)}"
         )
         if self.drafted_tokens:
             text += (f" | drafted {self.drafted_tokens}, accepted {self.accepted_tokens} "
                      f"({100 * self.acceptance:.0f} %)")
         return text
+
+
+def _rate(tokens_per_second: float, measurable: bool) -> str:
+    """A rate only where there was something to time (one token has no decode step)."""
+    return f"rate: {tokens_per_second:.2f} tokens/s" if measurable else "rate: - (too few tokens to time)"
 
 
 def _module_device(module: torch.nn.Module | None) -> torch.device | None:

@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gguf_path", help="GGUF weights: a .gguf file or a folder of (split) .gguf files")
     g.add_argument("--optimize_config_path", help="YAML rule file (default: the shipped rules for the architecture)")
     g.add_argument("--lora_path", help="LoRA adapter folder (PEFT format, e.g. from python -m ktransformers.sft)")
+    g.add_argument("--chat_template", metavar="NAME|FILE",
+                   help="chat template instead of the model's own: a Jinja file, or a name (chatml, gemma, llama3, "
+                        "or a template the GGUF names as tokenizer.chat_template.NAME)")
     g.add_argument("--model_name", help="name clients use for the model (default: from the folder/file name)")
     g.add_argument("--device", help="device for modules no rule places (default: cuda:0 if available, else cpu)")
     g.add_argument("--device_map", help="rewrite the rule file's devices, e.g. cuda=cpu (a GPU rule file on a CPU)")
@@ -182,8 +185,14 @@ def build_engine(settings: Settings):
     loaded = load_for_generation(settings.gguf_path or settings.model_path, settings.model_path,
                                  settings.optimize_config_path, device=settings.device,
                                  device_map=settings.device_map, allow_unmatched=True, log=log.info,
-                                 check_tensors=settings.check_tensors, lora=settings.lora_path)
+                                 check_tensors=settings.check_tensors, lora=settings.lora_path,
+                                 chat_template=settings.chat_template)
     model, tokenizer, source = loaded.model, loaded.tokenizer, loaded.source
+    if not getattr(tokenizer, "chat_template", None):
+        from ..util.chat_templates import ADD_TEMPLATE_HINT
+
+        log.warning("the model has no chat template: chat requests are continued as plain text; %s",
+                    ADD_TEMPLATE_HINT)
     load_s = time.perf_counter() - t0
     max_pos = int(getattr(model.config, "max_position_embeddings", None) or 4096)
     name = settings.model_name or settings.default_model_name()

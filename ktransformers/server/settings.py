@@ -34,6 +34,7 @@ class Settings:
     gguf_path: str | None = None
     optimize_config_path: str | None = None
     lora_path: str | None = None  # LoRA adapter folder (PEFT format) applied to the model
+    chat_template: str | None = None  # a Jinja file or template name replacing the model's own
     model_name: str | None = None
     cpu_infer: int | None = None
     max_new_tokens: int = 1024

@@ -38,7 +38,8 @@ def keys_table() -> str:
 
 
 def _with_overrides(path: str, overrides: list[str]):
-    """The config file's text with ``key=value`` lines appended (checked like the file's own)."""
+    """The config file's text with ``key=value`` lines appended (checked like the file's own; an
+    error in one names the override, not a line past the file's end)."""
     from .config import parse_config, read_text
 
     text = read_text(path, "config")
@@ -48,20 +49,24 @@ def _with_overrides(path: str, overrides: list[str]):
         base = yaml.safe_load(text) if text.strip() else {}
     except yaml.YAMLError:
         base = None  # parse_config reports it with its line
-    lines = [text]
+    added: list[str] = []
     for o in overrides:
         key, sep, value = o.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"'{o}': overrides are key=value")
+            raise ConfigError(f"command-line override {o!r}: overrides are key=value")
+        if any(c in o for c in "\n\r\x85\u2028\u2029"):  # YAML line breaks
+            raise ConfigError(f"command-line override {o!r}: must be one line")
         if isinstance(base, dict) and key.strip() in base:  # the override replaces the file's line
-            lines = [_drop_key(lines[0], key.strip())] + lines[1:]
-        lines.append(f"{key.strip()}: {value}")
-    return parse_config("\n".join(lines) + "\n", path)
+            text = _drop_key(text, key.strip())
+        added.append(f"{key.strip()}: {value}")
+    first = text.count("\n") + 2  # the overrides' lines follow the file's
+    origins = {first + i: f"command-line override {o!r}" for i, o in enumerate(overrides)}
+    return parse_config("\n".join([text, *added]) + "\n", path, origins)
 
 
 def _drop_key(text: str, key: str) -> str:
     """``text`` without ``key``'s line (left blank, so the other keys keep their line numbers)."""
-    return "\n".join("" if ln.startswith(f"{key}:") else ln for ln in text.splitlines())
+    return "\n".join("" if ln.startswith(f"{key}:") else ln for ln in text.split("\n"))
 
 
 def train(cfg, log) -> int:
@@ -69,6 +74,7 @@ def train(cfg, log) -> int:
     from .model import load_training_model
     from .templates import check_template, encode
     from .trainer import Trainer, has_adapter, latest_checkpoint
+    from ..util.chat_templates import use_chat_template
 
     out = cfg.resolve("output_dir")
     resume = cfg.resume_from_checkpoint
@@ -86,6 +92,8 @@ def train(cfg, log) -> int:
                                       "resume_from_checkpoint")
     examples = load_examples(cfg.datasets(), cfg.resolve("dataset_dir"), cfg.max_samples)
     tm = load_training_model(cfg, log)
+    use_chat_template(tm.tokenizer, cfg.chat_template, getattr(getattr(tm.model, "kt_weights", None), "metadata", None),
+                      option=cfg.where("chat_template"))
     check_template(cfg.template, tm.tokenizer)
     origin = getattr(tm.tokenizer, "kt_template_origin", "the tokenizer's chat template")
     rows, dropped = [], 0
@@ -150,6 +158,8 @@ def chat(cfg, log, extra: list[str]) -> int:
         argv += ["--optimize_config_path", str(cfg.resolve("kt_optimize_rule"))]
     if cfg.cpu_infer:
         argv += ["--cpu_infer", str(cfg.cpu_infer)]
+    if cfg.chat_template:  # the template the adapter was trained with
+        argv += ["--chat_template", cfg.chat_template]
     return chat_main(argv + extra)
 
 

@@ -64,6 +64,9 @@ KEYS: dict[str, Key] = {
                                        "dataset_dir/dataset_info.json"),
     "dataset_dir": Key(_S, ".", "folder that relative dataset paths and dataset_info.json are read from"),
     "template": Key(_S + _N, None, "prompt template name (default: the tokenizer's chat template)"),
+    "chat_template": Key(_S + _N, None, "Jinja chat template file or name (chatml, gemma, llama3, a GGUF's "
+                                        "tokenizer.chat_template.NAME) replacing the tokenizer's, for training "
+                                        "and chat"),
     "cutoff_len": Key(_I, 1024, "tokens per example; longer examples are cut", positive=True),
     "max_samples": Key(_I + _N, None, "use at most this many examples per dataset", positive=True),
     # optimisation
@@ -100,6 +103,8 @@ class SFTConfig:
     values: dict[str, Any]
     path: str = "<config>"
     lines: dict[str, int] = field(default_factory=dict)
+    #: where keys given outside the file came from (``key=value`` on the command line)
+    origins: dict[str, str] = field(default_factory=dict)
 
     def __getattr__(self, name):
         values = self.__dict__.get("values")
@@ -108,6 +113,8 @@ class SFTConfig:
         raise AttributeError(name)
 
     def where(self, key: str) -> str:
+        if key in self.origins:
+            return f"{self.origins[key]}: {key}"
         line = self.lines.get(key)
         return f"{self.path}:{line}: {key}" if line else f"{self.path}: {key}"
 
@@ -180,19 +187,30 @@ def _number_text(key: str, value: Any) -> Any:
     return value
 
 
-def parse_config(text: str, source: str = "<config>") -> SFTConfig:
-    """Check ``text`` (YAML mapping of :data:`KEYS`) and fill in the defaults."""
+def parse_config(text: str, source: str = "<config>", line_origins: dict[int, str] | None = None) -> SFTConfig:
+    """Check ``text`` (YAML mapping of :data:`KEYS`) and fill in the defaults.  ``line_origins``
+    names lines that did not come from ``source`` (command-line overrides appended to its text),
+    so an error points at what the user typed."""
+    origins = line_origins or {}
+
+    def at(line: int | None) -> str:
+        before = [n for n in origins if line is not None and n <= line]  # appended lines: the one it is in
+        return origins[max(before)] if before else (f"{source}:{line}" if line else source)
+
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
-        line = f":{mark.line + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"{source}{line}: not valid YAML: {problem}") from None
+        pos = getattr(e, "position", None)  # the reader's errors (a control character) carry an offset
+        line = mark.line + 1 if mark else (text.count("\n", 0, pos) + 1 if isinstance(pos, int) else None)
+        if isinstance(e, yaml.reader.ReaderError):
+            problem = f"{e.reason}: {e.character!r} is not allowed in YAML"
+        raise ConfigError(f"{at(line)}: not valid YAML: {problem}") from None
     if root is None:
         raise ConfigError(f"{source}: the config is empty")
     if not isinstance(root, yaml.MappingNode):
-        raise ConfigError(f"{source}:{root.start_mark.line + 1}: the config must be a mapping of keys to values")
+        raise ConfigError(f"{at(root.start_mark.line + 1)}: the config must be a mapping of keys to values")
     loader = yaml.SafeLoader("")
     values: dict[str, Any] = {}
     lines: dict[str, int] = {}
@@ -201,28 +219,29 @@ def parse_config(text: str, source: str = "<config>") -> SFTConfig:
             line = knode.start_mark.line + 1
             key = knode.value if isinstance(knode, yaml.ScalarNode) else None
             if not isinstance(key, str) or knode.tag != "tag:yaml.org,2002:str":
-                raise ConfigError(f"{source}:{line}: keys must be text")
+                raise ConfigError(f"{at(line)}: keys must be text")
             if key not in KEYS:
                 near = difflib.get_close_matches(key, KEYS, n=1, cutoff=0.6)
                 hint = f"; did you mean '{near[0]}'?" if near else " (see docs/sft.md for the keys)"
-                raise ConfigError(f"{source}:{line}: unknown key {key!r}{hint}")
+                raise ConfigError(f"{at(line)}: unknown key {key!r}{hint}")
             if key in values:
-                raise ConfigError(f"{source}:{line}: {key}: given twice (first on line {lines[key]})")
+                first = origins.get(lines[key]) or f"on line {lines[key]}"
+                raise ConfigError(f"{at(line)}: {key}: given twice (first {first})")
             try:
                 value = loader.construct_object(vnode, deep=True)
             except (yaml.YAMLError, ValueError, TypeError) as e:
-                raise ConfigError(f"{source}:{line}: {key}: cannot read the value ({e})") from None
+                raise ConfigError(f"{at(line)}: {key}: cannot read the value ({e})") from None
             value = _number_text(key, value)
             problem = check_value(key, value)
             if problem:
-                raise ConfigError(f"{source}:{line}: {key}: {problem}")
+                raise ConfigError(f"{at(line)}: {key}: {problem}")
             values[key] = value
             lines[key] = line
     finally:
         loader.dispose()
     full = {k: spec.default for k, spec in KEYS.items()}
     full.update(values)
-    cfg = SFTConfig(full, source, lines)
+    cfg = SFTConfig(full, source, lines, {k: origins[n] for k, n in lines.items() if n in origins})
     _check_together(cfg)
     return cfg
 
@@ -249,6 +268,8 @@ def _check_together(cfg: SFTConfig) -> None:
     if gc is not None and dgc is not None and gc == dgc:
         raise cfg.error("disable_gradient_checkpointing", f"{str(dgc).lower()} contradicts gradient_checkpointing: "
                                                           f"{str(gc).lower()} (it is its inverse); give one of them")
+    if cfg.template is not None and cfg.chat_template is not None:
+        raise cfg.error("chat_template", f"and template: {cfg.template} both name the prompt format; give one")
     if cfg.max_steps == 0 or cfg.max_steps < -1:
         raise cfg.error("max_steps", f"must be positive, or -1 to use num_train_epochs (not {cfg.max_steps})")
 

@@ -95,7 +95,7 @@ def check_template(name: str | None, tokenizer) -> None:
     if name is None:
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError("template: the tokenizer has no chat template; name one of "
-                              f"{', '.join(TEMPLATES)}")
+                              f"{', '.join(TEMPLATES)}, or give chat_template: NAME|FILE.jinja")
         return
     if name not in TEMPLATES:
         import difflib

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -91,6 +91,19 @@ def load_model(
                   progress=progress, lora=lora)
 
 
+def load(weights, model_path: str | os.PathLike | None = None, rules=None, *, device: str | None = None,
+         device_map: dict[str, str] | str | None = None, lora=None, chat_template: str | None = None,
+         progress: bool = False):
+    """``(model, tokenizer)`` for ``weights``: ``ktransformers.load("model.gguf")`` takes config,
+    tokenizer and chat template from the GGUF and the shipped rules for its architecture, through
+    the load sequence of local_chat and the server (:func:`load_for_generation`: plan and memory
+    checked before any weight is read).  ``chat_template``: a Jinja file or template name replacing
+    the model's own (see :mod:`.chat_templates`)."""
+    loaded = load_for_generation(weights, model_path, rules, device=device, device_map=device_map, lora=lora,
+                                 chat_template=chat_template, progress=progress)
+    return loaded.model, loaded.tokenizer
+
+
 def _cuda_after_map(dmap: dict[str, str]) -> bool | None:
     """With ``cuda`` mapped away, the default rules need not be the CPU variant: the GPU file runs."""
     return True if any(k.startswith("cuda") for k in dmap) else None
@@ -106,6 +119,8 @@ class LoadedModel:
     config: object
     rules: object  # the rule file (path) or text used
     seconds: float
+    #: seconds per load phase, in order (what local_chat reports; the weights may be mapped, not read)
+    phases: dict = field(default_factory=dict)
 
 
 def _has_tokenizer_files(folder: Path) -> bool:
@@ -113,10 +128,11 @@ def _has_tokenizer_files(folder: Path) -> bool:
                                    ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"))
 
 
-def load_tokenizer(model_path: str | os.PathLike | None, source):
+def load_tokenizer(model_path: str | os.PathLike | None, source, chat_template: str | None = None):
     """The tokenizer from ``model_path`` when it has one, else the weights' folder, else the GGUF metadata.
 
-    A GGUF chat template fills in for a tokenizer folder without one."""
+    A GGUF chat template fills in for a tokenizer folder without one; ``chat_template`` (a Jinja
+    file or a template name, see :mod:`.chat_templates`) replaces the model's own."""
     folder = Path(model_path) if model_path else weights_folder(source)
     if folder is not None and _has_tokenizer_files(folder):
         from transformers import AutoTokenizer
@@ -139,6 +155,9 @@ def load_tokenizer(model_path: str | os.PathLike | None, source):
             tok.kt_template_origin = f"{source.path} (tokenizer.chat_template)"
     if not hasattr(tok, "kt_template_origin"):
         tok.kt_template_origin = f"{source.path} (tokenizer.chat_template)"
+    from .chat_templates import use_chat_template
+
+    use_chat_template(tok, chat_template, getattr(source, "metadata", None))
     from .heap import release_free_heap
 
     release_free_heap()  # what parsing a large vocabulary freed (~200 MB for a 262k-token BPE)
@@ -159,6 +178,7 @@ def load_for_generation(
     check_tensors: bool = False,
     context: int | None = None,
     lora=None,
+    chat_template: str | None = None,
 ) -> LoadedModel:
     """The one load sequence of ``local_chat`` and the server: weights header, config (read once),
     rules parsed and the plan checked on the meta model *before* any weight or the tokenizer is
@@ -171,7 +191,8 @@ def load_for_generation(
 
     ``allow_unmatched`` defaults to True for the shipped rule file (a family file may cover
     modules a given model lacks) and False for rules the caller names.  ``lora``: a LoRA adapter
-    folder (PEFT format) applied once the weights are loaded.
+    folder (PEFT format) applied once the weights are loaded.  ``chat_template``: a Jinja file or
+    template name replacing the model's own (``--chat_template``).
     """
     import time
 
@@ -203,11 +224,13 @@ def load_for_generation(
     check_devices_available(plan)
     check_transfer_maps(plan)
     check_memory_plan(model, plan, source, say, context)
+    t_plan = time.perf_counter()
     say("building the tokenizer ...")
-    tokenizer = load_tokenizer(model_path, source)
+    tokenizer = load_tokenizer(model_path, source, chat_template)
     from ..weights.gguf_checks import preflight
 
     preflight(source, tokenizer, tokenizer.kt_template_origin, check_tensors, log)  # where errors point
+    t_tok = time.perf_counter()
     n = len(source.names()) if hasattr(source, "names") else 0
     say(f"loading {n} tensors onto {', '.join(sorted(str(d) for d in plan.devices()))} ...")
     if lora is not None:
@@ -219,4 +242,6 @@ def load_for_generation(
         from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig.from_pretrained(str(model_path), local_files_only=True)
-    return LoadedModel(model, tokenizer, source, config, rules, time.perf_counter() - t0)
+    t_end = time.perf_counter()
+    phases = {"header and plan": t_plan - t0, "tokenizer": t_tok - t_plan, "weights": t_end - t_tok}
+    return LoadedModel(model, tokenizer, source, config, rules, t_end - t0, phases)

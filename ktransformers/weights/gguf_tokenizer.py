@@ -76,13 +76,17 @@ def tokenizer_from_gguf(path, meta: Mapping[str, Any]):
     entry = root / "tokenizers" / tokenizer_key(meta) if root is not None else None
     if entry is not None and (entry / "kt_tokenizer.json").is_file():
         try:
-            return _load_cached(entry)
+            tok = _load_cached(entry)
+            tok.kt_tokenizer_note = f"from the cache {entry.parent}"
+            return tok
         except Exception as e:  # a damaged entry: rebuild it (and replace it below)
             log.warning("cached tokenizer %s unreadable (%s); rebuilding", entry, e)
             shutil.rmtree(entry, ignore_errors=True)
     tok = build_tokenizer(path, meta)
-    if entry is not None:
-        _save(tok, entry)
+    saved = entry is not None and _save(tok, entry)
+    # what a start's time went to (local_chat says it): the conversion happens once per vocabulary
+    tok.kt_tokenizer_note = ("converted from the GGUF vocabulary, cached for later starts" if saved
+                             else "converted from the GGUF vocabulary, not cached (see KT_CACHE_DIR)")
     return tok
 
 
@@ -172,9 +176,10 @@ def _bpe_from_arrays(path: Path, options: dict):
     return BPE(vocab=vocab, merges=pairs, **{k: options[k] for k in _BPE_OPTIONS if options.get(k) is not None})
 
 
-def _save(tok, entry: Path) -> None:
+def _save(tok, entry: Path) -> bool:
     """Write the cache entry atomically: ``tokenizer.json`` without added tokens (and, for a BPE,
-    without its vocabulary and merges: those go to ``bpe.npz``) + ``kt_tokenizer.json``."""
+    without its vocabulary and merges: those go to ``bpe.npz``) + ``kt_tokenizer.json``.  False
+    when the cache is not writable."""
     import numpy as np
 
     try:
@@ -200,8 +205,10 @@ def _save(tok, entry: Path) -> None:
             os.replace(tmp, entry)
         except OSError:  # another process got there first
             shutil.rmtree(tmp, ignore_errors=True)
+        return True
     except OSError as e:
         log.info("not caching the tokenizer in %s: %s", entry.parent, e.strerror or e)
+        return False
 
 
 def build_tokenizer(path, meta: Mapping[str, Any]):

@@ -146,3 +146,51 @@ def test_fuzz_expert_adapter_named_error_or_applied(tmp_path_factory, expert_ada
     with torch.no_grad():
         assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
 
+
+# ---- command-line overrides and chat template files ---------------------------------------------
+
+OVERRIDE_KEYS = st.one_of(st.sampled_from(sorted(KEYS)), st.text(max_size=8))
+
+
+@settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(st.tuples(OVERRIDE_KEYS, st.text(max_size=12)), min_size=1, max_size=3))
+def test_fuzz_overrides_error_names_the_override_or_the_file_line(tmp_path_factory, pairs):
+    """An error in a ``key=value`` override names that override, never a line past the file's end."""
+    from ktransformers.sft.__main__ import _with_overrides
+
+    f = tmp_path_factory.mktemp("cfg") / "c.yaml"
+    f.write_text("model_name_or_path: m\ndataset: d.json\noutput_dir: out\n")
+    overrides = [f"{k}={v}" for k, v in pairs]
+    try:
+        _with_overrides(str(f), overrides)
+    except ConfigError as e:
+        msg = str(e)
+        assert "\n" not in msg, msg
+        if msg.startswith(str(f) + ":"):
+            line = msg[len(str(f)) + 1:].split(":")[0]
+            assert line.isdigit() and int(line) <= 3, msg
+        else:
+            assert msg.startswith(("command-line override", str(f))), msg
+
+
+JINJA_BITS = st.sampled_from(["{{ ", " }}", "{% ", " %}", "{# ", " #}", "if", "for m in messages", "endfor", "endif",
+                              "messages[0]['content']", "raise_exception('x')", "foo.bar", "|trim", "\n", "(", "]",
+                              "bos_token", "add_generation_prompt", "'", "{%- ", " -%}", "loop.", "range(10**9)"])
+
+
+@settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(JINJA_BITS | st.text(max_size=4), max_size=14).map("".join) | st.binary(max_size=24))
+def test_fuzz_chat_template_file_named_error_or_used(tmp_path_factory, body):
+    """A ``--chat_template`` / ``chat_template:`` file is used, or one ConfigError line names it."""
+    from ktransformers.util.chat_templates import use_chat_template
+    from ktransformers.util.tiny_models import make_tiny_tokenizer
+
+    f = tmp_path_factory.mktemp("tpl") / "t.jinja"
+    f.write_bytes(body if isinstance(body, bytes) else body.encode("utf-8", "surrogatepass"))
+    tok = make_tiny_tokenizer()
+    try:
+        use_chat_template(tok, str(f))
+    except ConfigError as e:
+        assert "\n" not in str(e) and str(e).startswith(str(f)), str(e)
+    else:
+        assert tok.chat_template == f.read_text(encoding="utf-8") and tok.kt_template_origin == str(f)
