@@ -83,3 +83,25 @@ def test_kt_isa_is_said_and_a_bad_one_is_a_problem_line():
     assert bad.returncode == 1 and "Traceback" not in bad.stdout + bad.stderr
     problems = [line for line in bad.stdout.splitlines() if line.startswith("problem:")]
     assert len(problems) == 1 and "KT_ISA='avx9000' is not one of" in problems[0]
+
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+TIERS = ["scalar", "avx2", "avxvnni", "avx512", "avx512vnni", "avx512bf16", "amx"]
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(st.one_of(st.sampled_from(TIERS + ["", "AVX2", " avx2"]),
+                 st.text(st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",)), max_size=10)))
+def test_fuzz_kt_isa(value):
+    """Any KT_ISA: the tier it names where the CPU has it (empty: the best), else one problem line."""
+    r = _doctor("--json", KT_ISA=value)
+    assert "Traceback" not in r.stderr, r.stderr
+    data = json.loads(r.stdout)
+    if value == "" or value in ext.supported_isa_tiers():
+        assert r.returncode == 0 and data["kernels"]["tier"] == (value or ext.best_isa_tier())
+    else:
+        assert r.returncode == 1 and data["kernels"]["tier"] is None and len(data["problems"]) == 1
+        assert data["problems"][0].startswith("KT_ISA: KT_ISA")
