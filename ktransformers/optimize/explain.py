@@ -251,7 +251,7 @@ def kv_cache_bytes(model: nn.Module, plan: Plan, tokens: int) -> dict[str, int]:
     try:
         lengths = [getattr(la, "max_cache_len", None) for la in StaticCache(config=model.config,
                                                                            max_cache_len=tokens).layers]
-    except (KeyError, ValueError, TypeError):  # layer kinds only the model's own dynamic cache holds
+    except (KeyError, ValueError, TypeError, AttributeError):  # layer kinds only the model's own dynamic cache holds
         lengths = []
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     elt = torch.empty((), dtype=dtype).element_size()
