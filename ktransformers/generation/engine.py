@@ -353,7 +353,8 @@ class Generator:
             return None
         from .speculative import Policy, make_drafter
 
-        drafter = make_drafter(self.speculative, self.draft_model, capacity)
+        draft = Generator(self.draft_model, None) if self.draft_model is not None else None
+        drafter = make_drafter(self.speculative, draft, capacity)
         drafter.extend(input_ids)
         return drafter, Policy(self.draft_max)
 

@@ -137,15 +137,15 @@ class DraftModelDrafter:
     does not serve is refused when it is named.
     """
 
-    def __init__(self, model, capacity: int):
+    def __init__(self, draft, capacity: int):
+        """``draft``: a ``Generator`` of the draft model (its prompt forward and cache)."""
         from .decode_step import decode_step_for
-        from .engine import Generator
 
-        self.step = decode_step_for(model)
+        self.step = decode_step_for(draft.model)
         if self.step is None:
-            raise ConfigError(f"draft model {type(model).__name__}: its family is not served by the decode step "
-                              "(Gemma-3 text, Llama / Mistral / Qwen2 / Qwen3, Qwen-MoE), so it cannot draft")
-        self.gen = Generator(model, None)
+            raise ConfigError(f"draft model {type(draft.model).__name__}: its family is not served by the decode "
+                              "step (Gemma-3 text, Llama / Mistral / Qwen2 / Qwen3, Qwen-MoE), so it cannot draft")
+        self.gen = draft
         self.capacity = int(capacity)
         self.tokens: list[int] = []   # the text so far (prompt and emitted tokens)
         self.fed: list[int] = []      # tokens in the draft cache, in order
@@ -205,9 +205,10 @@ class DraftModelDrafter:
         return out
 
 
-def make_drafter(name: str, draft_model=None, capacity: int = 0):
+def make_drafter(name: str, draft=None, capacity: int = 0):
+    """The drafter ``name`` for one request (``draft``: the draft model's ``Generator``)."""
     if name == "ngram":
         return NgramDrafter()
     if name == "draft":
-        return DraftModelDrafter(draft_model, capacity)
+        return DraftModelDrafter(draft, capacity)
     raise ConfigError(f"unknown drafter {name!r} (choose from ngram, draft:PATH)")
