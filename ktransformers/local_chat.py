@@ -341,7 +341,8 @@ def interactive(gen, params, args) -> int:
                 else:
                     print(gen.last_stats.line(), flush=True)
             else:
-                print(f"[unknown command {word} (and no such file); /help lists the commands, //text sends "
+                shown = word if len(word) <= 80 else word[:77] + "..."
+                print(f"[unknown command {shown} (and no such file); /help lists the commands, //text sends "
                       f"text starting with '/']", flush=True)
             continue
         try:
@@ -353,7 +354,7 @@ def interactive(gen, params, args) -> int:
                 if not args.prompt_file:
                     continue
                 content = _read_prompt_file(args.prompt_file)
-            elif Path(line.strip()).is_file():
+            elif _names_file(line.strip()):
                 content = _read_prompt_file(line.strip())
             else:
                 content = line
@@ -393,13 +394,22 @@ def _read_prompt_file(path: str) -> str:
     return content
 
 
+def _names_file(text: str) -> bool:
+    """Whether a typed line is the path of an existing file; a long message or one with a NUL byte
+    is text, not a path the system refuses (a name too long raises OSError)."""
+    try:
+        return Path(text).is_file()
+    except (OSError, ValueError):
+        return False
+
+
 def _is_command(line: str) -> bool:
     """A line starting with '/' is a command, unless it starts with '//' (text) or names an existing
     file (an absolute path sends that file, as /help says)."""
     text = line.strip()
     if not text.startswith("/") or text.startswith("//"):
         return False
-    return text.partition(" ")[0] in COMMANDS or not Path(text).is_file()
+    return text.partition(" ")[0] in COMMANDS or not _names_file(text)
 
 
 def one_shot(gen, params, args) -> int:

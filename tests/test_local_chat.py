@@ -251,8 +251,43 @@ def test_interactive_absolute_path_sends_the_file_and_a_cut_answer_is_marked(tin
         child.expect_exact("[cut: the answer reached")
         assert "[prompt from" not in child.before
         child.expect_exact("Chat: ")
+        child.sendline("x" * 300)  # longer than a file name may be: a message, not a path the system refuses
+        child.expect_exact("[cut: the answer reached")
+        assert "cannot read" not in child.before
+        child.expect_exact("Chat: ")
+        child.sendline("/" + "y" * 300)
+        child.expect_exact("[unknown command /" + "y" * 76 + "... (and no such file)")
+        child.expect_exact("Chat: ")
         child.sendline("/exit")
         child.expect(pexpect.EOF)
     finally:
         child.close()
     assert child.exitstatus == 0
+
+
+def test_fuzz_typed_line_is_a_command_a_file_or_text(tmp_path):
+    """Whatever is typed, deciding what it is never raises (a name too long, a NUL byte, a path)."""
+    pytest.importorskip("hypothesis")
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from ktransformers.local_chat import COMMANDS, _is_command, _names_file
+
+    f = tmp_path / "q.txt"
+    f.write_text("q")
+    lines = st.one_of(st.text(max_size=40), st.text(min_size=250, max_size=5000),
+                      st.sampled_from([*COMMANDS, str(f), str(tmp_path), "//x"]).flatmap(
+                          lambda s: st.tuples(st.just(s), st.text(max_size=8)).map("".join)),
+                      st.text(min_size=1).map(lambda t: "/" + t * 300))
+
+    @settings(max_examples=300, deadline=None, database=None)
+    @given(lines)
+    def check(line):
+        is_cmd = _is_command(line)
+        assert isinstance(is_cmd, bool) and isinstance(_names_file(line.strip()), bool)
+        if line.strip() == str(f):
+            assert not is_cmd  # an absolute path to a file sends the file
+        if line.strip() in COMMANDS:
+            assert is_cmd
+
+    check()
