@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from ktransformers.convert import PresetPolicy, _arch_of, convert, fit_type
+from ktransformers.convert import PresetPolicy, arch_of, convert, fit_type
 from ktransformers.weights.dequant import dequantize
 from ktransformers.weights.quantize import native_quantizer, quantize
 
@@ -95,7 +95,7 @@ def test_iq4_presets_match_llama_quantize(f32_files, model, preset):
     tmp, files = f32_files
     want = _reference(model, preset, files[model], tmp)
     cfg = AutoConfig.from_pretrained(fixture_dir(model) / "hf")
-    policy = PresetPolicy.for_config(preset, cfg, _arch_of(cfg))
+    policy = PresetPolicy.for_config(preset, cfg, arch_of(cfg))
     f32 = {t.name: t for t in gguf.GGUFReader(str(files[model])).tensors}
     got_types = {name: policy.choose(name, tuple(int(s) for s in f32[name].data.shape)) for name in want}
     assert got_types == {name: t for name, (t, _) in want.items()}

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from ktransformers.convert import PresetPolicy, _arch_of, convert
+from ktransformers.convert import PresetPolicy, arch_of, convert
 from ktransformers.weights.dequant import dequantize
 from ktransformers.weights.gguf_source import GGUFSource
 from ktransformers.weights.quantize import native_quantizer, quantize
@@ -26,7 +26,7 @@ def test_preset_types_equal_llama_quantize(model_name, preset):
     d = fixture_dir(model_name)
     cfg = AutoConfig.from_pretrained(d / "hf")
     src = GGUFSource(d / f"{preset}.gguf")
-    policy = PresetPolicy.for_config(preset, cfg, _arch_of(cfg))
+    policy = PresetPolicy.for_config(preset, cfg, arch_of(cfg))
     got = {name: policy.choose(name, tuple(shape)) for name, _, shape, _ in src.tensor_info()}
     want = {name: t for name, t, _, _ in src.tensor_info()}
     assert got == want
