@@ -296,10 +296,8 @@ def interactive(gen, params, args) -> int:
     stats = args.stats if args.stats is not None else True
     if gen.has_chat_template():
         mode = f"chat template: {getattr(gen.tokenizer, 'kt_template_origin', None) or 'the tokenizer'}"
-    else:
-        from .util.chat_templates import ADD_TEMPLATE_HINT
-
-        mode = f"plain completion (no chat template; {ADD_TEMPLATE_HINT})"
+    else:  # the load's note says how to add one
+        mode = "plain completion (no chat template)"
     print(f"{BANNER}\n[{mode}]", flush=True)
     history: list[dict] = []
     interrupted = False

@@ -133,10 +133,10 @@ def test_local_chat_base_model_says_how_to_add_a_template_and_takes_one(base_mod
     assert prompt_tokens(given) == 21 and prompt_tokens(plain) == 2
     bad = tmp_path / "t.jinja"
     bad.write_text("{% for m in messages %}\n{{ m.content }}\n{% endfor\n")
-    r = _chat("--model_path", base_model_dir, "--prompt", "Hi", "--chat_template", bad)
+    r = _chat("--model_path", base_model_dir, "--prompt", "Hi", "--chat_template", bad, "--progress")
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2 and lines[-1].startswith(f"error: {bad}:3: the chat template does not compile"), r.stderr
-    assert "Traceback" not in r.stderr
+    assert "Traceback" not in r.stderr and "reading" not in r.stderr  # before the weights are opened
 
 
 # ---- the server -------------------------------------------------------------------------------
@@ -227,9 +227,17 @@ def test_sft_trains_and_chats_with_the_chat_template(base_model_dir, tmp_path, m
     assert tok.decode([i for i, lab in zip(ids, labels) if lab != -100]) == "Hi there<end_of_turn>\n"
     bad = tmp_path / "bad.jinja"
     bad.write_text("{{ nope(\n")
+
+    def must_not_load(cfg, log):
+        raise AssertionError("the model loaded before the template was checked")
+
+    monkeypatch.setattr(sft_model, "load_training_model", must_not_load)
     with pytest.raises(ConfigError, match=rf"^{bad}:1: the chat template does not compile"):
         from ktransformers.sft.__main__ import _with_overrides, train
         train(_with_overrides(str(cfg), [f"chat_template={bad}"]), print)
+    with pytest.raises(ConfigError, match=r"command-line override 'chat_template=missing\.jinja': chat_template "
+                                          r"missing\.jinja: no such file"):
+        train(_with_overrides(str(cfg), ["chat_template=missing.jinja"]), print)
 
     argv = {}
     monkeypatch.setattr(local_chat, "main", lambda a: argv.setdefault("argv", a) and 0)

@@ -74,7 +74,7 @@ def train(cfg, log) -> int:
     from .model import load_training_model
     from .templates import check_template, encode
     from .trainer import Trainer, has_adapter, latest_checkpoint
-    from ..util.chat_templates import use_chat_template
+    from ..util.chat_templates import precheck_chat_template, use_chat_template
 
     out = cfg.resolve("output_dir")
     resume = cfg.resume_from_checkpoint
@@ -91,6 +91,7 @@ def train(cfg, log) -> int:
         raise cfg.error("output_dir", f"{out} already holds an adapter; set overwrite_output_dir: true or "
                                       "resume_from_checkpoint")
     examples = load_examples(cfg.datasets(), cfg.resolve("dataset_dir"), cfg.max_samples)
+    precheck_chat_template(cfg.chat_template, cfg.where("chat_template"))  # before the model loads
     tm = load_training_model(cfg, log)
     use_chat_template(tm.tokenizer, cfg.chat_template, getattr(getattr(tm.model, "kt_weights", None), "metadata", None),
                       option=cfg.where("chat_template"))

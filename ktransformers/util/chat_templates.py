@@ -116,6 +116,18 @@ def _error(where: str, what: str, e: BaseException) -> ConfigError:
     return ConfigError(f"{where}{f':{line}' if line else ''}: the chat template {what}: {type(e).__name__}: {msg}")
 
 
+def precheck_chat_template(spec: str | None, option: str = "--chat_template") -> None:
+    """Check ``spec`` before a model is loaded where that is possible: a file (it must exist,
+    compile and render) or a path that is missing; a bare name may be one of the model's own,
+    known once its weights are open, so it waits for :func:`use_chat_template`."""
+    if spec is None:
+        return
+    path = Path(spec).expanduser()
+    if path.is_file() or "/" in spec or path.suffix or not spec.strip():
+        text, where = resolve_chat_template(spec, option=option)
+        check_chat_template(text, where)
+
+
 def use_chat_template(tokenizer, spec: str | None, metadata: Mapping[str, Any] | None = None,
                       option: str = "--chat_template") -> None:
     """Give ``tokenizer`` the template ``spec`` names (checked), recording where it came from in

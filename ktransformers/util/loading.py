@@ -198,6 +198,9 @@ def load_for_generation(
 
     say = log or (lambda msg: None)
     t0 = time.perf_counter()
+    from .chat_templates import precheck_chat_template
+
+    precheck_chat_template(chat_template)  # a bad file fails before anything is read
     if model_path and Path(model_path).is_file():
         model_path = str(Path(model_path).parent)
     say(f"reading {weights} ...")
