@@ -200,7 +200,7 @@ class _BodyTooLarge(StarletteHTTPException):
 def create_app(engine: Engine, settings: Settings | None = None, *, db: Database | None = None) -> FastAPI:
     """A FastAPI app serving ``engine``: OpenAI + Assistants under /v1, Ollama under /api, web at /web."""
     from .. import __version__
-    from . import assistants_api, ollama_api, openai_api, responses_api
+    from . import assistants_api, embeddings_api, ollama_api, openai_api, responses_api
     from .assistants_api import RunRegistry
 
     settings = settings or Settings()
@@ -233,6 +233,8 @@ def create_app(engine: Engine, settings: Settings | None = None, *, db: Database
     install_error_handlers(app)
 
     app.include_router(openai_api.router, prefix="/v1")
+    app.include_router(embeddings_api.openai_router, prefix="/v1")
+    app.include_router(embeddings_api.ollama_router, prefix="/api")
     app.include_router(assistants_api.router, prefix="/v1")
     responses_api.install(app)  # /v1/responses, /v1/conversations
     app.include_router(ollama_api.router, prefix="/api")
@@ -279,7 +281,8 @@ def create_app(engine: Engine, settings: Settings | None = None, *, db: Database
             schema = document_errors(get_openapi(title=app.title, version=app.version, routes=app.routes))
             app.openapi_schema = document_model_limits(schema, model_name=engine.model_name,
                                                        vocab_size=engine.vocab_size,
-                                                       empty_prompt_has_tokens=bool(engine.encode("")))
+                                                       empty_prompt_has_tokens=bool(engine.encode("")),
+                                                       embedding_size=engine.embedding_size)
         return app.openapi_schema
 
     app.openapi = openapi

@@ -141,7 +141,8 @@ class BatchEngine(Engine):
                 self._wakeup.get()
                 continue
             try:
-                self._step()
+                with self.model_lock:  # an embedding forward (Engine.embed) waits for the step
+                    self._step()
             except Exception as e:  # a bug outside the model call: never let the worker die
                 log.exception("engine step failed")
                 for job in list(self._jobs):

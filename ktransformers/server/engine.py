@@ -196,6 +196,7 @@ class Engine:
         self.load_seconds = float(self.model_info.get("load_seconds", 0.0))
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self.model_lock = threading.Lock()  # one forward at a time: a generation step or an embedding
         self._waiting: deque[_Job] = deque()
         self._wakeup = queue.SimpleQueue()
         self._running: _Job | None = None
@@ -389,6 +390,40 @@ class Engine:
                 "last_finish_reason": self.last_finish_reason,
             }
 
+    # ---- embeddings ------------------------------------------------------------------
+    @property
+    def embedding_size(self) -> int | None:
+        """Dimensions of an embedding: the model's hidden size."""
+        cfg = getattr(getattr(self.generator, "model", None), "config", None)
+        if cfg is not None and hasattr(cfg, "get_text_config"):
+            cfg = cfg.get_text_config()
+        n = getattr(cfg, "hidden_size", None)
+        return int(n) if n else None
+
+    def embed(self, ids: list[int]):
+        """The final hidden state (after the model's last norm) at the last of ``ids``, fp32 on the
+        CPU: in a decoder only the last position has attended to the whole input. One forward
+        without a cache, between the worker's steps (``model_lock``)."""
+        import torch
+
+        model = self.generator.model
+        device = getattr(self.generator, "device", None) or torch.device("cpu")
+        x = torch.tensor([self.check_token_ids(ids, "input")], dtype=torch.long, device=device)
+        with self.model_lock, torch.inference_mode():
+            out = model.get_decoder()(input_ids=x, use_cache=False)
+        return out.last_hidden_state[0, -1].float().cpu()
+
+    def _one_step_at_a_time(self, events):
+        """``events`` with the model lock held while each one is computed, so an embedding forward
+        (``embed``) runs between two steps of a generation, never inside one."""
+        it = iter(events)
+        while True:
+            with self.model_lock:
+                ev = next(it, _END)
+            if ev is _END:
+                return
+            yield ev
+
     # ---- worker ----------------------------------------------------------------------
     def _emit(self, job: _Job, item) -> None:
         try:
@@ -425,7 +460,8 @@ class Engine:
                 self._emit(job, TokenEvent(None, "", "cancelled"))
             else:
                 first = True
-                for ev in self.generator.stream(job.request.input_ids, job.params, job.cancel):
+                for ev in self._one_step_at_a_time(self.generator.stream(job.request.input_ids, job.params,
+                                                                         job.cancel)):
                     if ev.finish_reason is not None:
                         reason = ev.finish_reason
                     if ev.token_id is not None:

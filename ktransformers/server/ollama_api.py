@@ -1,4 +1,5 @@
-"""Ollama-compatible routes under ``/api``: generate, chat, tags, show, ps, version.
+"""Ollama-compatible routes under ``/api``: generate, chat, tags, show, ps, pull, version (embed,
+embeddings: ``embeddings_api.py``).
 
 ``stream`` defaults to true as in Ollama: NDJSON lines, the last one with ``done: true`` and
 the timing fields (nanoseconds) from the Generator's stats.  ``stream: false`` answers one
@@ -20,7 +21,8 @@ from .common import Collected, check_model, collect, guarded, ndjson, pieces, st
 from .engine import Engine, EngineStream, GenerationRequest
 from .errors import STREAMS_NDJSON, APIError
 from .prompting import fim_prompt, fim_tokens, render_go_template
-from .schemas import UNTIL_LIMIT, OllamaChatRequest, OllamaGenerateRequest, OllamaOptions, OllamaShowRequest
+from .schemas import (UNTIL_LIMIT, OllamaChatRequest, OllamaGenerateRequest, OllamaOptions, OllamaPullRequest,
+                      OllamaShowRequest)
 
 router = APIRouter()
 
@@ -238,6 +240,26 @@ async def ps(request: Request):
     entry["size_vram"] = int(e.model_info.get("size_vram", 0))
     entry["context_length"] = e.max_context
     return {"models": [entry]}
+
+
+@router.post("/pull", responses=STREAMS_NDJSON)
+async def pull(body: OllamaPullRequest, request: Request):
+    """Nothing to download: the served model is there (``success``); any other name is a 400 that says
+    why, where Ollama would fetch it."""
+    e = _engine(request)
+    names = [n for n in (body.model, body.name) if n is not None] or [None]
+    for name in names:
+        try:
+            check_model(e, name, ollama=True)
+        except APIError as err:
+            if not name:
+                raise
+            raise APIError(400, f"this server loads one model from a path at start (--gguf_path / --model_path) "
+                                f"and cannot pull '{name}'; it serves '{e.model_name}'", param="model") from err
+    done = {"status": "success"}
+    if not body.stream:
+        return done
+    return StreamingResponse(iter([ndjson(done)]), media_type="application/x-ndjson")
 
 
 @router.get("/version")

@@ -29,7 +29,13 @@ _PROMPT_TEXT = "x-kt-prompt-text"
 PromptText = Annotated[str, Field(json_schema_extra={_PROMPT_TEXT: True})]
 
 
-def document_model_limits(schema: Any, *, model_name: str, vocab_size: int, empty_prompt_has_tokens: bool) -> Any:
+#: placeholder of an embedding's ``dimensions``: the model's hidden size, the one size it has
+_EMBEDDING_SIZE = "x-kt-embedding-size"
+EmbeddingSize = Annotated[int, Field(json_schema_extra={_EMBEDDING_SIZE: True})]
+
+
+def document_model_limits(schema: Any, *, model_name: str, vocab_size: int, empty_prompt_has_tokens: bool,
+                          embedding_size: int | None = None) -> Any:
     """The OpenAPI document with this model's limits in place of the placeholders (in place)."""
     base = model_name.removesuffix(":latest")
     names = {"ollama": sorted({model_name, base, f"{base}:latest"})}
@@ -41,6 +47,8 @@ def document_model_limits(schema: Any, *, model_name: str, vocab_size: int, empt
                 node["maximum"] = vocab_size - 1
             if node.pop(_PROMPT_TEXT, False) and not empty_prompt_has_tokens:
                 node["minLength"] = 1
+            if node.pop(_EMBEDDING_SIZE, False) and embedding_size:
+                node["minimum"] = node["maximum"] = embedding_size
             family = node.pop(_MODEL, None)
             if family:
                 node["enum"] = names[family]
@@ -395,6 +403,86 @@ class Completion(BaseModel):
     system_fingerprint: str | None = None
     choices: list[CompletionChoice]
     usage: Usage
+
+
+# ---- embeddings ---------------------------------------------------------------------------
+
+#: OpenAI's limit on the inputs of one embeddings request
+MAX_EMBEDDING_INPUTS = 2048
+_NonEmptyText = Annotated[str, Field(min_length=1)]
+_TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+
+
+class EmbeddingRequest(_Req):
+    model: ModelName | None = None
+    input: (_NonEmptyText | Annotated[list[_NonEmptyText], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+            | _TokenIds | Annotated[list[_TokenIds], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)])
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: EmbeddingSize | None = None  # the model's hidden size only: its vectors have no shorter form
+    user: str | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input_shape(cls, v):
+        problem = _embedding_input_problem(v)
+        if problem:
+            raise ValueError(problem)
+        return v
+
+
+def _integer(x) -> bool:
+    """An integer as JSON Schema counts them (``30.0`` is one)."""
+    return (isinstance(x, int) and not isinstance(x, bool)) or (isinstance(x, float) and x.is_integer())
+
+
+def _embedding_input_problem(v) -> str | None:
+    """What is wrong with an embeddings ``input``, in words (a union's own errors name its members)."""
+    shapes = "a string, a list of strings, a list of token ids or a list of token-id lists"
+    if isinstance(v, str):
+        return "must not be empty" if not v else None
+    if not isinstance(v, list):
+        return f"must be {shapes}, not {json_type_name(v)}"
+    if not v:
+        return "must not be an empty list"
+    if len(v) > MAX_EMBEDDING_INPUTS:
+        return f"holds {len(v)} inputs; at most {MAX_EMBEDDING_INPUTS} per request"
+    for i, x in enumerate(v):
+        if isinstance(x, str) and not x:
+            return f"[{i}] must not be empty"
+        if isinstance(x, list) and not x:
+            return f"[{i}] must not be an empty list of token ids"
+    kinds = {"str" if isinstance(x, str) else "int" if _integer(x)
+             else "ids" if isinstance(x, list) and all(_integer(t) for t in x) else "other" for x in v}
+    if len(kinds) > 1 or "other" in kinds:
+        return f"must be {shapes} (not a mix)"
+    return None
+
+
+class OllamaEmbedRequest(_Req):
+    model: OllamaModelName
+    input: PromptText | Annotated[list[PromptText], Field(max_length=MAX_EMBEDDING_INPUTS)]
+    truncate: bool = True  # cut an input longer than the context to its start (false: a 400)
+    dimensions: EmbeddingSize | None = None
+    options: dict[str, Any] | None = None
+    keep_alive: str | int | float | None = None
+
+
+class OllamaEmbeddingsRequest(_Req):
+    """The legacy ``/api/embeddings`` body: one ``prompt``."""
+
+    model: OllamaModelName
+    prompt: str = ""
+    options: dict[str, Any] | None = None
+    keep_alive: str | int | float | None = None
+
+
+class OllamaPullRequest(_Req):
+    # the served model, as 'model' or 'name' (each one given names it): any other is a 400
+    model_config = ConfigDict(json_schema_extra={"anyOf": [{"required": ["model"]}, {"required": ["name"]}]})
+    model: OllamaModelName = None  # a string when given (null names nothing)
+    name: OllamaModelName = None  # older clients
+    stream: bool = True
+    insecure: bool = False
 
 
 # ---- Ollama -------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Bad HTTP input, fuzzed: a body too long for the context is refused before it is tokenized; Ollama's
 ``num_predict`` keeps within the server's limit; stored items and thread messages hold text; a tool's
 name follows OpenAI's rule; a request with no ``Host``, or one a browser marks cross-site without an
-``Origin``, never reaches a route. Each class answers a named 4xx, never a 5xx or a stored object."""
+``Origin``, never reaches a route; an embeddings input is one of its four shapes. Each class answers
+a named 4xx, never a 5xx or a stored object."""
 
 from __future__ import annotations
 
@@ -219,6 +220,29 @@ def test_fuzz_tool_names(client, name):
     r = client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 1, "store": False,
                                            "tools": [{"type": "function", "name": name}]})
     assert r.status_code == (200 if ok else 400), (name, r.text[:300])
+
+
+# ---- embeddings input: any JSON is a 400 naming 'input' or one unit vector per input ------------
+
+@FUZZ
+@given(inp=JSON | st.lists(st.integers(-3, 2**20), max_size=4) | st.lists(st.text(max_size=5), max_size=3)
+       | st.lists(st.lists(st.integers(-1, 300), max_size=3), max_size=3))
+def test_fuzz_embeddings_input(client, inp):
+    import numpy as np
+
+    r = client.post("/v1/embeddings", json={"input": inp})
+    assert r.status_code in (200, 400), r.text[:300]
+    if r.status_code == 400:
+        assert (r.json()["error"]["param"] or "").startswith("input"), r.text[:300]
+    else:
+        data = r.json()["data"]
+        assert len(data) == (1 if isinstance(inp, str) or isinstance(inp[0], int) else len(inp))
+        for d in data:
+            assert abs(np.linalg.norm(d["embedding"]) - 1) < 1e-5
+    r = client.post("/api/embed", json={"model": MODEL_NAME, "input": inp})
+    assert r.status_code in (200, 400), r.text[:300]
+    if r.status_code == 400:
+        assert "input" in _err(r), r.text[:300]
 
 
 # ---- requests that must not reach a route: no Host, or cross-site without Origin ---------------

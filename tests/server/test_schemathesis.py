@@ -85,8 +85,8 @@ def _short_answers(body) -> None:
     options = body.get("options")
     if isinstance(options, dict):
         v = options.get("num_predict")
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and not 0 <= v <= MAX_ANSWER:
-            options["num_predict"] = MAX_ANSWER  # -1 / -2 mean "until the context is full"
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v > MAX_ANSWER:
+            options["num_predict"] = MAX_ANSWER  # -1 / -2 keep to the server's max_new_tokens; others are a 400
 
 
 def _names_an_absent_tool(case) -> bool:
