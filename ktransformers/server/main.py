@@ -128,10 +128,9 @@ def _model_info(settings: Settings, model, source, load_seconds: float) -> dict:
     weights = Path(settings.gguf_path or settings.model_path)
     files = [weights] if weights.is_file() else [p for p in weights.glob("*") if p.suffix in (".gguf", ".safetensors")]
     size = sum(p.stat().st_size for p in files if p.is_file())
-    try:
-        n_params = sum(p.numel() for p in model.parameters())
-    except Exception:
-        n_params = 0
+    from .model_info import parameter_size, stored_parameter_count
+
+    n_params = stored_parameter_count(source, model)  # as stored: injected operators hold buffers
     quant = ""
     if hasattr(source, "tensor_info"):
         meta = getattr(source, "metadata", {}) or {}
@@ -149,7 +148,7 @@ def _model_info(settings: Settings, model, source, load_seconds: float) -> dict:
     return {"family": getattr(model.config, "model_type", ""),
             "format": "gguf" if settings.gguf_path else "safetensors",
             "size": size, "parameter_count": n_params,
-            "parameter_size": f"{n_params / 1e9:.1f}B" if n_params >= 1e8 else f"{n_params / 1e6:.1f}M",
+            "parameter_size": parameter_size(n_params),
             "quantization": quant, "path": str(weights), "load_seconds": load_seconds}
 
 
