@@ -129,7 +129,8 @@ def install_error_handlers(app) -> None:
 
 #: status -> when the server answers it (on any route; the guard middleware runs before routing)
 ERROR_STATUSES = {
-    "400": "invalid request: bad JSON, a wrong type or value (the message names the field), prompt too long",
+    "400": "invalid request: bad JSON, a wrong type or value (the message names the field), prompt too long, "
+           "no Host header",
     "401": "missing or wrong API key (only with --api_key / KT_API_KEY / --api_key_file)",
     "403": "Host not allowed (--allowed_hosts) or a cross-site browser request (--cors_origins)",
     "404": "unknown model, object or route",

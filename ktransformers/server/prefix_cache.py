@@ -52,6 +52,8 @@ from typing import Callable
 
 import torch
 
+from .settings import Settings
+
 log = logging.getLogger("ktransformers.server")
 
 #: bump when the payload layout, the header or the checksum changes: older files are then
@@ -65,10 +67,10 @@ TIERS = ("device", "ram", "disk")
 
 Payload = dict[str, torch.Tensor]
 
-#: defaults of the server flags --prefix_cache_ram_gb and --prefix_cache_disk_gb (the disk tier
-#: is on only with --prefix_cache_dir)
-DEFAULT_RAM_GB = 1.0
-DEFAULT_DISK_GB = 16.0
+#: defaults of the server flags --prefix_cache_ram_gb and --prefix_cache_disk_gb, as ``Settings``
+#: has them (the disk tier is on only with --prefix_cache_dir too)
+DEFAULT_RAM_GB = Settings.prefix_cache_ram_gb
+DEFAULT_DISK_GB = Settings.prefix_cache_disk_gb
 
 
 class PageFileError(Exception):
