@@ -1,5 +1,5 @@
-"""The light path: a folder of the :data:`LIGHT_MODEL_TYPES` planned without importing torch or
-transformers (start-up in well under a second instead of seconds), the same file either way."""
+"""The light path: planning a folder without importing torch or transformers (which folders: see
+:data:`LIGHT_MODEL_TYPES`); the file is the same either way."""
 
 from __future__ import annotations
 

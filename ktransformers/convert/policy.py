@@ -4,9 +4,8 @@ Type policy, like llama-quantize's (:class:`TypePolicy`): routed experts ``--exp
 projections ``--attention``; ``token_embd`` ``--embeddings``; ``output`` ``--output-type``; everything
 else 2-D ``--default`` (MXFP4 through gguf-py's quantizer); 1-D tensors (norms, biases), the router
 ``ffn_gate_inp`` and ``exp_probs_b`` stay ``--norms`` (F32).  Rows that are not a multiple of a
-type's block fall back as its row in :mod:`..weights.ggml_types` says, like llama-quantize:
-Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, Q2_K / Q3_K -> Q4_0, IQ4_XS -> IQ4_NL; rows not a multiple
-of 32 -> F16 (:func:`fit_type`).
+type's block fall back to the type its row in :mod:`..weights.ggml_types` names (llama-quantize's
+choice), else F16 (:func:`fit_type`).
 
 ``--preset Q4_K_M`` (or Q2_K, Q3_K_S/M/L, Q4_K_S, Q5_K_S/M, Q6_K, Q8_0, Q4_0, IQ4_NL, IQ4_XS, ...)
 replaces the per-role types with llama-quantize's own per-tensor mix for that preset

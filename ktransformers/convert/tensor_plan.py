@@ -20,6 +20,8 @@ from .policy import TypePolicy
 
 @dataclass
 class PlannedTensor:
+    """One GGUF tensor to write; the writer calls ``produce`` when its turn comes near."""
+
     name: str
     shape: tuple[int, ...]  # torch order
     ggml_type: str

@@ -1,7 +1,8 @@
 """Streaming the planned tensors into a GGUF file.
 
 Each tensor is read, transformed and quantized (stacked experts one expert at a time) on a worker
-thread, two ahead of the one being written, so memory stays near three tensors' size.
+thread, :data:`_AHEAD` tensors ahead of the one being written, so memory stays near the size of
+those and the one being written.
 """
 
 from __future__ import annotations
