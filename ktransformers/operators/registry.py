@@ -61,15 +61,15 @@ def _under(module: str, package: str) -> bool:
 def check_class_path(text: str) -> list[str]:
     """The dotted parts of a rule's class path; RuleError when it is not one (too long, not
     identifiers, or through a ``__main__`` module)."""
-    shown = text if len(text) <= 60 else text[:60] + "..."
+    shown = repr(text if len(text) <= 60 else text[:60] + "...")
     if len(text) > MAX_CLASS_PATH_CHARS or text.count(".") >= MAX_CLASS_PATH_PARTS:
-        raise RuleError(f"class path '{shown}' is longer than a class path is ({MAX_CLASS_PATH_PARTS} dotted parts, "
+        raise RuleError(f"class path {shown} is longer than a class path is ({MAX_CLASS_PATH_PARTS} dotted parts, "
                         f"{MAX_CLASS_PATH_CHARS} characters at most)")
     parts = text.split(".")
     if not all(p.isidentifier() for p in parts):
-        raise RuleError(f"'{shown}' is not a class path (Python names joined by dots, e.g. torch.nn.Linear)")
+        raise RuleError(f"{shown} is not a class path (Python names joined by dots, e.g. torch.nn.Linear)")
     if "__main__" in parts:
-        raise RuleError(f"class path '{shown}' goes through a __main__ module: that is a program to run, "
+        raise RuleError(f"class path {shown} goes through a __main__ module: that is a program to run, "
                         "not a module a class is taken from")
     return parts
 
@@ -235,7 +235,7 @@ def resolve_op(operator: type, name: str) -> tuple[type, tuple[str, str, str] | 
 
 
 def suggest_op(family: str, name: str, known: list[str]) -> str:
-    msg = f"{family} has no op '{name}'"
+    msg = f"{family} has no op {name!r}"
     if name in compat.NOT_PROVIDED:
         msg += f" (this project does not provide it; use {compat.NOT_PROVIDED[name]})"
     else:

@@ -136,6 +136,7 @@ def _mapping(node, where: str) -> dict[str, tuple[Any, Any]]:
 def _unknown_key(source: str, node, key: str, allowed: tuple[str, ...], rule_index: int, parent: str) -> RuleError:
     near = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
     hint = f"; did you mean '{near[0]}'?" if near else f" (allowed: {', '.join(allowed)})"
+    key = safe_yaml.printable(key)
     where = f"{parent}.{key}" if parent else key
     return RuleError(f"{source}:{_line(node)}: rule #{rule_index} ({where}): unknown key{hint}")
 
@@ -287,7 +288,7 @@ def _check_device(value, fail) -> None:
     try:
         dev = torch.device(value)
     except (RuntimeError, ValueError):
-        raise fail(f"'{_short(value)}' is not a device (use 'cpu', 'cuda', 'cuda:1', ...)") from None
+        raise fail(f"{_short(value)!r} is not a device (use 'cpu', 'cuda', 'cuda:1', ...)") from None
     if dev.type not in RULE_DEVICE_TYPES:
         raise fail(f"'{value}' is not a device rules can place modules on (use 'cpu', 'cuda', 'cuda:1', ...)")
 
@@ -303,7 +304,8 @@ def _short(text: str) -> str:
 def _check_kwargs(cls, rtext: str, kwargs: dict, klines: dict[str, int], source: str, index: int,
                   device: str | None = None) -> None:
     def fail(key: str, msg: str) -> RuleError:
-        return RuleError(f"{source}:{klines.get(key, 0)}: rule #{index} (replace.kwargs.{key}): {msg}")
+        return RuleError(f"{source}:{klines.get(key, 0)}: rule #{index} (replace.kwargs.{safe_yaml.printable(str(key))}): "
+                         f"{msg}")
 
     if cls is None:
         allowed = {"generate_device": (str,), "prefill_device": (str,), "device": (str,)}

@@ -179,7 +179,7 @@ def _check_tree(root, source: str) -> None:
                             raise RuleError(f"{here}: key {_short(str(key))!r} given twice (first on line {keys[key]}); "
                                             "YAML would keep the last one silently")
                         keys[key] = k.start_mark.line + 1
-                        stack.append((v, f"{path}.{k.value}" if path else k.value))
+                        stack.append((v, f"{path}.{printable(k.value)}" if path else printable(k.value)))
                 elif isinstance(n, yaml.SequenceNode):
                     stack.extend((v, f"{path}[{i}]") for i, v in enumerate(n.value))
                 else:
@@ -230,14 +230,14 @@ class BoundedPattern:
         try:
             self._re = regex.compile(text)
         except (regex.error, OverflowError, RecursionError, ValueError) as e:
-            raise RuleError(f"{where}: regular expression '{text}' does not compile: {e}") from None
+            raise RuleError(f"{where}: regular expression {_short(text)!r} does not compile: {e}") from None
 
     def search(self, name: str):
         try:
             return self._re.search(name, timeout=MATCH_TIMEOUT_S)
         except TimeoutError:
-            raise RuleError(f"{self.where}: regular expression '{self.pattern}' took more than "
-                            f"{MATCH_TIMEOUT_S} s on module '{name}' (catastrophic backtracking: simplify it, "
+            raise RuleError(f"{self.where}: regular expression {_short(self.pattern)!r} took more than "
+                            f"{MATCH_TIMEOUT_S} s on module {name!r} (catastrophic backtracking: simplify it, "
                             "e.g. no nested repeats like '([\\w.]+)+')") from None
 
     def __repr__(self) -> str:
@@ -256,7 +256,7 @@ def _check_pattern_size(text: str, where: str) -> None:
     right after an atom counts as a repetition by the largest number in it (``{n}``, ``{n,m}``,
     the engine's fuzzy ``{e<=n}``).  It overestimates at worst, which only refuses nonsense."""
     if len(text) > MAX_PATTERN_CHARS:
-        raise RuleError(f"{where}: regular expression '{_short(text)}' is {len(text)} characters long "
+        raise RuleError(f"{where}: regular expression {_short(text)!r} is {len(text)} characters long "
                         f"(at most {MAX_PATTERN_CHARS}; module names are short)")
     frames = [0]  # per open group: the expanded size of its content so far
     last = 0  # expanded size of the last atom (0: none to repeat)
@@ -283,7 +283,7 @@ def _check_pattern_size(text: str, where: str) -> None:
         elif ch == "{" and last and (m := _BRACE.match(text, i)) and (nums := _NUMBER.findall(m.group(1))):
             count = max(int(n) for n in nums)
             if count > MAX_REPEAT:
-                raise RuleError(f"{where}: regular expression '{_short(text)}' repeats {count} times "
+                raise RuleError(f"{where}: regular expression {_short(text)!r} repeats {count} times "
                                 f"(at most {MAX_REPEAT}; module names are short)")
             frames[-1] -= last
             last *= max(count, 1)
@@ -292,9 +292,14 @@ def _check_pattern_size(text: str, where: str) -> None:
             last, i = 1, i + 1
         frames[-1] += last
         if sum(frames) > MAX_EXPANSION:
-            raise RuleError(f"{where}: regular expression '{_short(text)}' has nested repetitions that expand to "
+            raise RuleError(f"{where}: regular expression {_short(text)!r} has nested repetitions that expand to "
                             f"more than {MAX_EXPANSION} items (module names are short)")
 
 
 def _short(text: str, n: int = 40) -> str:
     return text if len(text) <= n else text[:n] + "..."
+
+
+def printable(text: str) -> str:
+    """``text`` as one line of an error: newlines and other control characters escaped."""
+    return text if text.isprintable() else repr(text)[1:-1]
