@@ -6,7 +6,7 @@ from typing import Any
 
 from .. import cpuinfer_ext as _ext
 from .args import _desc, _empty_like, _nbytes, _weight, ggml_type, moe_call_args, positive_ints, rows_of
-from .pool import CPUInfer
+from .pool import CPUInfer, cpu_infer
 
 BACKENDS = {"llamafile": 0, "AMXInt8": 1, "AMXBF16": 2, "AMXInt4": 3, "AMXInt4_1": 4}
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "clamp_swiglu": 2, "clamp_silu": 3}
@@ -74,6 +74,44 @@ class MoEKernel:
         # packed backends hold their own requantized copy (or read `prepacked`), so the source weights can go
         keep = (gate, up, down) if backend == "llamafile" else ()
         self._weights = (*keep, gate_bias, up_bias, down_bias, prepacked)
+
+    @classmethod
+    def from_gguf(cls, path: Any, layer: int, backend: str = "llamafile", pool: CPUInfer | None = None,
+                  activation: str = "silu", alpha: float = 1.702, limit: float = 7.0) -> "MoEKernel":
+        """Layer ``layer``'s routed experts from a GGUF file (or a folder of split shards): the stacked
+        ``blk.N.ffn_{gate,up,down}_exps.weight`` tensors, read in place by the llamafile backend.
+        ``pool`` defaults to ``cpu_infer()``."""
+        return cls._from_file(path, layer, "gguf", backend, pool, activation, alpha, limit)
+
+    @classmethod
+    def from_safetensors(cls, path: Any, layer: int, backend: str = "llamafile", pool: CPUInfer | None = None,
+                         activation: str = "silu", alpha: float = 1.702, limit: float = 7.0) -> "MoEKernel":
+        """Layer ``layer``'s routed experts from a Hugging Face safetensors file or folder (per-expert
+        ``model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight``, Mixtral's ``w1/w3/w2``, or the
+        stacked / fused ``experts.gate_up_proj``), in their stored float type."""
+        return cls._from_file(path, layer, "safetensors", backend, pool, activation, alpha, limit)
+
+    @classmethod
+    def _from_file(cls, path, layer, kind, backend, pool, activation, alpha, limit) -> "MoEKernel":
+        from .layer_weights import open_layer_experts
+
+        _backend(backend)  # the caller's arguments first, before reading a file
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation: expected one of {', '.join(ACTIVATIONS)}, got {activation!r}")
+        if pool is not None and not isinstance(pool, CPUInfer):
+            raise TypeError(f"pool: expected ktransformers.kernels.CPUInfer, got {type(pool).__name__}")
+        lx = open_layer_experts(path, layer, kind)
+        w, t, b = lx.weights, lx.types, lx.biases
+        try:
+            return cls(pool or cpu_infer(), backend, lx.num_experts, lx.hidden, lx.intermediate,
+                       w["gate_proj"], w["up_proj"], w["down_proj"], t["gate_proj"], t["up_proj"], t["down_proj"],
+                       activation=activation, alpha=alpha, limit=limit, gate_bias=b.get("gate_proj"),
+                       up_bias=b.get("up_proj"), down_bias=b.get("down_proj"))
+        except (ValueError, TypeError) as e:
+            from ..errors import WeightError
+
+            raise WeightError(f"{lx.path}: layer {layer}: the {backend} CPU kernel cannot take these "
+                              f"experts: {e}") from None
 
     def submit(self, x: Any, ids: Any, weights: Any, out: Any) -> None:
         """Queue the layer; returns at once.  Read ``out`` only after ``pool.sync()``."""
