@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -75,8 +78,6 @@ class MyExperts(torch.nn.Module):
     ("replace", "- match: {name: x}\n  replace: {class: my_ops.experts.MyExperts}\n", 2),
 ])
 def test_class_path_outside_the_allowed_packages_is_not_imported(tmp_path, monkeypatch, capsys, key, text, line):
-    import sys
-
     for name in ("my_ops", "my_ops.experts"):  # each case imports its own copy
         monkeypatch.delitem(sys.modules, name, raising=False)
     pkg = tmp_path / "site" / "my_ops"
@@ -300,20 +301,13 @@ NEW_CASES = [
 def test_second_round_reproductions_exit_2_with_one_line(tmp_path, capsys, data, needle):
     f = tmp_path / "bad.yaml"
     f.write_bytes(data)
-    import faulthandler
-
-    faulthandler.dump_traceback_later(HARD_LIMIT_S, exit=True)  # a hang fails the run instead of stalling it
-    try:
+    with _no_hang():
         assert optimize_main(["check", str(f)]) == 2
-    finally:
-        faulthandler.cancel_dump_traceback_later()
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith(f"error: {f}:") and needle in err, err
 
 
 def test_class_paths_run_no_program_and_no_module_outside_the_namespaces(tmp_path, monkeypatch):
-    import sys
-
     for mod in ("ktransformers.server.__main__", "torch.utils.model_dump", "torch.utils.model_dump.__main__"):
         monkeypatch.delitem(sys.modules, mod, raising=False)
     for text in ("ktransformers.server.__main__.X", "torch.utils.model_dump.__main__.X", "torch.utils.model_dump.X",
@@ -380,19 +374,27 @@ def test_device_map_reads_the_file_through_the_same_checks(tmp_path):
 
 # ---- property-based: each class of bad input, generated ---------------------------------------
 
-HARD_LIMIT_S = 60  # a hang kills the run with every thread's traceback instead of stalling it
+HARD_LIMIT_S = 60
 EXAMPLE_LIMIT_S = 5.0
 
 
-def _ends_in_time(text: str, source: str = "m.yaml") -> str | None:
-    import faulthandler
-
-    faulthandler.dump_traceback_later(HARD_LIMIT_S, exit=True)
-    t0 = time.perf_counter()
+@contextlib.contextmanager
+def _no_hang():
+    """A hang past ``HARD_LIMIT_S`` ends the run with every thread's traceback instead of stalling it
+    (a compiler stuck in C code never returns to a Python-level timeout)."""
+    faulthandler.dump_traceback_later(HARD_LIMIT_S, exit=True, file=sys.__stderr__)
     try:
-        return _ends_well(text, source)
+        yield
     finally:
         faulthandler.cancel_dump_traceback_later()
+
+
+def _ends_in_time(text: str, source: str = "m.yaml") -> str | None:
+    t0 = time.perf_counter()
+    try:
+        with _no_hang():
+            return _ends_well(text, source)
+    finally:
         assert time.perf_counter() - t0 < EXAMPLE_LIMIT_S, text[:200]
 
 
@@ -465,8 +467,6 @@ def class_paths(draw):
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # the env, once
 @given(class_paths(), st.sampled_from(["match", "replace"]))
 def test_fuzz_class_paths_import_nothing_outside_the_namespaces(monkeypatch_env, path, key):
-    import sys
-
     from ktransformers.operators.registry import load_all
 
     load_all()  # the project's own operator modules register once, whatever the path
