@@ -1,6 +1,10 @@
 """CPU kernels for routed MoE experts and dense linear layers (the C++ extension
 ``ktransformers.cpuinfer_ext``, wrapped with argument checking).
 
+This is the library face another engine calls (no rule engine, no transformers): the names in
+``__all__`` are versioned by ``API_VERSION``; docs/kernels.md holds the compatibility promise and
+an engine's walk-through.
+
 The C++ core only sees raw pointers, shapes and ggml type ids; this module turns numpy arrays
 and torch CPU tensors into those, keeps them alive while asynchronous work is in flight, and
 raises ``ValueError`` / ``TypeError`` naming the offending argument.
@@ -23,15 +27,19 @@ API
     one, ``cpuinfer_ext.supported_isa_tiers()`` lists them; an invalid value raises ``ValueError``).
     Logged once (logger ``ktransformers.kernels``) when the first pool is created.
 
-``cpu_infer(threads=None) -> CPUInfer``
-    Shared pool per thread count (default: ``os.cpu_count()``).  ``CPUInfer(threads)`` makes a
-    private one.  The thread that computes takes part, so ``threads=n`` starts ``n-1`` workers
-    (+1 queue thread that only runs while a submitted task is in flight).  Idle workers block
+``cpu_infer(threads=None, numa_node=None) -> CPUInfer``
+    Shared pool per thread count (default: ``os.cpu_count()``) and NUMA node.  ``CPUInfer(threads,
+    numa_node=None, cpus=None)`` makes a private one; ``numa_node`` (or an explicit ``cpus`` set)
+    pins its threads to that node's CPUs (``numa_nodes()`` lists them from sysfs, ``node_cpus(n)``
+    the ones this process may use) and the thread count defaults to theirs; ``pool.cpus`` is the
+    set, None when unpinned.  The thread that computes takes part, so ``threads=n`` starts ``n-1``
+    workers (+1 queue thread that only runs while a submitted task is in flight).  Idle workers block
     after a short spin (``KT_SPIN_US``, default 50).
     ``pool.sync()`` waits for submitted work (GIL released) and re-raises the first task error.
 
 ``MoEKernel(pool, backend, num_experts, hidden, intermediate, gate, up, down, gate_type,
-up_type, down_type, activation="silu", alpha=1.702, limit=7.0, gate_bias=None, up_bias=None, down_bias=None)``
+up_type, down_type, activation="silu", alpha=1.702, limit=7.0, gate_bias=None, up_bias=None, down_bias=None,
+prepacked=None)``
     ``backend``: ``"llamafile"`` (weights used in place in their ggml type), ``"AMXInt8"``
     (requantised at load to int8, per-row scales, VNNI/AMX tile layout), ``"AMXBF16"``
     (repacked to bf16), ``"AMXInt4"`` / ``"AMXInt4_1"`` (requantised to int4 per 32-k group,
@@ -49,6 +57,17 @@ up_type, down_type, activation="silu", alpha=1.702, limit=7.0, gate_bias=None, u
     fp32 biases (gpt-oss) ``gate_bias``/``up_bias [E, I]`` (added before the activation) and
     ``down_bias [E, H]`` (added before the routing weight); kept alive like the weights.
     llamafile weights are referenced, not copied: the wrapper keeps the arrays alive.
+    ``prepacked``: a packed backend's copy saved from ``.packed_view()`` (checked by size).
+
+``MoEKernel.from_gguf(path, layer, backend="llamafile", pool=None, activation="silu", ...)``
+    One layer's experts from a GGUF file or folder of shards: the stacked
+    ``blk.N.ffn_{gate,up,down}_exps.weight`` tensors through the project's GGUF reader
+    (``weights/gguf_source.py``), read in place.  ``MoEKernel.from_safetensors(path, layer, ...)``:
+    the same from a Hugging Face checkpoint (per-expert ``model.layers.N.mlp.experts.E.{gate,up,
+    down}_proj.weight``, Mixtral's ``w1/w3/w2``, the fused ``experts.gate_up_proj``), floats as
+    stored.  Per-expert biases found beside them are loaded.  A file or layer without experts, or
+    experts of inconsistent shapes, raise ``WeightError`` naming the file, layer and tensors
+    (``kernels/layer_weights.py``).
 
     ``.forward(x, ids, weights, out=None, out_dtype=None) -> out`` (blocking)
     ``.submit(x, ids, weights, out)`` (returns at once; call ``pool.sync()`` before reading out)
@@ -86,17 +105,24 @@ values, used by tests), ``activation_format(type)`` (what the tier's kernel roun
 from __future__ import annotations
 
 from ..weights.ggml_types import KERNEL_TYPES
+
+#: version of the public API below (the names in ``__all__``): MAJOR.MINOR.PATCH, with the
+#: compatibility promise of docs/kernels.md
+API_VERSION = "1.0.0"
+
 from .args import ggml_type
 from .attention import flash_attention, flash_attention_paged, flash_attention_supported
 from .linear import LinearGroupKernel, LinearKernel
 from .moe import ACTIVATIONS, BACKENDS, MoEKernel
 from .moe_train import LoraFactors, MoETrainKernel
+from .numa import node_cpus, numa_nodes, parse_cpulist
 from .pool import CPUInfer, cpu_infer, isa_tier
 from .types import activation_format, dequantize, row_bytes, type_info
 
 #: the weight types the kernels compute on: name -> id
 TYPES = {name: t.id for name, t in KERNEL_TYPES.items()}
 
-__all__ = ["isa_tier", "cpu_infer", "CPUInfer", "MoEKernel", "LinearKernel", "LinearGroupKernel", "row_bytes",
-           "type_info", "dequantize", "ggml_type", "BACKENDS", "ACTIVATIONS", "TYPES", "MoETrainKernel", "LoraFactors",
-           "activation_format", "flash_attention", "flash_attention_paged", "flash_attention_supported"]
+__all__ = ["API_VERSION", "isa_tier", "cpu_infer", "CPUInfer", "MoEKernel", "LinearKernel", "LinearGroupKernel",
+           "row_bytes", "type_info", "dequantize", "ggml_type", "BACKENDS", "ACTIVATIONS", "TYPES", "MoETrainKernel", "LoraFactors",
+           "activation_format", "flash_attention", "flash_attention_paged", "flash_attention_supported",
+           "numa_nodes", "node_cpus", "parse_cpulist"]
