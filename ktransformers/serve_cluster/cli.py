@@ -15,30 +15,35 @@ from ..server.main import _Parser, _check_port, parse_settings
 from .routing import DEFAULT_SPILL_AT
 
 
-def _at_least(kind, low: float, flag: str):
+#: more replica deployments than this is a typo, not a cluster
+MAX_REPLICAS = 1024
+
+
+def _between(kind, low: float, high: float):
+    """An argparse type: a ``kind`` number in [low, high] (finite); argparse names the flag."""
     def parse(text: str):
         try:
             v = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag}: '{text}' is not a {kind.__name__}") from None
-        if not v >= low:  # also refuses NaN
-            raise argparse.ArgumentTypeError(f"{flag} must be at least {low:g}, not {text}")
+            raise argparse.ArgumentTypeError(f"{text!r} is not a{'n' if kind is int else ''} {kind.__name__}") from None
+        if not (low <= v <= high):  # also refuses NaN and infinities
+            raise argparse.ArgumentTypeError(f"must be between {low:g} and {high:g}, not {text!r}")
         return v
     return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m ktransformers.serve_cluster",
+    p = _Parser(prog="python -m ktransformers.serve_cluster", allow_abbrev=False,
                 description="Serve N replicas of a model on a Ray cluster behind a prefix-affine router.",
                 epilog="Every other flag is a flag of python -m ktransformers.server (see its --help); "
                        "each replica gets them.")
-    p.add_argument("--replicas", type=_at_least(int, 1, "--replicas"), default=2,
+    p.add_argument("--replicas", type=_between(int, 1, MAX_REPLICAS), default=2,
                    help="replicas of the model (one per machine or NUMA node) [2]")
-    p.add_argument("--replica_cpus", type=_at_least(float, 0.0, "--replica_cpus"), default=1.0,
+    p.add_argument("--replica_cpus", type=_between(float, 0.0, 1e6), default=1.0,
                    help="Ray CPUs each replica reserves (its kernels' threads are --cpu_infer) [1]")
-    p.add_argument("--replica_memory_gb", type=_at_least(float, 0.0, "--replica_memory_gb"), default=0.0,
+    p.add_argument("--replica_memory_gb", type=_between(float, 0.0, 1e9), default=0.0,
                    help="Ray memory each replica reserves, GiB (0: none reserved) [0]")
-    p.add_argument("--spill_at", type=_at_least(int, 1, "--spill_at"), default=DEFAULT_SPILL_AT,
+    p.add_argument("--spill_at", type=_between(int, 1, 1e6), default=DEFAULT_SPILL_AT,
                    help="requests in flight on a replica past which new ones go to a less-loaded one "
                         f"[{DEFAULT_SPILL_AT}]")
     p.add_argument("--ray_address", default=None,
