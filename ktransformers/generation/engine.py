@@ -237,7 +237,9 @@ class Generator:
     def prefill(self, input_ids: list[int], cache, cancel: threading.Event | None = None) -> torch.Tensor | None:
         """Run the prompt through the model in chunks; logits [1, V] (fp32) of its last position.
 
-        Returns None when ``cancel`` was set between chunks.
+        Every chunk is read by the model's prompt forward, a one-token chunk too (never the decode
+        step, whose attention sums in another order): the cache and logits are the same bits
+        whatever the chunking.  Returns None when ``cancel`` was set between chunks.
         """
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
         logits = None
@@ -245,7 +247,12 @@ class Generator:
             for start in range(0, ids.shape[1], self.chunk_size):
                 if cancel is not None and cancel.is_set() and start > 0:
                     return None
-                logits = self._forward(ids[:, start:start + self.chunk_size], start, cache)
+                chunk = ids[:, start:start + self.chunk_size]
+                pos = torch.arange(start, start + chunk.shape[1], device=self.device).unsqueeze(0)
+                # the model's own forward, not generate()'s lean-step wrapper (hf_generate.py)
+                forward = self.model.__dict__.get("_kt_lean_forward") or self.model
+                out = forward(input_ids=chunk, cache=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
+                logits = out.logits[:, -1].float()
         return logits
 
     # ----------------------------------------------------------------------------- requests

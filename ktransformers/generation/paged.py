@@ -239,8 +239,10 @@ class _PagedBatch:
     is_paged_batch = True
     is_compileable = False
 
-    def __init__(self, pool: PagePool, seqs: list[tuple[list[int], int, int]]):
-        """``seqs``: per chunk (block table incl. new pages, past length, new token count)."""
+    def __init__(self, pool: PagePool, seqs: list[tuple[list[int], int, int]], prompt: list[bool] | None = None):
+        """``seqs``: per chunk (block table incl. new pages, past length, new token count);
+        ``prompt``: per chunk whether it is prompt tokens (a one-token prompt chunk is read as a
+        prompt, not as a decoding row)."""
         S = pool.page_size
         self.pool = pool
         self.num_tokens = sum(t for _, _, t in seqs)
@@ -248,11 +250,11 @@ class _PagedBatch:
         self.tables: list[torch.Tensor] = []  # per chunk its block table (the flash kernel reads the pages)
         self.prompt_flash = False  # set by BatchRunner._forward: the model's prompt attention is kt_sdpa
         start = 0
-        for pages, past, t in seqs:
+        for i, (pages, past, t) in enumerate(seqs):
             slots = _slots(pages, past + t, S)
             write.append(slots[past:])
             positions.append(torch.arange(past, past + t))
-            if t == 1:
+            if t == 1 and not (prompt and prompt[i]):
                 dec.append((start, past, slots))
             else:
                 self.chunks.append((start, t, past, slots))
@@ -675,8 +677,13 @@ class BatchRunner:
         return out
 
     @torch.no_grad()
-    def step(self, chunks: list[tuple[int, list[int]]]) -> torch.Tensor:
+    def step(self, chunks: list[tuple[int, list[int]]], prompt=()) -> torch.Tensor:
+        """Logits of each chunk's last token.  ``prompt``: ids of the sequences whose chunk is prompt
+        tokens; such a chunk is read by the prompt forward even when it is one token, so a prompt's
+        cache is the same bits whatever the chunking (a one-token chunk of another sequence is a
+        decoding row)."""
         chunks = self._check_chunks(chunks)
+        is_prompt = [sid in prompt for sid, _ in chunks]
         if not chunks:
             return torch.empty(0, self.vocab_size)
         need = [self.pages_needed(sid, len(toks)) for sid, toks in chunks]
@@ -686,11 +693,11 @@ class BatchRunner:
             for (sid, toks), n in zip(chunks, need):
                 s = self._seqs[sid]
                 tables.append((s.pages + [next(it) for _ in range(n)], s.length, len(toks)))
-            logits = self._lean_step(chunks, tables)
+            logits = None if any(is_prompt) else self._lean_step(chunks, tables)
             if logits is None:
-                logits = self._mixed_step(chunks, tables)
+                logits = self._mixed_step(chunks, tables, is_prompt)
             if logits is None:
-                batch = _PagedBatch(self.pool, tables)
+                batch = _PagedBatch(self.pool, tables, is_prompt)
                 logits = self._forward(batch, [t for _, toks in chunks for t in toks])
         except BaseException:
             for p in fresh:
@@ -711,18 +718,18 @@ class BatchRunner:
         return lean.step_pages([toks[0] for _, toks in chunks], [past for _, past, _ in tables],
                                [pages for pages, _, _ in tables], self.pool)
 
-    def _mixed_step(self, chunks, tables) -> torch.Tensor | None:
+    def _mixed_step(self, chunks, tables, is_prompt) -> torch.Tensor | None:
         """A step of decoding rows and prompt chunks: the decoding rows by the lean step, the chunks
         by the generic forward, so that a decoding row gets the bits of a decode-only step whatever
         prompt is read beside it (batch invariance); None when the lean step does not serve them."""
-        dec = [i for i, (*_, t) in enumerate(tables) if t == 1]
+        dec = [i for i, (*_, t) in enumerate(tables) if t == 1 and not is_prompt[i]]
         if not dec or len(dec) == len(tables):
             return None
         lean = self._lean_step([chunks[i] for i in dec], [tables[i] for i in dec])
         if lean is None:
             return None
-        rest = [i for i, (*_, t) in enumerate(tables) if t != 1]
-        batch = _PagedBatch(self.pool, [tables[i] for i in rest])
+        rest = [i for i in range(len(tables)) if i not in dec]
+        batch = _PagedBatch(self.pool, [tables[i] for i in rest], [is_prompt[i] for i in rest])
         other = self._forward(batch, [t for i in rest for t in chunks[i][1]])
         out = torch.empty(len(tables), other.shape[-1], dtype=other.dtype, device=other.device)
         out[dec] = lean.to(out.device, out.dtype)

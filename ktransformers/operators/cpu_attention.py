@@ -61,7 +61,7 @@ def flash_eligible(module, query, key, value, attention_mask, dropout, is_causal
                    kwargs) -> tuple[int, int, int] | None:
     """``(start, window, key_first)`` when the call can take the flash kernel, else None."""
     B, H, T, D = query.shape
-    if (B != 1 or T < 2 or dropout or is_causal is False or not getattr(module, "is_causal", True)
+    if (B != 1 or T < 1 or dropout or is_causal is False or not getattr(module, "is_causal", True)
             or getattr(module, "training", False)
             or query.device.type != "cpu" or query.dtype != torch.float32 or key.dtype != torch.float32
             or value.dtype != torch.float32 or not same_kv_strides(key, value)
@@ -83,10 +83,10 @@ def flash_eligible(module, query, key, value, attention_mask, dropout, is_causal
         first = start + T - key.shape[2]
         if not window or attention_mask is None or first > start - window + 1:
             return None
-    if window and attention_mask is None and not (start == 0 and T <= window):
+    if window and attention_mask is None and not (start + T <= window and start + T <= key.shape[2]):
         # a sliding layer's cache may hold a rolled window: trust only its mask.  With none, sdpa
-        # would attend causally from key 0: the kernel's reading when the chunk starts the sequence
-        # and the window does not bind (a cache shorter than the window leaves transformers' mask out)
+        # would attend causally from key 0: the kernel's reading while the window does not bind and
+        # the layer has not rolled (a cache shorter than the window leaves transformers' mask out)
         return None
     if attention_mask is not None and not _plain_mask(attention_mask, start, T, window, first):
         return None

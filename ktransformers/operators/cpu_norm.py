@@ -5,7 +5,7 @@ over a prompt's per-head q / k norms (``[T, heads, head_dim]``, a mean over 128 
 torch took 7-30 ms a layer at 512 tokens where one C++ pass takes well under one.  Each norm module
 of an injected model is probed once with a small random input and switched only if it computes
 ``w * x / rms(x)`` or Gemma's ``(1 + w) * x / rms(x)`` (in fp32, within 1e-5) -- whatever its class
--- so that a family with another formula keeps its own forward.  The fast path takes contiguous
+-- so that a family with another formula keeps its own forward.  The fast path takes
 fp32 CPU inputs of a module in eval mode under no gradient; anything else (training: a
 checkpointed forward runs without gradients, its recomputation with them, and both must agree),
 and ``KT_FAST_NORM=0``, runs the original.
@@ -47,7 +47,7 @@ def _formula(module) -> str | None:
 def _fast_forward(self, hidden_states):
     x = hidden_states
     if (self.training or x.device.type != "cpu" or self.weight.device.type != "cpu" or x.dtype != torch.float32
-            or not x.is_contiguous() or x.numel() == 0 or x.shape[-1] != self.weight.numel()
+            or x.numel() == 0 or x.shape[-1] != self.weight.numel()
             or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
             or os.environ.get("KT_FAST_NORM", "1") == "0"):
         return self._kt_original_forward(hidden_states)
@@ -56,6 +56,9 @@ def _fast_forward(self, hidden_states):
         w = 1.0 + w
     w = w.contiguous()
     n = w.numel()
+    # rows of any layout (Gemma's q / k norms see [1, heads, T, d] after the transpose): the same C++
+    # pass for a prompt's rows and one token's, so a row's bits do not depend on how many there are
+    x = x.contiguous()
     out = torch.empty_like(x)
     _rms_norm(x.data_ptr(), w.data_ptr(), out.data_ptr(), x.numel() // n, n, 0, self._kt_norm_eps)
     return out

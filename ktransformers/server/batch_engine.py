@@ -221,7 +221,8 @@ class BatchEngine(Engine):
                 job.started_at = now
                 job.cached_tokens = s.cached_tokens or 0
         try:
-            logits = self.runner.step([(s.seq_id, s.chunk(n)) for s, n in chunks])
+            logits = self.runner.step([(s.seq_id, s.chunk(n)) for s, n in chunks],
+                                      prompt={s.seq_id for s, _ in chunks if not s.decoding})
         except self._out_of_pages as e:  # the planned pages were not there after all
             youngest = self.scheduler.running[-1]
             if len(self.scheduler.running) > 1:

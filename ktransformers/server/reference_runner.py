@@ -175,7 +175,9 @@ class BatchRunner:
         return None
 
     # ---- the step ----------------------------------------------------------------------
-    def step(self, chunks: list[tuple[int, list[int]]]) -> torch.Tensor:
+    def step(self, chunks: list[tuple[int, list[int]]], prompt=()) -> torch.Tensor:
+        """``BatchRunner.step``'s contract; ``prompt`` changes nothing here (every chunk is one call
+        of the model's forward)."""
         need = sum(self.pages_needed(sid, len(ids)) for sid, ids in chunks)
         if need > self.pool.free_count() and self.pool.on_pressure is not None:
             self.pool.on_pressure(need - self.pool.free_count())

@@ -73,7 +73,7 @@ def _greedy_rows(model, plan, steps, page_size=16):
     state = {sid: {"done": 0, "next": None} for sid in plan}
     rows = []
     for step in range(steps):
-        chunks = []
+        chunks, reading = [], set()
         for sid, (start, prompt, chunk) in plan.items():
             st = state[sid]
             if step < start:
@@ -84,9 +84,10 @@ def _greedy_rows(model, plan, steps, page_size=16):
                 toks = prompt[st["done"]:st["done"] + chunk]
                 st["done"] += len(toks)
                 chunks.append((sid, toks))
+                reading.add(sid)
             else:
                 chunks.append((sid, [st["next"]]))
-        logits = runner.step(chunks)
+        logits = runner.step(chunks, prompt=reading)
         for (sid, _), row in zip(chunks, logits):
             st = state[sid]
             if st["done"] >= len(plan[sid][1]):

@@ -137,6 +137,25 @@ def test_tiny_families_routes_give_the_same_bits(tiny, arch):
     _check_routes(model, prompt, steps=8, chunk=7, others=others, page_size=4)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "gemma3_text"])
+def test_one_token_prompt_chunks_give_the_same_bits(tiny, arch):
+    """A prompt read in chunks that leave one token (a tail of one, or one token at a time) is read
+    by the prompt forward, not taken for a decoding row: the same bits as the prompt read whole, on
+    the Generator and on the batching server beside others."""
+    _flash_or_skip()
+    extra = {"gemma3_text": {"sliding_window": 64}}
+    model = tiny(arch, head_dim=64, **extra.get(arch, {}))
+    rng = np.random.default_rng(9)
+    prompt = [int(i) for i in rng.integers(3, 250, 29)]
+    want = _generator_rows(model, prompt, 4, chunk=8192)
+    for chunk in (1, 14, 28):  # 28 x 1, 14 + 14 + 1, 28 + 1
+        _same(f"Generator, chunks of {chunk}", _generator_rows(model, prompt, 4, chunk=chunk), want)
+        others = {1: (0, [int(i) for i in rng.integers(3, 250, 9)], 4)}
+        n_chunks = -(-len(prompt) // chunk)
+        rows = _greedy_rows(model, {0: (0, prompt, chunk), **others}, steps=4 + n_chunks, page_size=4)
+        _same(f"batching server, chunks of {chunk}", rows, want)
+
+
 def test_gemma_past_its_sliding_window_routes_give_the_same_bits(tiny):
     """Chunks that start past the window read a rolled sliding layer (the single-sequence routes:
     its last keys and the chunk's, from a position past 0) or the pages (the batching server): the

@@ -96,10 +96,12 @@ def test_what_goes_to_sdpa(qwen_dir, spy, monkeypatch):
     ids = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         model(ids)                                   # a batch of two: sdpa
-        model(ids[:1, :1])                           # one token: sdpa
+        model(ids[:1, :1])                           # one token: the kernel (a prompt chunk of one)
+        n = model.config.num_hidden_layers
+        assert spy["flash"] == n and spy["sdpa"] == n
         monkeypatch.setenv("KT_FLASH_ATTN", "0")
         model(ids[:1])                               # switched off: sdpa
-    assert spy["flash"] == 0 and spy["sdpa"] == 3 * model.config.num_hidden_layers
+    assert spy["flash"] == n and spy["sdpa"] == 2 * n
 
 
 def test_mask_that_is_not_causal_goes_to_sdpa():

@@ -337,7 +337,8 @@ def test_prefix_cache_reuse_prefills_only_the_rest(tiny_llama):
                          prefix_cache=cache, defaults=SamplingDefaults(max_new_tokens=MAX_NEW), max_queue=4)
     fed = []
     step = runner.step
-    runner.step = lambda chunks: (fed.extend(n for sid, ids in chunks if sid == 2 for n in [len(ids)]), step(chunks))[1]
+    runner.step = lambda chunks, prompt=(): (fed.extend(n for sid, ids in chunks if sid == 2 for n in [len(ids)]),
+                                             step(chunks, prompt))[1]
 
     async def main():
         a = await _run(engine, first, {}, 0)
@@ -364,11 +365,11 @@ def test_model_failure_fails_only_its_batch(tiny_llama):
     engine = _engine(model, tok)
     step, calls = engine.runner.step, []
 
-    def failing_once(chunks):
+    def failing_once(chunks, prompt=()):
         calls.append(chunks)
         if len(calls) == 1:
             raise RuntimeError("boom")
-        return step(chunks)
+        return step(chunks, prompt)
 
     engine.runner.step = failing_once
 
