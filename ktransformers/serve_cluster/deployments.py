@@ -36,6 +36,9 @@ log = logging.getLogger("ktransformers.serve_cluster")
 #: seconds between the router's liveness probes of each replica, and a probe's deadline
 PROBE_EVERY_S = 1.0
 PROBE_TIMEOUT_S = 2.0
+#: probes in a row a replica may miss (busy, restarting) before it is routed around; a replica
+#: whose process is gone is routed around at once
+PROBE_MISSES = 3
 #: headers of a replica's response the router does not copy (it re-frames the body)
 HOP_HEADERS = {b"content-length", b"transfer-encoding", b"connection"}
 #: the replica failures that mean its process is gone (as opposed to an error it answered)
@@ -100,6 +103,7 @@ class Router:
         self.policy = AffinityPolicy(list(replicas), spill_at=spill_at)
         self.max_body = max_body_bytes
         self._probe_task: asyncio.Task | None = None
+        self._misses = dict.fromkeys(replicas, 0)
 
     # ---- liveness ---------------------------------------------------------------------
     def _ensure_probing(self) -> None:
@@ -114,11 +118,14 @@ class Router:
     async def _probe(self, name: str) -> None:
         try:
             await asyncio.wait_for(self.handles[name].info.remote(), PROBE_TIMEOUT_S)
-        except (asyncio.TimeoutError, RayError):
-            if name not in self.policy.down:
-                log.warning("%s does not answer; routing around it until it does", name)
-            self.policy.mark_down(name)
+        except (asyncio.TimeoutError, RayError) as e:
+            self._misses[name] += 1
+            if isinstance(e, REPLICA_LOST) or self._misses[name] >= PROBE_MISSES:
+                if name not in self.policy.down:
+                    log.warning("%s does not answer; routing around it until it does", name)
+                self.policy.mark_down(name)
         else:
+            self._misses[name] = 0
             if name in self.policy.down:
                 log.info("%s is back", name)
             self.policy.mark_up(name)
