@@ -159,6 +159,10 @@ class Router:
         stream = self.handles[name].options(stream=True).forward.remote(fwd)
         try:
             start = await stream.__anext__()
+        except asyncio.CancelledError:  # the client left before the replica answered
+            self.policy.finished(name)
+            stream.cancel()
+            raise
         except (RayError, StopAsyncIteration) as e:
             self.policy.finished(name)
             stream.cancel()
@@ -167,11 +171,11 @@ class Router:
             return JSONResponse(error_body(path, 503, f"{name} failed before answering; retry (new requests "
                                                       "go to a live replica)"),
                                 status_code=503, headers={"Retry-After": "1"})
-        assert isinstance(start, ResponseStart)
         if start.status < 400:
             self.policy.record(keys, name)
         media = next((v.decode("latin-1") for k, v in start.headers if k.lower() == b"content-type"), "")
-        resp = StreamingResponse(self._relay(stream, name, path, media), status_code=start.status)
+        relay = _Relay(self, stream, name, path, media)
+        resp = _RelayedResponse(relay, status_code=start.status)
         resp.raw_headers = [(k, v) for k, v in start.headers if k.lower() not in HOP_HEADERS]
         resp.raw_headers.append((b"x-served-by", name.encode()))
         return resp
@@ -185,30 +189,6 @@ class Router:
                 return None
             chunks.append(c)
         return b"".join(chunks)
-
-    async def _relay(self, stream, name: str, path: str, media: str):
-        """The replica's body chunks; a replica lost on the way ends the body with an error event."""
-        head, finished = b"", False
-        try:
-            async for chunk in stream:
-                if len(head) < ID_SCAN_BYTES:
-                    head += chunk
-                    self.policy.learn_ids(ids_in_response(head), name)
-                yield chunk
-            finished = True
-        except RayError as e:
-            if isinstance(e, REPLICA_LOST):
-                self._lost(name, e)
-            else:
-                log.error("%s: the stream of %s broke: %s", name, path, e)
-            for c in stream_error_chunks(path, media, f"{name}, which was serving this stream, failed; "
-                                                      "the answer is incomplete (retry: a live replica takes it)"):
-                yield c
-            finished = True
-        finally:
-            self.policy.finished(name)
-            if not finished:  # the client went away: stop the replica's generation
-                stream.cancel()
 
     async def _metrics(self, request: Request) -> Response:
         """Every live replica's ``/metrics`` (each answered by its own app: same API key check),
@@ -247,6 +227,56 @@ class Router:
         text = "# HELP ktransformers_cluster_replica_up 1 while the router routes to the replica\n" \
                "# TYPE ktransformers_cluster_replica_up gauge\n" + up
         return Response(merge_replica_metrics(texts) + text.encode(), media_type=CONTENT_TYPE_LATEST)
+
+
+class _Relay:
+    """A replica's body chunks on their way to the client; a replica lost on the way ends the
+    body with an error event (:func:`stream_error_chunks`)."""
+
+    def __init__(self, router: Router, stream, name: str, path: str, media: str):
+        self.router, self.stream, self.name, self.path, self.media = router, stream, name, path, media
+        self.complete = False
+
+    async def chunks(self):
+        head = b""
+        try:
+            async for chunk in self.stream:
+                if len(head) < ID_SCAN_BYTES:
+                    head += chunk
+                    self.router.policy.learn_ids(ids_in_response(head), self.name)
+                yield chunk
+        except RayError as e:
+            if isinstance(e, REPLICA_LOST):
+                self.router._lost(self.name, e)
+            else:
+                log.error("%s: the stream of %s broke: %s", self.name, self.path, e)
+            for c in stream_error_chunks(self.path, self.media, f"{self.name}, which was serving this stream, "
+                                                                "failed; the answer is incomplete (retry: a live "
+                                                                "replica takes it)"):
+                yield c
+        self.complete = True
+
+    def close(self) -> None:
+        """The response is over, however it ended: the replica's count goes down once, and its
+        generation stops if the client left before the end."""
+        self.router.policy.finished(self.name)
+        if not self.complete:
+            self.stream.cancel()
+
+
+class _RelayedResponse(StreamingResponse):
+    """Closes its relay when sending ends, also when it is cancelled before the body started
+    (a client gone at once), which a generator's ``finally`` would never see."""
+
+    def __init__(self, relay: _Relay, status_code: int):
+        super().__init__(relay.chunks(), status_code=status_code)
+        self.relay = relay
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.relay.close()
 
 
 def stream_error_chunks(path: str, media: str, message: str) -> list[bytes]:

@@ -62,3 +62,104 @@ def test_the_error_that_ends_a_stream_speaks_its_api(path, media, first):
         assert chunks[0].startswith(first)
         if path == "/v1/chat/completions":
             assert chunks[-1] == b"data: [DONE]\n\n"
+
+
+class _Stream:
+    """A replica's streamed answer as the router's handle returns it."""
+
+    def __init__(self, items, fail_after: int | None = None):
+        self.items, self.fail_after, self.cancelled = list(items), fail_after, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.fail_after is not None and self.fail_after == 0:
+            raise ActorDiedError()
+        if not self.items:
+            raise StopAsyncIteration
+        if self.fail_after is not None:
+            self.fail_after -= 1
+        return self.items.pop(0)
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class _StreamingHandle:
+    def __init__(self, stream):
+        self.stream, self.forward = stream, self
+
+    def options(self, **kw):
+        return self
+
+    def remote(self, req):
+        return self.stream
+
+
+def _request(path: str, body: bytes):
+    from starlette.requests import Request
+
+    sent = False
+
+    async def receive():
+        nonlocal sent
+        if sent:
+            await asyncio.sleep(3600)
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    scope = {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "headers": [(b"host", b"127.0.0.1")], "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+             "scheme": "http", "root_path": "", "http_version": "1.1"}
+    return Request(scope, receive)
+
+
+def _answer(router, path, body, send):
+    async def main():
+        router._ensure_probing = lambda: None
+        resp = await router(_request(path, body))
+        await resp({"type": "http", "asgi": {"spec_version": "2.4"}}, None, send)
+        return resp
+    return asyncio.run(main())
+
+
+def test_a_replica_lost_mid_stream_ends_it_with_the_error_and_marks_it_down():
+    from ktransformers.serve_cluster.asgi_call import ResponseStart
+
+    stream = _Stream([ResponseStart(200, [(b"content-type", b"text/event-stream")]), b"data: 1\n\n"], fail_after=2)
+    router = Router({"replica-0": _StreamingHandle(stream)}, spill_at=4, max_body_bytes=1024)
+    out = []
+
+    async def send(msg):
+        out.append(msg)
+
+    _answer(router, "/v1/chat/completions", b'{"messages": []}', send)
+    body = b"".join(m.get("body", b"") for m in out if m["type"] == "http.response.body")
+    assert body.startswith(b"data: 1\n\n") and b'"code": "replica_lost"' in body and body.endswith(b"data: [DONE]\n\n")
+    assert router.policy.down == {"replica-0"} and router.policy.in_flight == {"replica-0": 0}
+
+
+def test_a_client_gone_before_the_body_releases_the_replica():
+    from ktransformers.serve_cluster.asgi_call import ResponseStart
+
+    stream = _Stream([ResponseStart(200, [(b"content-type", b"text/event-stream")]), b"data: 1\n\n"])
+    router = Router({"replica-0": _StreamingHandle(stream)}, spill_at=4, max_body_bytes=1024)
+
+    async def send(msg):  # the connection is gone: sending the start is cancelled
+        raise asyncio.CancelledError
+
+    with pytest.raises(asyncio.CancelledError):
+        _answer(router, "/v1/chat/completions", b"{}", send)
+    assert router.policy.in_flight == {"replica-0": 0} and stream.cancelled
+
+
+def test_a_body_over_the_limit_is_refused_before_any_replica():
+    router = Router({"replica-0": _StreamingHandle(_Stream([]))}, spill_at=4, max_body_bytes=10)
+    out = []
+
+    async def send(msg):
+        out.append(msg)
+
+    _answer(router, "/api/chat", b"x" * 11, send)
+    assert out[0]["status"] == 413 and b"exceeds 10 bytes" in out[1]["body"]
