@@ -130,6 +130,39 @@ class LoadReport:
         return f"loaded weights in {self.seconds:.1f} s ({per})"
 
 
+class _HeldBytes:
+    """Bytes the loaded model holds per device, each block of memory once: a tied head reading the
+    embedding's bytes (in place from the file, or the very tensor) adds nothing of its own."""
+
+    def __init__(self):
+        self.per_device: dict[str, int] = {}
+        self._seen: set[tuple[str, int, int]] = set()  # (device, address, bytes)
+
+    def add(self, device: str, nbytes: int, arrays=()) -> None:
+        """Count ``nbytes`` on ``device`` less those of ``arrays`` (what holds them) already counted."""
+        shared = 0
+        for key in {(device, *_memory_block(a)) for a in arrays}:
+            if key in self._seen:
+                shared += key[2]
+            else:
+                self._seen.add(key)
+        self.per_device[device] = self.per_device.get(device, 0) + max(nbytes - shared, 0)
+
+
+def _memory_block(a) -> tuple[int, int]:
+    """(address, bytes) of a tensor or numpy array."""
+    if isinstance(a, torch.Tensor):
+        return a.data_ptr(), a.numel() * a.element_size()
+    return a.__array_interface__["data"][0], int(a.nbytes)
+
+
+def _held_arrays(op) -> list:
+    """The tensors and numpy arrays an op holds as attributes."""
+    import numpy as np
+
+    return [v for v in vars(op).values() if isinstance(v, (torch.Tensor, np.ndarray))]
+
+
 def inject(
     model: nn.Module,
     rules,
@@ -241,7 +274,7 @@ def _orig_dtype(module: nn.Module) -> torch.dtype:
 def load_weights(model: nn.Module, plan: Plan, source: WeightSource, progress: bool = False) -> LoadReport:
     weights = ModelWeights(source, model)
     t0 = time.perf_counter()
-    per_device: dict[str, int] = {}
+    held = _HeldBytes()
     modules = list(model.named_modules())
     bar = None
     if progress:
@@ -258,8 +291,8 @@ def load_weights(model: nn.Module, plan: Plan, source: WeightSource, progress: b
                 module.load(weights, _orig_dtype(module))
             except KTError:
                 raise
-            for d, b in module.op_nbytes().items():
-                per_device[d] = per_device.get(d, 0) + b
+            for op in module.ops():
+                held.add(str(op.device), op.nbytes(), _held_arrays(op))
         for pname, param in list(module.named_parameters(recurse=False)):
             full = f"{name}.{pname}" if name else pname
             dtype = param.dtype if param.is_floating_point() else None
@@ -269,7 +302,7 @@ def load_weights(model: nn.Module, plan: Plan, source: WeightSource, progress: b
                     f"{source.path}: tensor '{full}' has shape {list(t.shape)}, the model expects {list(param.shape)}"
                 )
             module._parameters[pname] = nn.Parameter(t, requires_grad=False)
-            per_device[str(device)] = per_device.get(str(device), 0) + t.numel() * t.element_size()
+            held.add(str(device), t.numel() * t.element_size(), [t])
         for bname, buf in list(module.named_buffers(recurse=False)):
             full = f"{name}.{bname}" if name else bname
             persistent = bname not in module._non_persistent_buffers_set
@@ -288,7 +321,7 @@ def load_weights(model: nn.Module, plan: Plan, source: WeightSource, progress: b
     _rebuild_meta_buffers(model, plan)
     _share_tied_weights(model, weights)
     _check_nothing_on_meta(model)
-    return LoadReport(time.perf_counter() - t0, per_device)
+    return LoadReport(time.perf_counter() - t0, held.per_device)
 
 
 def _rebuild_meta_buffers(model: nn.Module, plan: Plan) -> None:
