@@ -126,15 +126,9 @@ def _check_args(args) -> None:
         raise ConfigError(f"--max_new_tokens must be at least 1 (got {args.max_new_tokens})")
     if args.chunk_size < 1:
         raise ConfigError(f"--chunk_size must be at least 1 (got {args.chunk_size})")
-    if not 1 <= args.draft_max <= 32:
-        raise ConfigError(f"--draft_max must be between 1 and 32 (got {args.draft_max})")
-    spec = args.speculative
-    if spec is not None and spec != "ngram":
-        path = spec[len("draft:"):] if spec.startswith("draft:") else None
-        if not path:
-            raise ConfigError(f"--speculative {spec!r}: choose ngram or draft:PATH")
-        if not Path(path).exists():
-            raise ConfigError(f"--speculative draft:{path}: no such file or directory")
+    from .generation.speculative import parse_speculative
+
+    parse_speculative(args.speculative, args.draft_max)
     if args.cpu_infer is not None and args.cpu_infer < 1:
         raise ConfigError(f"--cpu_infer must be at least 1 (got {args.cpu_infer})")
 
@@ -157,21 +151,10 @@ def ready_line(loaded, started: float, now: float) -> str:
     return f"ready in {now - started:.1f} s: " + ", ".join(parts) + f"; rules: {loaded.rules}"
 
 
-def load_draft(args, tokenizer, device, log):
-    """The draft model of ``--speculative draft:PATH`` (default rules), or None; its tokenizer must
-    be the model's (the same tokens under the same ids)."""
-    spec = args.speculative
-    if not spec or not spec.startswith("draft:"):
-        return None
-    from .util.loading import load_for_generation
+def _drafter_name(spec, draft_max):
+    from .generation.speculative import parse_speculative
 
-    path = spec[len("draft:"):]
-    draft = load_for_generation(path, None, None, device=device, device_map=args.device_map)
-    if draft.tokenizer is not None and tokenizer is not None and draft.tokenizer.get_vocab() != tokenizer.get_vocab():
-        raise ConfigError(f"--speculative draft:{path}: its tokenizer's vocabulary differs from the model's; a draft "
-                          "model must share the model's tokenizer")
-    log(f"draft model: {path} ({type(draft.model).__name__})")
-    return draft.model
+    return parse_speculative(spec, draft_max)[0]
 
 
 def _mapped(source) -> bool:
@@ -185,7 +168,7 @@ def load(args, log=print, progress=None, started: float | None = None):
 
     from .generation import Generator
     from .optimize_rules import architecture
-    from .util.loading import load_for_generation
+    from .util.loading import load_draft_model, load_for_generation
 
     device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
     if not device.startswith("cuda") and args.use_cuda_graph:
@@ -210,8 +193,9 @@ def load(args, log=print, progress=None, started: float | None = None):
 
         log(f"note: the model has no chat template: prompts are continued as plain text; {ADD_TEMPLATE_HINT}")
     gen = Generator(model, tokenizer, chunk_size=args.chunk_size, offload_cache=args.mode == "long_context",
-                    speculative=None if args.speculative is None else args.speculative.split(":", 1)[0],
-                    draft_max=args.draft_max, draft_model=load_draft(args, tokenizer, device, log))
+                    speculative=_drafter_name(args.speculative, args.draft_max), draft_max=args.draft_max,
+                    draft_model=load_draft_model(args.speculative, args.draft_max, tokenizer, device=device,
+                                                 device_map=args.device_map, log=log))
     return model, tokenizer, gen
 
 

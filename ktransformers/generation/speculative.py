@@ -41,6 +41,25 @@ def check_drafter(name: str | None, draft_max: int, draft_model=None) -> None:
         raise ConfigError("speculative='draft' needs a draft_model (and a draft_model needs speculative='draft')")
 
 
+def parse_speculative(spec: str | None, draft_max: int, flag: str = "--speculative") -> tuple[str | None, str | None]:
+    """``(drafter name, draft model path)`` of a ``--speculative`` value (``ngram`` or
+    ``draft:PATH``; None: off), or a one-line error naming the flag."""
+    if not 1 <= int(draft_max) <= 32:
+        raise ConfigError(f"--draft_max must be between 1 and 32 (got {draft_max})")
+    if spec is None:
+        return None, None
+    if spec == "ngram":
+        return "ngram", None
+    path = spec[len("draft:"):] if spec.startswith("draft:") else None
+    if not path:
+        raise ConfigError(f"{flag} {spec!r}: choose ngram or draft:PATH")
+    from pathlib import Path
+
+    if not Path(path).exists():
+        raise ConfigError(f"{flag} draft:{path}: no such file or directory")
+    return "draft", path
+
+
 class NgramDrafter:
     """Prompt lookup over the tokens so far.
 

@@ -474,6 +474,9 @@ class Engine:
                     reason = "cancelled" if job.cancel.is_set() else "stop"
                     self._emit(job, TokenEvent(None, "", reason))
                 job.stats = getattr(self.generator, "last_stats", None)
+                if job.stats is not None:
+                    self.metrics.record_speculation(getattr(job.stats, "drafted_tokens", 0),
+                                                    getattr(job.stats, "accepted_tokens", 0))
         except Exception as e:  # the model failed: report to this request, keep serving others
             log.exception("generation %d failed", job.id)
             reason = "error"

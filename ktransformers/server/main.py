@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--repetition_penalty", type=float, help="default repetition penalty [1.0]")
     g.add_argument("--force_think", type=_bool, nargs="?", const=True,
                    help="start every chat answer with '<think>' (reasoning models whose template does not)")
+    g.add_argument("--speculative", metavar="ngram|draft:PATH",
+                   help="speculative decoding, the same answers: ngram = prompt lookup, draft:PATH = a smaller model "
+                        "of the same tokenizer; the single-request engine (--backend_type ktransformers) guesses, "
+                        "the batching engine decodes plainly (docs/speculative.md) [off]")
+    g.add_argument("--draft_max", type=int, help="most guessed tokens per speculative step, 1-32 [8]")
     g = p.add_argument_group("server")
     g.add_argument("--host", help="address to bind [127.0.0.1: this machine only]")
     g.add_argument("--port", type=int, help="port [10002]")
@@ -201,13 +206,25 @@ def build_engine(settings: Settings):
         from ..generation.paged import NotPageable
         from .batch_engine import build_batch_engine
 
+        if settings.speculative:
+            log.warning("--speculative %s: the batching engine decodes plainly (the same answers); "
+                        "--backend_type ktransformers speculates", settings.speculative)
+
         try:
             return build_batch_engine(settings, model, tokenizer, max_pos, **common)
         except NotPageable as e:  # a layer the paged cache cannot hold (linear attention, sinks)
             log.warning("continuous batching is not available for this model (%s); serving one request "
                         "at a time (--backend_type ktransformers)", e)
     max_context = settings.cache_lens or max_pos
-    generator = Generator(model, tokenizer, chunk_size=settings.prefill_chunk, max_cache_len=max_context)
+    from ..generation.speculative import parse_speculative
+    from ..util.loading import load_draft_model
+
+    generator = Generator(model, tokenizer, chunk_size=settings.prefill_chunk, max_cache_len=max_context,
+                          speculative=parse_speculative(settings.speculative, settings.draft_max)[0],
+                          draft_max=settings.draft_max,
+                          draft_model=load_draft_model(settings.speculative, settings.draft_max, tokenizer,
+                                                       device=settings.device, device_map=settings.device_map,
+                                                       log=log.info))
     return Engine(generator, tokenizer, max_context=max_context, **common)
 
 

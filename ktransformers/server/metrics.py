@@ -38,6 +38,12 @@ class ServerMetrics:
         self.request_duration = Histogram(f"{PREFIX}_request_duration_seconds",
                                           "Seconds from a request's arrival to its end (any outcome)",
                                           buckets=DURATION_BUCKETS, registry=self.registry)
+        self.drafted_tokens = Counter(f"{PREFIX}_speculative_drafted_tokens",
+                                      "Tokens guessed by speculative decoding (--speculative), all requests",
+                                      registry=self.registry)
+        self.accepted_tokens = Counter(f"{PREFIX}_speculative_accepted_tokens",
+                                       "Guessed tokens the model kept (accepted / drafted = the acceptance rate)",
+                                       registry=self.registry)
         self._collector = None
         if engine is not None:
             self.watch(engine)
@@ -55,6 +61,11 @@ class ServerMetrics:
     def record_tokens(self, n: int = 1) -> None:
         if n > 0:
             self.generated_tokens.inc(n)
+
+    def record_speculation(self, drafted: int, accepted: int) -> None:
+        if drafted > 0:
+            self.drafted_tokens.inc(drafted)
+            self.accepted_tokens.inc(max(0, accepted))
 
     def record_request(self, seconds: float) -> None:
         self.request_duration.observe(max(0.0, float(seconds)))

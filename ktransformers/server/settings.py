@@ -58,6 +58,8 @@ class Settings:
     top_k: int | None = None
     repetition_penalty: float | None = None
     force_think: bool = False  # every chat answer starts inside <think> (reasoning models)
+    speculative: str | None = None  # ngram | draft:PATH (the single-request engine; docs/speculative.md)
+    draft_max: int = 8
     max_queue: int = 16
     max_body_mb: float = 16.0
     device: str | None = None
@@ -137,6 +139,9 @@ class Settings:
             raise ConfigError(f"--prefix_cache_dir {self.prefix_cache_dir}: exists and is not a folder")
         if self.cpu_infer is not None and self.cpu_infer < 1:
             raise ConfigError(f"--cpu_infer {self.cpu_infer}: must be at least 1")
+        from ..generation.speculative import parse_speculative
+
+        parse_speculative(self.speculative, self.draft_max)
         if self.cache_lens is not None and self.cache_lens < 16:
             raise ConfigError(f"--cache_lens {self.cache_lens}: must be at least 16 tokens")
         if (self.backend_type == "balance_serve" and self.cache_lens is not None

@@ -248,3 +248,20 @@ def load_for_generation(
     t_end = time.perf_counter()
     phases = {"header and plan": t_plan - t0, "tokenizer": t_tok - t_plan, "weights": t_end - t_tok}
     return LoadedModel(model, tokenizer, source, config, rules, t_end - t0, phases)
+
+
+def load_draft_model(spec: str | None, draft_max: int, tokenizer, *, device=None, device_map=None, log=None):
+    """The draft model of ``--speculative draft:PATH`` (its default rules), or None for another
+    drafter; its tokenizer must be the model's (the same tokens under the same ids)."""
+    from ..generation.speculative import parse_speculative
+
+    name, path = parse_speculative(spec, draft_max)
+    if name != "draft":
+        return None
+    draft = load_for_generation(path, None, None, device=device, device_map=device_map)
+    if draft.tokenizer is not None and tokenizer is not None and draft.tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ConfigError(f"--speculative draft:{path}: its tokenizer's vocabulary differs from the model's; a draft "
+                          "model must share the model's tokenizer")
+    if log is not None:
+        log(f"draft model: {path} ({type(draft.model).__name__})")
+    return draft.model
