@@ -69,7 +69,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from .deployments import build_app
 
-    ray.init(address=args.ray_address, include_dashboard=False)
+    try:
+        ray.init(address=args.ray_address, include_dashboard=False)
+    except (ConnectionError, ValueError) as e:  # no cluster there, or not an address
+        print(f"error: --ray_address {args.ray_address}: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
     serve.start(http_options={"host": settings.host, "port": settings.port})
     app = build_app(server_argv, replicas=args.replicas, replica_cpus=args.replica_cpus,
                     replica_memory_gb=args.replica_memory_gb, spill_at=args.spill_at,

@@ -31,3 +31,13 @@ def test_server_flags_are_the_servers(capsys):
     except SystemExit as e:
         rc = e.code
     assert rc == 2 and "--max_batch_size" in capsys.readouterr().err
+
+
+def test_a_bad_ray_address_is_one_line(tiny_dir, capsys):
+    import pytest
+
+    pytest.importorskip("ray", reason="Ray is not installed (the cluster extra)")
+    # ('auto' with no cluster is refused the same way, but would join one a developer has running)
+    assert main(["--model_path", str(tiny_dir), "--ray_address", "not::an address"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "error: --ray_address not::an address: Invalid address format: not::an address"
