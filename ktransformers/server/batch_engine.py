@@ -334,20 +334,26 @@ def make_prefix_cache(settings, model, pool):
                        disk_bytes=int(settings.prefix_cache_disk_gb * 2**30))
 
 
+def pool_tokens(settings, max_positions: int) -> int:
+    """The tokens of the KV page pool: ``--cache_lens``, else the model's max positions up to
+    DEFAULT_POOL_TOKENS."""
+    from .settings import DEFAULT_POOL_TOKENS
+
+    return settings.cache_lens or min(max_positions, DEFAULT_POOL_TOKENS)
+
+
 def build_batch_engine(settings, model, tokenizer, max_positions: int, **common) -> BatchEngine:
     """A BatchEngine over ``model``: a pool of ``--cache_lens`` tokens in ``--page_size`` pages."""
     from ..generation import Generator
 
-    from .settings import DEFAULT_POOL_TOKENS
-
-    pool_tokens = settings.cache_lens or min(max_positions, DEFAULT_POOL_TOKENS)
-    num_pages = max(1, pool_tokens // settings.page_size)
+    pool = pool_tokens(settings, max_positions)
+    num_pages = max(1, pool // settings.page_size)
     from ..generation.paged import PoolTooLarge
 
     try:
         runner = runner_class()(model, page_size=settings.page_size, num_pages=num_pages)
     except PoolTooLarge as e:
-        raise ConfigError(f"--cache_lens {pool_tokens}: {e}; lower --cache_lens") from None
+        raise ConfigError(f"--cache_lens {pool}: {e}; lower --cache_lens") from None
     prefix_cache = make_prefix_cache(settings, model, runner.pool)
     generator = Generator(model, tokenizer, chunk_size=settings.prefill_chunk)  # prompt helpers, EOS ids
     log.info("batching: %d KV pages of %d tokens, up to %d requests, %d tokens per step (%s)", num_pages,

@@ -180,6 +180,22 @@ def build_engine(settings: Settings):
     """Load the model, tokenizer and Generator named by ``settings`` into an :class:`Engine`."""
     from ..generation import Generator
     from ..util.loading import load_for_generation
+def _max_positions(config) -> int:
+    """The model's own context (max_position_embeddings; 4096 where the config names none)."""
+    return int(getattr(config, "max_position_embeddings", None) or 4096)
+
+
+def kv_cache_tokens(settings: Settings, config) -> int:
+    """The tokens the server's KV cache holds, counted in the memory plan before a weight is read:
+    the batching engine's page pool, else ``--cache_lens`` or the model's max positions."""
+    max_pos = _max_positions(config)
+    if settings.backend_type == "balance_serve":
+        from .batch_engine import pool_tokens
+
+        return pool_tokens(settings, max_pos)
+    return settings.cache_lens or max_pos
+
+
     from .engine import Engine
 
     from ..operators.cpu_threads import use_threads
@@ -190,7 +206,8 @@ def build_engine(settings: Settings):
                                  settings.optimize_config_path, device=settings.device,
                                  device_map=settings.device_map, allow_unmatched=True, log=log.info,
                                  check_tensors=settings.check_tensors, lora=settings.lora_path,
-                                 chat_template=settings.chat_template)
+                                 chat_template=settings.chat_template,
+                                 context=lambda config: kv_cache_tokens(settings, config))
     model, tokenizer, source = loaded.model, loaded.tokenizer, loaded.source
     if not getattr(tokenizer, "chat_template", None):
         from ..util.chat_templates import ADD_TEMPLATE_HINT
@@ -198,7 +215,7 @@ def build_engine(settings: Settings):
         log.warning("the model has no chat template: chat requests are continued as plain text; %s",
                     ADD_TEMPLATE_HINT)
     load_s = time.perf_counter() - t0
-    max_pos = int(getattr(model.config, "max_position_embeddings", None) or 4096)
+    max_pos = _max_positions(model.config)
     name = settings.model_name or settings.default_model_name()
     common = dict(model_name=name, defaults=_sampling_defaults(settings, model), max_queue=settings.max_queue,
                   model_info=_model_info(settings, model, source, load_s))

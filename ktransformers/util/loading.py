@@ -187,7 +187,8 @@ def load_for_generation(
     Before the weights load, the chat template must compile and, with ``check_tensors``, no
     tensor may hold NaN/Inf (``weights.gguf_checks.preflight``): a server refuses to start
     rather than failing every request.  ``context``: the tokens the KV cache will hold, counted in
-    the memory plan's check (None: reported up to the model's limit, not counted).
+    the memory plan's check, or a function of the config giving them (None: reported up to the
+    model's limit, not counted).
 
     ``allow_unmatched`` defaults to True for the shipped rule file (a family file may cover
     modules a given model lacks) and False for rules the caller names.  ``lora``: a LoRA adapter
@@ -208,6 +209,8 @@ def load_for_generation(
     config = load_config(model_path, source)
     if check_config is not None:
         check_config(config)
+    if callable(context):  # the server's context is the model's own limit unless --cache_lens names one
+        context = context(config)
     dmap = parse_device_map(device_map) if isinstance(device_map, str) else (device_map or {})
     device = device or ("cuda:0" if torch.cuda.is_available() else "cpu")
     if rules is None:
