@@ -176,10 +176,6 @@ def _sampling_defaults(settings: Settings, model):
                             repetition_penalty=float(settings.repetition_penalty or 1.0))
 
 
-def build_engine(settings: Settings):
-    """Load the model, tokenizer and Generator named by ``settings`` into an :class:`Engine`."""
-    from ..generation import Generator
-    from ..util.loading import load_for_generation
 def _max_positions(config) -> int:
     """The model's own context (max_position_embeddings; 4096 where the config names none)."""
     return int(getattr(config, "max_position_embeddings", None) or 4096)
@@ -196,6 +192,10 @@ def kv_cache_tokens(settings: Settings, config) -> int:
     return settings.cache_lens or max_pos
 
 
+def build_engine(settings: Settings):
+    """Load the model, tokenizer and Generator named by ``settings`` into an :class:`Engine`."""
+    from ..generation import Generator
+    from ..util.loading import load_for_generation
     from .engine import Engine
 
     from ..operators.cpu_threads import use_threads
