@@ -56,10 +56,11 @@ class Replica:
         from ..server.app import create_app
         from ..server.main import build_engine, parse_settings
 
-        logging.getLogger("ktransformers").setLevel(logging.INFO)
-        if not logging.getLogger("ktransformers").handlers:
-            logging.getLogger("ktransformers").addHandler(logging.StreamHandler())
         settings = parse_settings(argv)
+        root = logging.getLogger("ktransformers")  # Ray keeps each replica's stderr in its logs
+        root.setLevel(getattr(logging, settings.log_level.upper(), logging.INFO))
+        if not root.handlers:
+            root.addHandler(logging.StreamHandler())
         if not settings.database_url:  # each replica its own SQLite file; a shared store needs --database_url
             settings = settings.replace(data_dir=str(Path(settings.data_dir) / name))
         Path(settings.data_dir).mkdir(parents=True, exist_ok=True)
