@@ -212,8 +212,12 @@ class Generator:
             return DynamicCache(config=cfg, offloading=offload)
         return StaticCache(config=cfg, max_cache_len=max_cache_len, offloading=offload)
 
-    def _forward(self, ids: torch.Tensor, start: int, cache) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, start: int, cache, vision=None) -> torch.Tensor:
         n = ids.shape[1]
+        if vision is not None:  # after a prompt with images: the model's forward at M-RoPE positions
+            out = self.model(input_ids=ids, cache=cache, position_ids=vision.positions(start, n, self.device),
+                             use_cache=True, logits_to_keep=1)
+            return out.logits[:, -1].float()
         if n == 1 and ids.shape[0] == 1:
             step = self._decode_step()
             if step is not None and step.accepts(cache):
@@ -234,15 +238,23 @@ class Generator:
             self._step = step
         return step
 
-    def prefill(self, input_ids: list[int], cache, cancel: threading.Event | None = None) -> torch.Tensor | None:
+    def prefill(self, input_ids: list[int], cache, cancel: threading.Event | None = None,
+                vision=None) -> torch.Tensor | None:
         """Run the prompt through the model in chunks; logits [1, V] (fp32) of its last position.
 
         Every chunk is read by the model's prompt forward, a one-token chunk too (never the decode
         step, whose attention sums in another order): the cache and logits are the same bits
-        whatever the chunking.  Returns None when ``cancel`` was set between chunks.
+        whatever the chunking.  Returns None when ``cancel`` was set between chunks.  A prompt with
+        images (``vision``: multimodal/prompt.py) is read in one forward that takes them.
         """
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
         logits = None
+        if vision is not None:
+            with torch.inference_mode():
+                forward = self.model.__dict__.get("_kt_lean_forward") or self.model
+                out = forward(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1,
+                              **vision.prefill_kwargs(self.model, ids))
+            return out.logits[:, -1].float()
         with torch.inference_mode():
             for start in range(0, ids.shape[1], self.chunk_size):
                 if cancel is not None and cancel.is_set() and start > 0:
@@ -260,6 +272,7 @@ class Generator:
                cancel: threading.Event | None = None) -> Iterator[TokenEvent]:
         """Generate for ``input_ids``; yields one event per token and a final event."""
         params.validate()
+        vision = getattr(input_ids, "vision", None)  # a prompt with images (multimodal/prompt.py: ImagePrompt)
         input_ids = [int(i) for i in input_ids]
         n = len(input_ids)
         if n == 0:
@@ -272,11 +285,11 @@ class Generator:
         if not self._lock.acquire(blocking=False):
             raise RuntimeError("this Generator is already streaming a request; use one Generator per stream")
         try:
-            yield from self._stream(input_ids, params, max_new, cancel)
+            yield from self._stream(input_ids, params, max_new, cancel, vision)
         finally:
             self._lock.release()
 
-    def _stream(self, input_ids, params, max_new, cancel):
+    def _stream(self, input_ids, params, max_new, cancel, vision=None):
         n = len(input_ids)
         stats = GenerationStats(prompt_tokens=n, prefill_seconds=0.0, generated_tokens=0, decode_seconds=0.0)
         self.last_stats = stats
@@ -289,14 +302,14 @@ class Generator:
         t0 = time.perf_counter()
         cap = n + max_new
         cache = self.new_cache(cap)
-        logits = self.prefill(input_ids, cache, cancel)
+        logits = self.prefill(input_ids, cache, cancel, vision)
         stats.prefill_seconds = time.perf_counter() - t0  # updated below to include the first sample
         sampler = Sampler(params, logits.device if logits is not None else self.device)
         history = None
         if sampler.needs_ids:
             history = torch.zeros((1, cap), dtype=torch.long, device=sampler_device(logits, self.device))
             history[0, :n] = torch.tensor(input_ids, dtype=torch.long)
-        spec = self._speculation(input_ids, cap)
+        spec = self._speculation(input_ids, cap) if vision is None else None
         pos = n          # where the newest decided token goes in the cache
         finish = None
         first = True
@@ -346,7 +359,8 @@ class Generator:
                 else:
                     if guesses:  # the step does not take this cache: plain decoding from here
                         spec = None
-                    logits = self._forward(torch.tensor([[token]], dtype=torch.long, device=self.device), pos, cache)
+                    logits = self._forward(torch.tensor([[token]], dtype=torch.long, device=self.device), pos, cache,
+                                           vision)
             pos += 1
         yield out.final(finish)
 

@@ -32,18 +32,24 @@ DEFAULT_RULES = {
     "Qwen3ForCausalLM": "Dense",
     "Gemma3ForCausalLM": "Dense",
     "Gemma3ForConditionalGeneration": "Dense",
+    "Qwen3VLMoeForConditionalGeneration": "Qwen3VLMoe",
 }
+
+
+def auto_model_class(config):
+    """The transformers auto class that builds ``config``'s model: the causal LM, or for a
+    vision-language config (no causal-LM class) its image-text-to-text class."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForCausalLM if type(config) in AutoModelForCausalLM._model_mapping else AutoModelForImageTextToText
 
 
 def architecture(config) -> str:
     archs = getattr(config, "architectures", None) or []
     if archs:
         return archs[0]
-    from transformers import AutoModelForCausalLM
-
-    mapping = AutoModelForCausalLM._model_mapping
     try:
-        return mapping[type(config)].__name__
+        return auto_model_class(config)._model_mapping[type(config)].__name__
     except KeyError:
         raise ConfigError(f"model type '{config.model_type}' is not a causal LM transformers knows") from None
 

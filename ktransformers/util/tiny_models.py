@@ -99,6 +99,19 @@ TINY_CONFIGS: dict[str, dict] = {
     "qwen3": dict(_COMMON, head_dim=16, intermediate_size=96),
     "gemma3_text": dict(_COMMON, num_key_value_heads=1, head_dim=16, intermediate_size=96, sliding_window=8,
                         tie_word_embeddings=True),
+    # Qwen3-VL-MoE: Qwen3-MoE's text model with interleaved M-RoPE (t/h/w sections of head_dim / 2), a
+    # ViT of 2 blocks (16-pixel patches, 2x2 merge, one DeepStack merger) whose output feeds layer 0;
+    # 2I != H so a transposed expert layout cannot pass unnoticed.  The image tokens are the ids
+    # make_tiny_tokenizer(vision=True) gives VISION_SPECIAL_TOKENS
+    "qwen3_vl_moe": dict(
+        text_config=dict(_COMMON, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                         intermediate_size=96, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                                    mrope_section=[2, 3, 3], mrope_interleaved=True)),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                           deepstack_visual_indexes=[0]),
+        vision_start_token_id=261, vision_end_token_id=262, image_token_id=263, video_token_id=264,
+        tie_word_embeddings=False),
 }
 
 CHATML_TEMPLATE = (
@@ -106,6 +119,18 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+#: the Qwen-VL image markers, after SPECIAL_TOKENS (ids 261..264) in a vision-language tiny tokenizer
+VISION_SPECIAL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+#: ChatML whose message content may be a list of parts, an image part written as Qwen-VL writes it
+VISION_CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+#: the tiny models whose config is a vision-language one (a processor is written beside the tokenizer)
+VISION_ARCHS = ("qwen3_vl_moe",)
 
 
 def tiny_config(arch: str, **overrides):
@@ -120,8 +145,9 @@ def tiny_config(arch: str, **overrides):
     return cfg
 
 
-def make_tiny_tokenizer():
-    """Byte-level BPE tokenizer without merges (every byte a token) + ChatML specials."""
+def make_tiny_tokenizer(vision: bool = False):
+    """Byte-level BPE tokenizer without merges (every byte a token) + ChatML specials (+ the image
+    markers and a template taking image parts, with ``vision``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -132,18 +158,33 @@ def make_tiny_tokenizer():
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    bos_token=None, unk_token=None)
-    fast.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})
-    fast.chat_template = CHATML_TEMPLATE
+    fast.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS + (VISION_SPECIAL_TOKENS if vision else [])})
+    fast.chat_template = VISION_CHATML_TEMPLATE if vision else CHATML_TEMPLATE
     return fast
+
+
+def make_tiny_processor(config, tokenizer):
+    """The family's own processor for a tiny vision-language config: its image processor sized to
+    the ViT (patch, merge, temporal patch) and at most 128x128 pixels an image, with ``tokenizer``."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    from ..multimodal.processor import images_only_processor_class
+
+    v = config.vision_config
+    image_processor = Qwen2VLImageProcessorPil(
+        patch_size=v.patch_size, merge_size=v.spatial_merge_size, temporal_patch_size=v.temporal_patch_size,
+        size={"shortest_edge": 32 * 32, "longest_edge": 128 * 128}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    return images_only_processor_class(config)(image_processor=image_processor, tokenizer=tokenizer,
+                                                chat_template=tokenizer.chat_template)
 
 
 def random_model(arch: str, seed: int = 0, **overrides):
     """An fp32 transformers model of ``arch`` with random weights (norms and biases randomised too)."""
-    from transformers import AutoModelForCausalLM
+    from ..optimize_rules import auto_model_class
 
     cfg = tiny_config(arch, **overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model = auto_model_class(cfg).from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:  # norms, biases, router biases: away from their trivial init
@@ -170,12 +211,18 @@ def write_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, with_tokeniz
     out.mkdir(parents=True, exist_ok=True)
     model = random_model(arch, seed, **overrides)
     if with_tokenizer:
-        tok = make_tiny_tokenizer()
-        assert len(tok) <= model.config.vocab_size, "tiny vocab must hold the tokenizer"
-        model.config.eos_token_id = tok.eos_token_id
-        model.config.pad_token_id = tok.pad_token_id
+        vision = arch in VISION_ARCHS
+        tok = make_tiny_tokenizer(vision=vision)
+        text_config = model.config.get_text_config()
+        assert len(tok) <= text_config.vocab_size, "tiny vocab must hold the tokenizer"
+        for cfg in {id(c): c for c in (model.config, text_config)}.values():
+            cfg.eos_token_id = tok.eos_token_id
+            cfg.pad_token_id = tok.pad_token_id
         model.generation_config.eos_token_id = tok.eos_token_id
         model.generation_config.pad_token_id = tok.pad_token_id
+        if vision:
+            assert tok.convert_tokens_to_ids("<|image_pad|>") == model.config.image_token_id
+            make_tiny_processor(model.config, tok).save_pretrained(out)
         tok.save_pretrained(out)
     model.save_pretrained(out)
     (out / "tiny_model.json").write_text(json.dumps({"arch": arch, "seed": seed}))

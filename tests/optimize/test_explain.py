@@ -18,7 +18,7 @@ FAMILY_ARCH = {
     "Kimi-K2": "deepseek_v3", "Moonlight": "deepseek_v3", "DeepSeek-V2": "deepseek_v2", "Dense": "llama",
     "Glm4Moe": "glm4_moe", "Qwen3_5Moe": "qwen3_5_moe_text", "Qwen3Next": "qwen3_next",
     "DeepseekV32": "deepseek_v32", "GlmMoeDsa": "glm_moe_dsa", "DeepSeek-V4": "deepseek_v4",
-    "MiniMaxM2": "minimax_m2", "GptOss": "gpt_oss",
+    "MiniMaxM2": "minimax_m2", "GptOss": "gpt_oss", "Qwen3VLMoe": "qwen3_vl_moe",
 }
 
 
