@@ -17,8 +17,9 @@ from ktransformers.optimize import parse_rules
 from ktransformers.optimize.__main__ import main as optimize_main
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from fuzzing import fuzz_settings  # noqa: E402
 
 RULES_DIR = Path(__file__).resolve().parents[2] / "ktransformers" / "optimize_rules"
 SHIPPED = sorted(RULES_DIR.glob("*.yaml"))
@@ -233,13 +234,13 @@ def edited_rule_files(draw):
     return text
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@fuzz_settings(200, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(edited_rule_files())
 def test_fuzz_rule_loader_named_error_or_success(text):
     _ends_well(text)
 
 
-@settings(max_examples=150, deadline=None, derandomize=True)
+@fuzz_settings(150, deadline=None, derandomize=True)
 @given(st.binary(max_size=400))
 def test_fuzz_rule_file_bytes(tmp_path_factory, data):
     from ktransformers.optimize import load_rules
@@ -419,7 +420,7 @@ def repeat_heavy_patterns(draw):
     return out
 
 
-@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@fuzz_settings(150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(repeat_heavy_patterns())
 def test_fuzz_match_name_repeats_end_in_time(pattern):
     _ends_in_time(_rule(match="{name: %s}" % _yaml_quote(pattern)))
@@ -438,7 +439,7 @@ _ESCAPE_PLACES = [
 ]
 
 
-@settings(max_examples=200, deadline=None, derandomize=True)
+@fuzz_settings(200, deadline=None, derandomize=True)
 @given(st.sampled_from(["\\U", "\\u", "\\x"]), st.one_of(st.integers(0, 0x9F), st.integers(0, 2**32 - 1)),
        st.sampled_from(_ESCAPE_PLACES))
 def test_fuzz_character_escapes_end_in_a_named_error_or_load(kind, code, place):
@@ -463,8 +464,8 @@ def class_paths(draw):
     return ".".join(parts)
 
 
-@settings(max_examples=150, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # the env, once
+@fuzz_settings(150, deadline=None, derandomize=True,
+               suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # the env, once
 @given(class_paths(), st.sampled_from(["match", "replace"]))
 def test_fuzz_class_paths_import_nothing_outside_the_namespaces(monkeypatch_env, path, key):
     from ktransformers.operators.registry import load_all
@@ -546,7 +547,7 @@ def accepted_but_wrong(draw):
     return _rule(match=body["match"], replace=body["replace"])
 
 
-@settings(max_examples=200, deadline=None, derandomize=True)
+@fuzz_settings(200, deadline=None, derandomize=True)
 @given(accepted_but_wrong())
 def test_fuzz_accepted_but_wrong_values_are_refused(text):
     import importlib

@@ -11,8 +11,9 @@ from ktransformers.errors import ConfigError
 from ktransformers.server.main import main, parse_settings
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from fuzzing import fuzz_settings  # noqa: E402
 
 INT_FLAGS = ("--cache_lens", "--page_size", "--chunk_size", "--max_batch_size", "--max_queue", "--max_new_tokens",
              "--top_k", "--cpu_infer", "--port")
@@ -45,7 +46,7 @@ def _sane(s) -> None:
     assert s.top_p is None or 0 < s.top_p <= 1
 
 
-@settings(max_examples=400, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@fuzz_settings(400, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(flag=st.sampled_from(INT_FLAGS + FLOAT_FLAGS), value=VALUES)
 def test_fuzz_numeric_flag_named_error_or_a_value_the_server_can_use(tmp_path_factory, flag, value):
     model = tmp_path_factory.getbasetemp()  # any existing folder: paths are checked, not read

@@ -17,11 +17,12 @@ from fastapi.testclient import TestClient
 from .conftest import MODEL_NAME
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from fuzzing import fuzz_settings  # noqa: E402
 
 MAX_NEW = 4
-FUZZ = settings(max_examples=60, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+FUZZ = fuzz_settings(60, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 #: any JSON value (JSON has no infinities), for fields a client may fill with anything
 SCALARS = (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
            | st.text(max_size=8))

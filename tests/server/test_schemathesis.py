@@ -19,7 +19,7 @@ Two things the generated requests are held to, because JSON Schema cannot say th
 * a Responses ``tool_choice`` naming a function that is not in ``tools`` (its 400 is tested in
   ``test_responses.py``) is not sent as a valid request.
 
-``KT_SCHEMATHESIS_EXAMPLES`` sets the examples per operation and mode (8 by default).
+``KT_FUZZ_EXAMPLES`` (``tests/fuzzing.py``) sets the examples per operation and mode (8 by default).
 """
 
 from __future__ import annotations
@@ -27,15 +27,15 @@ from __future__ import annotations
 import collections
 import itertools
 import json
-import os
 
 import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
-from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
+from hypothesis import HealthCheck, assume, given  # noqa: E402
 from hypothesis.errors import Unsatisfiable  # noqa: E402
+from fuzzing import fuzz_settings  # noqa: E402
 
-EXAMPLES_PER_OPERATION = int(os.environ.get("KT_SCHEMATHESIS_EXAMPLES", "8"))
+EXAMPLES_PER_OPERATION = 8
 CONTEXT = 8192
 ANSWER_LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 MAX_ANSWER = 4
@@ -123,8 +123,8 @@ def test_schemathesis_every_check_finds_no_server_error_and_no_undocumented_stat
     from schemathesis import GenerationMode
 
     for op, mode in itertools.product(operations, GenerationMode):
-        @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, database=None, derandomize=True,
-                  suppress_health_check=list(HealthCheck))
+        @fuzz_settings(EXAMPLES_PER_OPERATION, deadline=None, database=None, derandomize=True,
+                       suppress_health_check=list(HealthCheck))
         @given(op.as_strategy(generation_mode=mode))
         def run(case):
             positive = case.meta is not None and case.meta.generation.mode.is_positive

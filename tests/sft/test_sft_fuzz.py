@@ -12,8 +12,9 @@ from ktransformers.sft.config import KEYS, parse_config
 from ktransformers.sft.data import read_records, record_messages
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from fuzzing import fuzz_settings  # noqa: E402
 
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
                     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12))
@@ -22,7 +23,7 @@ VALUES = st.recursive(SCALARS, lambda c: st.lists(c, max_size=3) | st.dictionari
 KEY_NAMES = st.one_of(st.sampled_from(sorted(KEYS)), st.text(max_size=10))
 
 
-@settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@fuzz_settings(300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(st.dictionaries(KEY_NAMES, VALUES, max_size=6))
 def test_fuzz_config_named_error_or_read(cfg):
     import yaml
@@ -41,7 +42,7 @@ RECORDS = st.recursive(SCALARS | st.dictionaries(RECORD_KEYS, SCALARS, max_size=
                        max_leaves=12)
 
 
-@settings(max_examples=400, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@fuzz_settings(400, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(RECORDS)
 def test_fuzz_dataset_record_named_error_or_messages(rec):
     try:
@@ -52,7 +53,7 @@ def test_fuzz_dataset_record_named_error_or_messages(rec):
         assert msgs and all(isinstance(m.get("content"), str) for m in msgs), msgs
 
 
-@settings(max_examples=100, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@fuzz_settings(100, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(st.binary(max_size=64) | st.text(max_size=64).map(str.encode))
 def test_fuzz_dataset_file_bytes(tmp_path_factory, data):
     f = tmp_path_factory.mktemp("ds") / "d.jsonl"
@@ -119,7 +120,7 @@ MUTATIONS = st.lists(st.tuples(st.sampled_from(["drop", "rename", "reshape", "ex
                                st.integers(0, 1000), st.integers(-3, 70)), min_size=1, max_size=3)
 
 
-@settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@fuzz_settings(40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(MUTATIONS)
 def test_fuzz_expert_adapter_named_error_or_applied(tmp_path_factory, expert_adapter, ops):
     """A damaged adapter with expert LoRA, loaded on the inference rules: one ConfigError line
@@ -152,7 +153,7 @@ def test_fuzz_expert_adapter_named_error_or_applied(tmp_path_factory, expert_ada
 OVERRIDE_KEYS = st.one_of(st.sampled_from(sorted(KEYS)), st.text(max_size=8))
 
 
-@settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@fuzz_settings(300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(st.lists(st.tuples(OVERRIDE_KEYS, st.text(max_size=12)), min_size=1, max_size=3))
 def test_fuzz_overrides_error_names_the_override_or_the_file_line(tmp_path_factory, pairs):
     """An error in a ``key=value`` override names that override, never a line past the file's end."""
@@ -178,7 +179,7 @@ JINJA_BITS = st.sampled_from(["{{ ", " }}", "{% ", " %}", "{# ", " #}", "if", "f
                               "bos_token", "add_generation_prompt", "'", "{%- ", " -%}", "loop.", "range(10**9)"])
 
 
-@settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@fuzz_settings(300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(st.lists(JINJA_BITS | st.text(max_size=4), max_size=14).map("".join) | st.binary(max_size=24))
 def test_fuzz_chat_template_file_named_error_or_used(tmp_path_factory, body):
     """A ``--chat_template`` / ``chat_template:`` file is used, or one ConfigError line names it."""

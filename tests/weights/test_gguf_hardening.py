@@ -193,15 +193,16 @@ def test_corpus_truncated_everywhere(tmp_path):
 # ---- property-based: random bytes in the header ------------------------------------------
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from fuzzing import fuzz_settings  # noqa: E402
 
 HEADER_END = 2592  # where the fixture's tensor data starts
 
 
 @needs_fixture
-@settings(max_examples=120, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@fuzz_settings(120, deadline=None, derandomize=True,
+               suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.integers(0, HEADER_END - 1), st.integers(0, 255)), min_size=1, max_size=6))
 def test_fuzz_gguf_header_named_error_or_success(tmp_path, edits):
     def edit(r):
@@ -271,8 +272,8 @@ def test_gemma_key_named(tiny_gemma, tmp_path, key, kind, value, needle):
     assert msg is not None and needle in msg, msg
 
 
-@settings(max_examples=40, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@fuzz_settings(40, deadline=None, derandomize=True,
+               suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(key=st.sampled_from(["gemma3.attention.sliding_window"] + _special_token_keys()),
        value=st.one_of(st.integers(-2**31, 2**32 - 1), st.sampled_from([0, 1, 319, 320, 1 << 20, (1 << 20) + 1]),
                        st.booleans(), st.floats(allow_nan=True), st.text(max_size=4)))
