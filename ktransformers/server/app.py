@@ -204,7 +204,7 @@ def create_app(engine: Engine, settings: Settings | None = None, *, db: Database
     from .assistants_api import RunRegistry
 
     settings = settings or Settings()
-    database = db or Database(settings.data_dir)
+    database = db or Database(settings.data_dir, url=settings.database_url)
     expired = database.expire_unfinished_runs()
     if expired:
         log.warning("marked %d run(s) left unfinished by a previous server as failed", expired)

@@ -173,7 +173,7 @@ def get_thread(thread_id: str, request: Request):
 def modify_thread(thread_id: str, body: MetadataModify, request: Request):
     fields = body.model_dump(exclude_unset=True)
     with _db(request).write() as s:
-        t = Database.get(s, Thread, thread_id, "thread")
+        t = Database.get(s, Thread, thread_id, "thread", lock=True)
         if "metadata" in fields:
             t.meta = _meta(fields["metadata"])
         if "tool_resources" in fields:
@@ -185,7 +185,7 @@ def modify_thread(thread_id: str, body: MetadataModify, request: Request):
 def delete_thread(thread_id: str, request: Request):
     registry: RunRegistry = request.app.state.runs
     with _db(request).write() as s:
-        t = Database.get(s, Thread, thread_id, "thread")
+        t = Database.get(s, Thread, thread_id, "thread", lock=True)
         for r in s.scalars(select(Run).where(Run.thread_id == thread_id, Run.status.in_(ACTIVE_RUN))):
             registry.cancel(r.id)
         s.execute(delete(Message).where(Message.thread_id == thread_id))
@@ -203,7 +203,7 @@ def _active_run(s, thread_id: str) -> Run | None:
 @router.post("/threads/{thread_id}/messages")
 def create_message(thread_id: str, body: MessageCreate, request: Request):
     with _db(request).write() as s:
-        Database.get(s, Thread, thread_id, "thread")
+        Database.get(s, Thread, thread_id, "thread", lock=True)
         active = _active_run(s, thread_id)
         if active is not None:
             raise APIError(400, f"Can't add messages to {thread_id} while a run {active.id} is active.",
@@ -317,9 +317,12 @@ class RunExecutor:
     async def _write(self, fn):
         def work():
             with self.db.write() as s:
-                run = Database.get(s, Run, self.run_id, "run")
-                return fn(s, run)
-        return await run_in_threadpool(work)
+                run = Database.get(s, Run, self.run_id, "run", lock=True)
+                return fn(s, run), run.status == "cancelling"
+        out, cancelling = await run_in_threadpool(work)
+        if cancelling and not self.active.cancelled:  # cancelled through another server sharing the database
+            self.app.state.runs.cancel(self.run_id)
+        return out
 
     async def execute(self) -> None:
         try:
@@ -500,19 +503,20 @@ async def _launch(request: Request, run_d: dict, stream: bool, thread_d: dict | 
 @router.post("/threads/{thread_id}/runs", responses=STREAMS_SSE)
 async def create_run(thread_id: str, body: RunCreate, request: Request):
     _check_run_body(request, body)
-    db = _db(request)
-
-    def work():
-        with db.write() as s:
-            Database.get(s, Thread, thread_id, "thread")
-            return _insert_run(s, thread_id, body).to_dict()
-
-    run_d = await run_in_threadpool(work)
+    run_d = await run_in_threadpool(start_run, _db(request), thread_id, body)
     return await _launch(request, run_d, body.stream)
 
 
-def _run(s, thread_id: str, run_id: str) -> Run:
-    r = Database.get(s, Run, run_id, "run")
+def start_run(db: Database, thread_id: str, body: RunCreate) -> dict:
+    """Write a queued run on ``thread_id``; the thread's row lock keeps it the only active run even
+    when several servers share the database."""
+    with db.write() as s:
+        Database.get(s, Thread, thread_id, "thread", lock=True)
+        return _insert_run(s, thread_id, body).to_dict()
+
+
+def _run(s, thread_id: str, run_id: str, *, lock: bool = False) -> Run:
+    r = Database.get(s, Run, run_id, "run", lock=lock)
     if r.thread_id != thread_id:
         raise APIError(404, f"No run found with id '{run_id}' in thread '{thread_id}'.", param="run_id")
     return r
@@ -546,12 +550,14 @@ def modify_run(thread_id: str, run_id: str, body: RunModify, request: Request):
 def cancel_run(thread_id: str, run_id: str, request: Request):
     registry: RunRegistry = request.app.state.runs
     with _db(request).write() as s:
-        r = _run(s, thread_id, run_id)
+        r = _run(s, thread_id, run_id, lock=True)
         if r.status not in ACTIVE_RUN:
             raise APIError(400, f"Cannot cancel run with status '{r.status}'.", param="run_id")
         if registry.cancel(run_id):
             r.status = "cancelling"
-        else:  # not executing in this process (should not happen after startup cleanup)
+        elif not _db(request).owner_is_gone(s, r.owner):  # another live server executes it: it sees this and stops
+            r.status = "cancelling"
+        else:  # nobody executes it any more
             r.status, r.cancelled_at = "cancelled", _now()
     return r.to_dict()
 

@@ -41,8 +41,10 @@ def _db(request: Request) -> Database:
     return request.app.state.db
 
 
-def _conversation(s, conversation_id: str) -> ConversationRow:
-    c = s.scalar(select(ConversationRow).where(ConversationRow.id == conversation_id))
+def conversation_row(s, conversation_id: str, *, lock: bool = False) -> ConversationRow:
+    """The conversation (404 when none); ``lock``: no other writer adds to or deletes it until this write commits."""
+    q = select(ConversationRow).where(ConversationRow.id == conversation_id)
+    c = s.scalar(q.with_for_update() if lock else q)
     if c is None:
         raise APIError(404, f"Conversation with id '{conversation_id}' not found.", param="conversation_id")
     return c
@@ -72,14 +74,14 @@ def create_conversation(request: Request, body: ConversationCreate | None = None
 @router.get("/conversations/{conversation_id}")
 def get_conversation(conversation_id: str, request: Request):
     with _db(request).read() as s:
-        return _conversation(s, conversation_id).to_dict()
+        return conversation_row(s, conversation_id).to_dict()
 
 
 @router.post("/conversations/{conversation_id}")
 def update_conversation(conversation_id: str, body: ConversationUpdate, request: Request):
     meta = dict(body.metadata or {})
     with _db(request).write() as s:
-        c = _conversation(s, conversation_id)
+        c = conversation_row(s, conversation_id, lock=True)
         c.meta = meta
     return c.to_dict()
 
@@ -87,7 +89,7 @@ def update_conversation(conversation_id: str, body: ConversationUpdate, request:
 @router.delete("/conversations/{conversation_id}")
 def delete_conversation(conversation_id: str, request: Request):
     with _db(request).write() as s:
-        s.delete(_conversation(s, conversation_id))
+        s.delete(conversation_row(s, conversation_id, lock=True))
         s.execute(delete(ConversationItemRow).where(ConversationItemRow.conversation_id == conversation_id))
     return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
 
@@ -96,7 +98,7 @@ def delete_conversation(conversation_id: str, request: Request):
 def list_items(conversation_id: str, request: Request, limit: int = 20, order: str = "desc",
                after: str | None = None):
     with _db(request).read() as s:
-        _conversation(s, conversation_id)
+        conversation_row(s, conversation_id)
         return page_list(conversation_items(s, conversation_id), limit=limit, order=order, after=after)
 
 
@@ -104,7 +106,7 @@ def list_items(conversation_id: str, request: Request, limit: int = 20, order: s
 def create_items(conversation_id: str, body: ItemsCreate, request: Request):
     items = normalize_items(body.items, "items")
     with _db(request).write() as s:
-        _conversation(s, conversation_id)
+        conversation_row(s, conversation_id, lock=True)
         add_conversation_items(s, conversation_id, items)
     return {"object": "list", "data": items, "first_id": items[0]["id"], "last_id": items[-1]["id"],
             "has_more": False}
@@ -113,13 +115,13 @@ def create_items(conversation_id: str, body: ItemsCreate, request: Request):
 @router.get("/conversations/{conversation_id}/items/{item_id}")
 def get_item(conversation_id: str, item_id: str, request: Request):
     with _db(request).read() as s:
-        _conversation(s, conversation_id)
+        conversation_row(s, conversation_id)
         return _item(s, conversation_id, item_id).to_dict()
 
 
 @router.delete("/conversations/{conversation_id}/items/{item_id}")
 def delete_item(conversation_id: str, item_id: str, request: Request):
     with _db(request).write() as s:
-        c = _conversation(s, conversation_id)
+        c = conversation_row(s, conversation_id, lock=True)
         s.delete(_item(s, conversation_id, item_id))
     return c.to_dict()

@@ -1,25 +1,43 @@
-"""Assistants storage: SQLAlchemy models over one SQLite file in ``--data_dir``.
+"""The server's storage: SQLAlchemy models over SQLite in ``--data_dir``, or PostgreSQL with ``--database_url``.
 
-The file and tables are created on first start and reused afterwards.  Writes go through one
-process-wide lock (and SQLite's WAL journal with a busy timeout), so concurrent requests never
-lose each other's rows.  Rows are ordered by an autoincrement ``seq``; the public ids
-(``asst_…``, ``thread_…``, ``msg_…``, ``run_…``) are separate unique columns.
+SQLite (one file, the default) serves one server process; PostgreSQL is the store several server
+processes share.  Either way the schema is versioned by Alembic (``migrations/``): a database
+from an older version is migrated at start, one from a newer or unknown version is refused.
+
+Every write is one transaction that also takes the row locks it needs (``lock=True``): on
+PostgreSQL ``SELECT … FOR UPDATE``, on SQLite ``BEGIN IMMEDIATE`` (one writer at a time, across
+processes too).  A write that was answered is committed.  Rows are ordered by an autoincrement
+``seq``; the public ids (``asst_…``, ``thread_…``, ``msg_…``, ``run_…``) are separate unique columns.
+Runs and responses record the process executing them (``owner``): a process starting later marks
+unfinished only the rows of processes that are gone (each live process holds a PostgreSQL
+advisory lock on its own id for as long as it runs).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import re
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
-from sqlalchemy import JSON, Boolean, Float, Integer, String, Text, create_engine, event, select
+from sqlalchemy import (JSON, Boolean, Float, Integer, String, Text, create_engine, event, select, text)
+from sqlalchemy.engine import URL, make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
+from ..errors import ConfigError
 from .errors import APIError, UnknownCursor
 
 DB_FILE = "ktransformers.sqlite3"
+MIGRATIONS_DIR = Path(__file__).with_name("migrations")
+#: the schemes --database_url accepts; all are served by psycopg 3
+POSTGRES_SCHEMES = ("postgresql", "postgres", "postgresql+psycopg")
+DATABASE_URL_FORM = "postgresql://USER[:PASSWORD]@HOST[:PORT]/DATABASE"
+#: seconds a PostgreSQL connection attempt may take before start-up gives up
+CONNECT_TIMEOUT_S = 10
 
 
 class Base(DeclarativeBase):
@@ -124,6 +142,7 @@ class Run(Base):
     truncation_strategy: Mapped[dict | None] = mapped_column(JSON, nullable=True)
     response_format: Mapped[Any] = mapped_column(JSON, nullable=True)
     parallel_tool_calls: Mapped[bool] = mapped_column(Boolean, default=True)
+    owner: Mapped[str | None] = mapped_column(String(64), nullable=True)  # Database.instance_id executing it
 
     def to_dict(self) -> dict:
         return {"id": self.id, "object": "thread.run", "created_at": self.created_at, "thread_id": self.thread_id,
@@ -168,27 +187,104 @@ def private_file(path: Path) -> Path:
     return path
 
 
+def redact_url(url: str | URL) -> str:
+    """``url`` with its password (in the user part or a ``?password=`` option) replaced by ``***``:
+    what logs and errors may show."""
+    url = make_url(url)
+    if "password" in url.query:
+        url = url.update_query_dict({"password": "***"})
+    return url.render_as_string(hide_password=True)
+
+
+def parse_database_url(raw: str) -> URL:
+    """The SQLAlchemy URL of ``--database_url`` (PostgreSQL through psycopg 3), or one-line ConfigError.
+
+    Text that does not parse is not echoed: where its password is cannot be told."""
+    try:
+        url = make_url(raw)
+    except Exception:  # noqa: BLE001 - ArgumentError / ValueError on text that is not a URL
+        raise ConfigError(f"--database_url: not a database URL (expected {DATABASE_URL_FORM})") from None
+    shown = redact_url(url)
+    if url.drivername not in POSTGRES_SCHEMES:
+        raise ConfigError(f"--database_url {shown}: the scheme '{url.drivername}' is not served (expected "
+                          f"{DATABASE_URL_FORM}; leave the flag out for SQLite in --data_dir)")
+    if not url.database:
+        raise ConfigError(f"--database_url {shown}: names no database (expected {DATABASE_URL_FORM})")
+    try:
+        import psycopg  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"--database_url {shown}: PostgreSQL needs the psycopg driver: "
+                          "pip install 'ktransformers[scale-out]'") from None
+    return url.set(drivername="postgresql+psycopg")
+
+
+def _lock_key(name: str) -> int:
+    """A PostgreSQL advisory-lock key (signed 64 bits) for ``name``."""
+    return int.from_bytes(hashlib.sha256(f"ktransformers:{name}".encode()).digest()[:8], "big", signed=True)
+
+
+MIGRATION_LOCK = _lock_key("migrate")
+
+
+def _connect_problem(e: BaseException, what: str, password: str | None) -> str:
+    """One line saying why opening the database ``what`` failed, without its password."""
+    orig = getattr(e, "orig", None) or e
+    detail = " ".join(str(orig).split()) or type(orig).__name__
+    if password:
+        detail = detail.replace(password, "***")
+    detail = re.sub(r"^connection failed: ", "", detail)
+    return f"{what}: cannot open it ({detail[:300]})"
+
+
 class Database:
-    def __init__(self, data_dir: str | Path):
-        d = Path(data_dir)
-        d.mkdir(parents=True, exist_ok=True)
-        self.path = private_file(d / DB_FILE)  # SQLite gives its -wal/-shm files the same mode
-        self.engine = create_engine(f"sqlite:///{self.path}",
-                                    connect_args={"check_same_thread": False, "timeout": 30})
+    """The server's tables over SQLite in ``data_dir`` or, given ``url``, PostgreSQL shared by several
+    server processes.  Opening migrates the schema to this version's head (or refuses a newer one)."""
 
-        @event.listens_for(self.engine, "connect")
-        def _pragmas(dbapi_conn, _record):
-            cur = dbapi_conn.cursor()
-            cur.execute("PRAGMA journal_mode=WAL")
-            cur.execute("PRAGMA synchronous=NORMAL")
-            cur.execute("PRAGMA busy_timeout=30000")
-            cur.close()
+    def __init__(self, data_dir: str | Path | None = None, *, url: str | None = None):
+        from sqlalchemy.exc import DBAPIError
 
-        Base.metadata.create_all(self.engine)
+        #: this process's id in the ``owner`` column of the runs and responses it executes
+        self.instance_id = uuid.uuid4().hex
+        self._presence = None
+        if url:
+            self.url = parse_database_url(url)
+            self.where = redact_url(url)
+            connect_args = {"application_name": "ktransformers"}
+            if "connect_timeout" not in self.url.query:
+                connect_args["connect_timeout"] = CONNECT_TIMEOUT_S
+            self.engine = create_engine(self.url, pool_pre_ping=True, connect_args=connect_args)
+            writer = self.engine
+        else:
+            d = Path(data_dir if data_dir is not None else ".")
+            d.mkdir(parents=True, exist_ok=True)
+            self.path = private_file(d / DB_FILE)  # SQLite gives its -wal/-shm files the same mode
+            self.url = make_url(f"sqlite:///{self.path}")
+            self.where = str(self.path)
+            self.engine = create_engine(self.url, connect_args={"check_same_thread": False, "timeout": 30})
+            _sqlite_transactions(self.engine)
+            writer = self.engine.execution_options(kt_write=True)
+        self.shared = self.engine.dialect.name == "postgresql"
+        try:
+            migrate(writer)
+            if self.shared:  # held until this process ends: others then know its rows are orphans
+                self._presence = self.engine.connect()
+                self._presence.execute(text("SELECT pg_advisory_lock(:k)"), {"k": _lock_key(self.instance_id)})
+                self._presence.commit()
+        except DBAPIError as e:
+            self.engine.dispose()
+            what = f"--database_url {self.where}" if url else f"database {self.where}"
+            raise ConfigError(_connect_problem(e, what, self.url.password)) from None
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
-        self._write_lock = threading.RLock()
+        self._write_sessions = sessionmaker(writer, expire_on_commit=False, info={"owner": self.instance_id})
+        event.listen(self._write_sessions, "before_flush", _stamp_owner)
+        # SQLite: one writer per process at a time spares the others the busy wait
+        self._write_lock = contextlib.nullcontext() if self.shared else threading.RLock()
 
     def close(self) -> None:
+        if self._presence is not None:
+            with contextlib.suppress(Exception):
+                self._presence.close()
+            self._presence = None
         self.engine.dispose()
 
     @contextlib.contextmanager
@@ -198,13 +294,16 @@ class Database:
 
     @contextlib.contextmanager
     def write(self) -> Iterator[Session]:
-        with self._write_lock, self._sessions() as s, s.begin():
+        """One transaction, committed on leaving (rolled back on an exception)."""
+        with self._write_lock, self._write_sessions() as s, s.begin():
             yield s
 
     # ---- helpers ----------------------------------------------------------------------
     @staticmethod
-    def get(s: Session, cls, obj_id: str, what: str):
-        row = s.scalar(select(cls).where(cls.id == obj_id))
+    def get(s: Session, cls, obj_id: str, what: str, *, lock: bool = False):
+        """The row of ``cls`` with ``obj_id`` (404 when none); ``lock``: held until the write commits."""
+        q = select(cls).where(cls.id == obj_id)
+        row = s.scalar(q.with_for_update() if lock else q)
         if row is None:
             raise APIError(404, f"No {what} found with id '{obj_id}'.", param=f"{what}_id")
         return row
@@ -231,11 +330,28 @@ class Database:
         return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                 "last_id": data[-1]["id"] if data else None, "has_more": has_more}
 
+    def owner_is_gone(self, s: Session, owner: str | None) -> bool:
+        """Whether the process that wrote ``owner`` has ended (its unfinished rows can never finish).
+
+        SQLite serves one process, so any owner but this one is gone; on PostgreSQL a live
+        process holds the advisory lock of its id, so taking it (until this write commits) means gone."""
+        if owner == self.instance_id:
+            return False
+        if owner is None or not self.shared:
+            return True
+        return bool(s.scalar(text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": _lock_key(owner)}))
+
+    def unfinished_orphans(self, s: Session, cls, statuses) -> list:
+        """Rows of ``cls`` in one of ``statuses`` whose owner is gone, locked for this write."""
+        rows = list(s.scalars(select(cls).where(cls.status.in_(statuses)).with_for_update()))
+        gone = {o: self.owner_is_gone(s, o) for o in {r.owner for r in rows}}
+        return [r for r in rows if gone[r.owner]]
+
     def expire_unfinished_runs(self) -> int:
-        """Runs a previous server process left unfinished cannot finish now: mark them failed."""
+        """Runs a server process that is gone left unfinished cannot finish now: mark them failed."""
         now = int(time.time())
         with self.write() as s:
-            runs = list(s.scalars(select(Run).where(Run.status.in_(ACTIVE_RUN))))
+            runs = self.unfinished_orphans(s, Run, ACTIVE_RUN)
             for r in runs:
                 r.status = "failed"
                 r.failed_at = now
@@ -246,3 +362,59 @@ class Database:
                         m.status, m.incomplete_at = "incomplete", now
                         m.incomplete_details = {"reason": "run_failed"}
             return len(runs)
+
+
+def _stamp_owner(session: Session, _flush_context, _instances) -> None:
+    """New rows that have an ``owner`` column get the writing process's id."""
+    for obj in session.new:
+        if hasattr(obj, "owner") and obj.owner is None:
+            obj.owner = session.info["owner"]
+
+
+def _sqlite_transactions(engine) -> None:
+    """SQLite pragmas, and transactions SQLAlchemy begins itself: ``BEGIN IMMEDIATE`` for writes
+    (the write lock is taken first, so a read-then-write never fails on another process's commit)."""
+
+    @event.listens_for(engine, "connect")
+    def _pragmas(dbapi_conn, _record):
+        dbapi_conn.isolation_level = None  # the driver begins nothing on its own: _begin below does
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.execute("PRAGMA busy_timeout=30000")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn):
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get("kt_write") else "BEGIN")
+
+
+def migrate(engine) -> str:
+    """Bring the schema to this version's head in one transaction; return the revision.
+
+    Server processes starting together take turns (PostgreSQL: an advisory lock; SQLite: its
+    write lock).  A database at a revision this version does not know is refused."""
+    from alembic import command
+    from alembic.config import Config
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    script = ScriptDirectory.from_config(cfg)
+    known = {r.revision for r in script.walk_revisions()}
+    head = script.get_current_head()
+    with engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": MIGRATION_LOCK})
+        current = MigrationContext.configure(conn).get_current_heads()
+        unknown = [r for r in current if r not in known]
+        if unknown:
+            where = conn.engine.url.render_as_string(hide_password=True)
+            raise ConfigError(f"database {where}: schema revision {', '.join(unknown)} is newer than this "
+                              f"ktransformers knows (its latest: {head}); upgrade ktransformers or use another "
+                              "database")
+        if current != (head,):
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, "head")
+    return head

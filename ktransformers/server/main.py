@@ -100,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
                                           "the API; others' cross-site requests get 403")
     g.add_argument("--web", type=_bool, nargs="?", const=True, help="serve the chat page at /web")
     g.add_argument("--data_dir", help=f"SQLite database (Assistants API) and logs [{DEFAULT_DATA_DIR}]")
+    g.add_argument("--database_url", metavar="postgresql://USER@HOST[:PORT]/DB",
+                   help="keep Conversations, Responses and Assistants in this PostgreSQL database, shared by "
+                        "several servers (pip install 'ktransformers[scale-out]'; the password from "
+                        "$PGPASSWORD or ~/.pgpass keeps it out of ps) [SQLite in --data_dir]")
     g.add_argument("--max_queue", type=int, help="requests that may wait for the engine; more get 503 [16]")
     g.add_argument("--max_body_mb", type=float, help="largest request body accepted, in MiB [16]")
     g.add_argument("--log_level", choices=["debug", "info", "warning", "error"], help="[info]")
@@ -271,6 +275,10 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as e:
             raise ConfigError(f"--data_dir {settings.data_dir}: cannot create it ({e.strerror})") from None
         log_file = _setup_logging(settings)
+        from .db import Database
+
+        database = Database(settings.data_dir, url=settings.database_url)  # a bad URL fails before the model loads
+        log.info("database %s", database.where)
         log.info("data dir %s (database, logs in %s)", Path(settings.data_dir).resolve(), log_file)
         log.info("loading model ...")
         engine = build_engine(settings)
@@ -281,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .app import create_app
 
-    app = create_app(engine, settings)
+    app = create_app(engine, settings, db=database)
     log.info("model '%s' loaded in %.1fs; context %d tokens", engine.model_name, engine.load_seconds,
              engine.max_context)
     url = f"http://{settings.host}:{settings.port}"

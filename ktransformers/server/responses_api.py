@@ -33,7 +33,7 @@ from .errors import STREAMS_SSE, APIError
 from .prompting import ChatPrompt
 from .response_items import items_to_messages, message_item, normalize_items, page_list  # noqa: F401 - public here too
 from .responses_store import (ConversationRow, ResponseRow, add_conversation_items, conversation_items,
-                              create_tables, expire_unfinished_responses, response_chain_items)
+                              expire_unfinished_responses, response_chain_items)
 from .schemas import (FUNCTION_TOOL_SCHEMA, INPUT_ITEM_SCHEMA, Metadata, ModelName, Seed, StopType, _check_stop, _Req,
                       tool_name_problem)
 
@@ -309,7 +309,8 @@ def _save(db: Database, job: Job, resp: dict, *, final: bool) -> None:
             if row is not None:
                 row.status, row.data = resp["status"], resp
         if final and job.conversation_id and resp["output"]:
-            if s.scalar(select(ConversationRow).where(ConversationRow.id == job.conversation_id)) is not None:
+            if s.scalar(select(ConversationRow).where(ConversationRow.id == job.conversation_id)
+                        .with_for_update()) is not None:  # not deleted meanwhile, nor while appending
                 add_conversation_items(s, job.conversation_id,
                                        [o for o in resp["output"] if o.get("status") != "in_progress"])
 
@@ -477,6 +478,7 @@ def _insert(db: Database, job: Job) -> None:
                               previous_response_id=body.previous_response_id, conversation_id=conv_id,
                               data=job.snapshot(), input_items=items))
         if conv_id and items:
+            conversations_api.conversation_row(s, conv_id, lock=True)  # still there: another server may delete it
             add_conversation_items(s, conv_id, items)
 
 
@@ -593,9 +595,8 @@ def list_input_items(response_id: str, request: Request, limit: int = 20, order:
 
 
 def install(app) -> None:
-    """Mount the Responses and Conversations routes on ``app`` and ready their tables."""
+    """Mount the Responses and Conversations routes on ``app``; mark responses of gone servers incomplete."""
     db: Database = app.state.db
-    create_tables(db)
     expired = expire_unfinished_responses(db)
     if expired:
         log.warning("marked %d response(s) left unfinished by a previous server as incomplete", expired)

@@ -1,10 +1,10 @@
-"""Storage of Responses and Conversations: tables in the same SQLite file as the Assistants data.
+"""Storage of Responses and Conversations: tables in the same database as the Assistants data.
 
-The tables share :class:`~.db.Database`'s engine, WAL journal and write lock, so its promises
-hold here too: a write that was answered is on disk (a ``kill -9`` loses nothing
+The tables share :class:`~.db.Database`'s engine, migrations and transactions, so its promises
+hold here too: a write that was answered is committed (a ``kill -9`` loses nothing
 acknowledged).  A response's row is written before its generation starts and its output saved
-as it grows; responses a previous server process left ``queued`` / ``in_progress`` are marked
-``incomplete`` at start.
+as it grows; responses a server process that is gone left ``queued`` / ``in_progress`` are marked
+``incomplete`` when a server starts.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ class ResponseRow(Base):
     conversation_id: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
     data: Mapped[dict] = mapped_column(JSON)  # the response object as the API returns it
     input_items: Mapped[list] = mapped_column(JSON, default=list)  # this request's own input items
+    owner: Mapped[str | None] = mapped_column(String(64), nullable=True)  # Database.instance_id generating it
 
     def to_dict(self) -> dict:
         return dict(self.data)
@@ -58,14 +59,10 @@ class ConversationItemRow(Base):
         return dict(self.data)
 
 
-def create_tables(db: Database) -> None:
-    Base.metadata.create_all(db.engine)
-
-
 def expire_unfinished_responses(db: Database) -> int:
-    """Responses a previous server process left unfinished cannot finish now: mark them incomplete."""
+    """Responses a server process that is gone left unfinished cannot finish now: mark them incomplete."""
     with db.write() as s:
-        rows = list(s.scalars(select(ResponseRow).where(ResponseRow.status.in_(UNFINISHED))))
+        rows = db.unfinished_orphans(s, ResponseRow, UNFINISHED)
         for r in rows:
             r.status = "incomplete"
             r.data = dict(r.data, status="incomplete",

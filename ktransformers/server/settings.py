@@ -53,6 +53,7 @@ class Settings:
     cors_origins: str | None = None  # comma-separated origins whose pages may call the API
     web: bool = False
     data_dir: str = DEFAULT_DATA_DIR
+    database_url: str | None = None  # PostgreSQL shared by several servers; None: SQLite in data_dir
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -160,6 +161,10 @@ class Settings:
             raise ConfigError(f"--top_k {self.top_k}: must be 0 (off) or more")
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api_key: must not be empty")
+        if self.database_url:
+            from .db import parse_database_url
+
+            parse_database_url(self.database_url)  # the form only: connecting is tried at start
         for o in self.cors_origin_list():
             if o != "*" and not re.fullmatch(r"https?://[^/\s]+", o):
                 raise ConfigError(f"--cors_origins {o}: an origin is scheme://host[:port], e.g. http://localhost:3000")

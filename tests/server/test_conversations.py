@@ -110,14 +110,15 @@ def test_conversations_and_responses_survive_restart(tiny_dir, tmp_path):
 
 def test_unfinished_response_marked_incomplete(tmp_path):
     from ktransformers.server.db import Database
-    from ktransformers.server.responses_store import (ResponseRow, create_tables, expire_unfinished_responses)
+    from ktransformers.server.responses_store import ResponseRow, expire_unfinished_responses
 
     db = Database(tmp_path)
-    create_tables(db)
     with db.write() as s:
         s.add(ResponseRow(id="resp_cut", created_at=0, status="in_progress", data={
             "id": "resp_cut", "status": "in_progress",
             "output": [{"type": "message", "id": "msg_1", "status": "in_progress", "content": []}]}, input_items=[]))
+    db.close()
+    db = Database(tmp_path)  # the next server process: the row's writer is gone
     assert expire_unfinished_responses(db) == 1
     with db.read() as s:
         row = s.query(ResponseRow).one()
