@@ -81,3 +81,34 @@ def test_bad_batching_flags_exit_2_with_one_line(tmp_path, capsys, argv, needle)
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: ") and needle in err, err
     assert not (tmp_path / "data").exists()  # refused before anything was created or loaded
+
+
+#: --database_url values as mistyped: wrong schemes, missing parts, stray characters, all holding a password
+DB_PASSWORD = "pw-Zq9"
+DATABASE_URLS = st.builds(
+    lambda scheme, sep, host, port, db, junk: f"{scheme}{sep}kt:{DB_PASSWORD}@{host}{port}/{db}{junk}",
+    st.sampled_from(["postgresql", "postgres", "postgresql+psycopg", "postgresql+psycopg2", "mysql", "sqlite",
+                     "", "http", "p%sql"]),
+    st.sampled_from(["://", ":/", ":", "//", ""]),
+    st.sampled_from(["127.0.0.1", "", "[::1]", "db host", "h@st"]),
+    st.sampled_from(["", ":5432", ":x", ":99999", ":"]),
+    st.sampled_from(["kt", "", "a/b"]),
+    st.one_of(st.text(max_size=6), st.just(f"?password={DB_PASSWORD}"), st.just(f"?sslmode=x&password={DB_PASSWORD}")))
+
+
+@fuzz_settings(300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(url=DATABASE_URLS)
+def test_fuzz_database_url_one_line_without_the_password(tmp_path_factory, url):
+    """A --database_url is accepted (its form: connecting is tried at start) or refused in one line
+    naming the flag; the password is never in the message."""
+    model = tmp_path_factory.getbasetemp()
+    try:
+        s = parse_settings(["--model_path", str(model), "--database_url", url])
+    except ConfigError as e:
+        msg = str(e)
+        assert "\n" not in msg and msg.startswith("--database_url") and DB_PASSWORD not in msg, msg
+    else:
+        from ktransformers.server.db import parse_database_url, redact_url
+
+        assert parse_database_url(s.database_url).drivername == "postgresql+psycopg"
+        assert DB_PASSWORD not in redact_url(s.database_url)
