@@ -12,7 +12,8 @@ from ktransformers.serve_cluster.cli import main
 from ktransformers.serve_cluster.routing import AffinityPolicy, NoLiveReplica, RouteKeys, ids_in_response, route_keys
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import given, settings  # noqa: E402
+from fuzzing import fuzz_settings  # noqa: E402
+from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
@@ -32,7 +33,7 @@ PATHS = st.one_of(st.sampled_from(["/v1/chat/completions", "/api/generate", "/v1
                   st.text(max_size=40).map(lambda t: "/" + t))
 
 
-@settings(max_examples=300, deadline=None)
+@fuzz_settings(300, deadline=None, database=None)
 @given(PATHS, BODIES)
 def test_any_request_gives_keys(path, body):
     keys = route_keys(path, body)
@@ -47,7 +48,7 @@ OPS = st.lists(st.tuples(st.sampled_from(["choose", "started", "finished", "down
                max_size=60)
 
 
-@settings(max_examples=200, deadline=None)
+@fuzz_settings(200, deadline=None, database=None)
 @given(OPS, st.integers(1, 3))
 def test_policy_names_a_live_replica_whatever_happened(ops, spill_at):
     names = ["a", "b", "c"]
@@ -83,7 +84,7 @@ VALUES = st.one_of(st.integers(-(2**70), 2**70).map(str), st.floats(allow_nan=Tr
                    st.sampled_from(["", " ", "nan", "inf", "1e400", "two", "0x10"]), st.text(max_size=6))
 
 
-@settings(max_examples=150, deadline=None)
+@fuzz_settings(150, deadline=None, database=None)
 @given(st.sampled_from(["--replicas", "--replica_cpus", "--replica_memory_gb", "--spill_at"]), VALUES)
 def test_cluster_flags_refused_in_one_line(flag, value):
     import contextlib
