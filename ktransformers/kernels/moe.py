@@ -8,7 +8,10 @@ from .. import cpuinfer_ext as _ext
 from .args import _desc, _empty_like, _nbytes, _weight, ggml_type, moe_call_args, positive_ints, rows_of
 from .pool import CPUInfer, cpu_infer
 
+#: the MoE backends by name (their C++ ids): ``llamafile`` reads the weights in place in their stored
+#: type, each of the others packs a copy at load (``PACKED_BACKENDS``)
 BACKENDS = {"llamafile": 0, "AMXInt8": 1, "AMXBF16": 2, "AMXInt4": 3, "AMXInt4_1": 4}
+PACKED_BACKENDS = tuple(b for b in BACKENDS if b != "llamafile")
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "clamp_swiglu": 2, "clamp_silu": 3}
 
 

@@ -67,6 +67,7 @@ class BaseInjectedModule(nn.Module):
         prefill_device: str | torch.device | None = None,
         generate_device: str | torch.device | None = None,
         phases: Phases | None = None,
+        formats: dict[str, dict] | None = None,
         **kwargs,
     ):
         super().__init__()
@@ -106,10 +107,12 @@ class BaseInjectedModule(nn.Module):
         kwargs.pop("generate_op", None)
         kwargs.pop("prefill_op", None)
         object.__setattr__(self, "op_kwargs", dict(kwargs))
-        self._build_ops(kwargs)
+        self._build_ops(kwargs, formats or {})
 
     # -- ops --------------------------------------------------------------------------
-    def _build_ops(self, kwargs: dict) -> None:
+    def _build_ops(self, kwargs: dict, formats: dict[str, dict]) -> None:
+        """The ops of the plan's phases, each given the plan's weight formats of its phase
+        (``Placement.formats``; empty when built outside a plan: the op decides at load)."""
         ph = self.phases
         if not ph.has_ops:
             object.__setattr__(self, "generate_op", None)
@@ -122,6 +125,9 @@ class BaseInjectedModule(nn.Module):
             pre = gen  # same computation, same place: one copy of the weights
         else:
             pre = self._make_op(ph.prefill_op, ph.prefill_device, kwargs)
+        gen.formats = dict(formats.get("generate", {}))
+        if pre is not None and pre is not gen:
+            pre.formats = dict(formats.get("prefill", {}))
         object.__setattr__(self, "generate_op", gen)
         object.__setattr__(self, "prefill_op", pre)
 

@@ -13,6 +13,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
+from ..kernels.moe import PACKED_BACKENDS
+
 
 @dataclass(frozen=True)
 class Alias:
@@ -71,9 +73,10 @@ OPS: dict[str, dict[str, Alias]] = {
     },
 }
 
-#: ``backend`` values that name the AMX tile layout: on a CPU without AMX the same layout runs on
-#: the best ISA tier it has (docs/rules.md, backend table); the rule records one line saying so
-AMX_BACKENDS = ("AMXInt8", "AMXBF16", "AMXInt4", "AMXInt4_1")
+#: ``backend`` values that name the AMX tile layout (the packing backends): on a CPU without AMX the
+#: same layout runs on the best ISA tier it has (docs/rules.md, backend table); the rule records one
+#: line saying so
+AMX_BACKENDS = PACKED_BACKENDS
 
 #: kwarg spellings of the reference system -> ours
 KWARGS: dict[str, str] = {

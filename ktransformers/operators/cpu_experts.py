@@ -12,8 +12,8 @@ over this op's kernel: the same weights (in place or the packed copy, never expa
 expert's LoRA on the rows routed to it added inside the kernel before the activation (gate/up)
 and before the routing weight (down) — the int4 backends have no such kernel.
 
-Weights that are not stored quantized (safetensors, F32/BF16 GGUF) are handed over as float
-tensors (F32 for an fp32 model, BF16 otherwise).  The op runs asynchronously: ``submit``
+Each weight is read in the format the plan decided (``formats.kernel_format``: the stored blocks,
+or a float copy where the kernels do not take the stored type).  The op runs asynchronously: ``submit``
 returns at once so the MoE block computes shared experts meanwhile; ``collect`` waits.
 """
 
@@ -21,70 +21,57 @@ from __future__ import annotations
 
 import torch
 
+from .. import kernels as K
+from ..kernels.moe import BACKENDS
+from ..weights.source import EXPERT_PROJS
 from .base import KwargSpec
 from .cpu_threads import kernel_pool
 from .experts import ExpertsOp
+from .formats import PACKED, RAW, kernel_format, read_for_kernel
 from .registry import register
 
-BACKEND_NAMES = ("llamafile", "AMXInt8", "AMXBF16", "AMXInt4", "AMXInt4_1")
 #: backends whose weights the LoRA forward / backward kernels (``kernels.MoETrainKernel``) read
 LORA_BACKENDS = ("llamafile", "AMXInt8", "AMXBF16")
-
-
-def _kernels():
-    from .. import kernels
-
-    return kernels
-
-
-def weight_for_kernel(weights, name: str, dtype: torch.dtype):
-    """(array, ggml type) of one weight for the CPU kernels: the stored bytes when the source
-    stores a type the kernels compute on, else a float tensor (F32 for an fp32 model, else BF16)."""
-    raw = weights.raw(name)
-    if raw is not None and raw.type is not None and raw.type.kernel:
-        return raw.data, raw.type
-    float_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
-    t = weights.tensor(name, dtype=float_dtype)
-    return t.contiguous(), ("F32" if float_dtype == torch.float32 else "BF16")
 
 
 @register("KExpertsCPU")
 class KExpertsCPU(ExpertsOp):
     device_kinds = ("cpu",)
-    keeps_raw_weights = True
     extra_kwargs = {
-        "backend": KwargSpec((str,), "llamafile", " | ".join(BACKEND_NAMES)),
+        "backend": KwargSpec((str,), "llamafile", " | ".join(BACKENDS)),
     }
 
     @classmethod
     def validate_kwargs(cls, kwargs: dict):
         b = kwargs.get("backend", "llamafile")
-        if b not in BACKEND_NAMES:
+        if b not in BACKENDS:
             import difflib
 
-            near = difflib.get_close_matches(str(b), BACKEND_NAMES, n=1)
+            near = difflib.get_close_matches(str(b), BACKENDS, n=1)
             hint = f"; did you mean '{near[0]}'?" if near else ""
-            return "backend", f"'{b}' is not a KExpertsCPU backend ({', '.join(BACKEND_NAMES)}){hint}"
+            return "backend", f"'{b}' is not a KExpertsCPU backend ({', '.join(BACKENDS)}){hint}"
         return None
 
+    @classmethod
+    def decide_format(cls, weights, name, dtype, kwargs):
+        return kernel_format(weights.raw(name), dtype, kwargs.get("backend", "llamafile"))
+
     def __init__(self, key, config, orig_module, device, backend: str = "llamafile", **kwargs):
-        super().__init__(key, config, orig_module, device, **kwargs)
+        super().__init__(key, config, orig_module, device, backend=backend, **kwargs)
         self.backend = backend
         self.kernel = None
         self.lora_kernel = None  # MoETrainKernel over self.kernel, made by the first lora_forward
 
     def load(self, weights, dtype):
-        K = _kernels()
         self.check_shapes(weights)
-        arrays = {}
-        types = {}
+        fmts = {p: self.weight_format(weights, f"{self.key}.{p}", dtype) for p in EXPERT_PROJS}
         if self.from_parameters(weights):  # the module's own layout (gpt-oss safetensors): converted floats
-            float_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
-            arrays = self.float_weights(weights, float_dtype)
-            types = dict.fromkeys(arrays, "F32" if float_dtype == torch.float32 else "BF16")
+            floats = self.float_weights(weights, fmts["gate_proj"].read.torch_dtype)
+            arrays = {p: t.contiguous() for p, t in floats.items()}
         else:
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                arrays[proj], types[proj] = weight_for_kernel(weights, f"{self.key}.{proj}", dtype)
+            arrays = {p: read_for_kernel(weights, f"{self.key}.{p}", fmt) for p, fmt in fmts.items()}
+        types = {p: fmt.read.type for p, fmt in fmts.items()}
+        packed = fmts["gate_proj"].kind == PACKED
         b = self.biases(weights, torch.float32) or {}
         self._biases = b  # the kernel reads them in place
         self.pool = kernel_pool()
@@ -94,7 +81,7 @@ class KExpertsCPU(ExpertsOp):
         kw = dict(activation=self._kernel_activation(), alpha=self.alpha, limit=self.limit,
                   gate_bias=b.get("gate_proj"), up_bias=b.get("up_proj"), down_bias=b.get("down_proj"))
         try:
-            if self.backend == "llamafile":
+            if not packed:
                 self.kernel, self.packed_from = K.MoEKernel(*args, **kw), None
             else:  # repacked once, then mapped from the packed-weight cache (kernels/packed_cache.py)
                 from ..kernels.packed_cache import packed_moe
@@ -108,33 +95,33 @@ class KExpertsCPU(ExpertsOp):
                               f"weights: {e}") from None
         # the llamafile kernel reads them in place; the packed backends keep their own copy (then
         # dropping these frees a float copy of every expert: the peak RSS of a bf16 checkpoint's load)
-        self._arrays = arrays if self.backend == "llamafile" else {}
+        self._arrays = arrays if not packed else {}
         self.out_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
 
     @classmethod
-    def memory_plan(cls, key: str, kwargs: dict, weights) -> tuple[int, str] | None:
-        """(bytes, how held) of this layer's experts, for the memory plan, before anything loads:
-        ``in_place`` (llamafile: the stored blocks read from the mapped file), ``packed`` (a packed
+    def memory_plan(cls, key: str, kwargs: dict, weights, formats: dict) -> tuple[int, str] | None:
+        """(bytes, how held) of this layer's experts, for the memory plan, before anything loads, from
+        the plan's ``formats``: ``in_place`` (raw blocks read from the mapped file), ``packed`` (a packed
         copy this load makes) or ``packed_cached`` (one the packed-weight cache holds already).
-        None where the weights are not stored in a type the kernels take (a float copy is made)."""
-        if weights is None:
+        None where the kernels read float copies (counted as copies)."""
+        fmts = [formats.get(f"{key}.{p}") for p in EXPERT_PROJS]
+        if weights is None or any(f is None or f.read.kind != RAW for f in fmts):
             return None
-        raws = [weights.raw(f"{key}.{proj}") for proj in ("gate_proj", "up_proj", "down_proj")]
-        if any(r is None or r.type is None or not r.type.kernel or len(r.shape) != 3 for r in raws):
+        shapes = [tuple(weights.shape(f"{key}.{p}")) for p in EXPERT_PROJS]
+        if any(len(s) != 3 for s in shapes):
             return None
-        backend = kwargs.get("backend", "llamafile")
-        if backend == "llamafile":
-            return sum(int(r.nbytes) for r in raws), "in_place"
+        if fmts[0].kind != PACKED:
+            return sum(f.type.nbytes(s) for f, s in zip(fmts, shapes)), "in_place"
         from ..kernels.moe import packed_weight_bytes
         from ..kernels.packed_cache import cached, layer_ident
 
-        total = sum(packed_weight_bytes(backend, r.type, *r.shape) for r in raws)
-        E, I, H = raws[0].shape
-        ident = layer_ident(key, backend, getattr(weights, "path", None), E, H, I, [r.type for r in raws])
+        backend = fmts[0].backend
+        total = sum(packed_weight_bytes(backend, f.read.type, *s) for f, s in zip(fmts, shapes))
+        E, I, H = shapes[0]
+        ident = layer_ident(key, backend, getattr(weights, "path", None), E, H, I, [f.read.type for f in fmts])
         return total, ("packed_cached" if cached(ident) else "packed")
 
     def _kernel_activation(self) -> str:
-        K = _kernels()
         if self.activation in K.ACTIVATIONS:
             return self.activation
         from ..errors import RuleError
@@ -182,7 +169,6 @@ class KExpertsCPU(ExpertsOp):
         return why
 
     def lora_forward(self, x, top_k_index, top_k_weights, lora):
-        K = _kernels()
         if self.lora_kernel is None:
             self.lora_kernel = K.MoETrainKernel(self.kernel)
         gu = K.LoraFactors(lora.A_gu, lora.B_gu, lora.scale) if lora.A_gu is not None else None

@@ -1,12 +1,13 @@
 """``KLinearCPU``: dense linear on the C++ CPU kernels, weights kept in their GGUF type (read in
-place) or as F32/BF16 when stored unquantized."""
+place) or as F32/BF16 when stored in a type the kernels do not take (``formats.kernel_format``)."""
 
 from __future__ import annotations
 
 import torch
 
-from .cpu_experts import _kernels, weight_for_kernel
+from .. import kernels as K
 from .cpu_threads import kernel_pool
+from .formats import kernel_format, read_for_kernel
 from .linear import LinearOp
 from .registry import register
 
@@ -14,15 +15,19 @@ from .registry import register
 @register("KLinearCPU")
 class KLinearCPU(LinearOp):
     device_kinds = ("cpu",)
-    keeps_raw_weights = True
+
+    @classmethod
+    def decide_format(cls, weights, name, dtype, kwargs):
+        return kernel_format(weights.raw(name), dtype)
 
     def load(self, weights, dtype):
-        K = _kernels()
-        self.check_shape(weights, f"{self.key}.weight")
-        w, t = weight_for_kernel(weights, f"{self.key}.weight", dtype)
+        name = f"{self.key}.weight"
+        self.check_shape(weights, name)
+        fmt = self.weight_format(weights, name, dtype)
+        w = read_for_kernel(weights, name, fmt)
         self.pool = kernel_pool()
         try:
-            self.kernel = K.LinearKernel(self.pool, "llamafile", self.in_features, self.out_features, w, t)
+            self.kernel = K.LinearKernel(self.pool, "llamafile", self.in_features, self.out_features, w, fmt.type)
         except (ValueError, TypeError) as e:
             from ..errors import WeightError
 

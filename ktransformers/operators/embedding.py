@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import BaseInjectedModule, Op
+from .formats import FLOAT, float_format, raw_format, stored_blocks
 from .kinds import EMBEDDING
 from .registry import register
 
@@ -30,6 +31,10 @@ class EmbeddingOp(Op):
         self.embedding_dim = int(orig_module.embedding_dim)
         self.padding_idx = orig_module.padding_idx
 
+    @classmethod
+    def weight_names(cls, key: str) -> tuple[str, ...]:
+        return (f"{key}.weight",)
+
     def check_shape(self, weights, name: str) -> None:
         shape = tuple(weights.shape(name))
         if shape != (self.num_embeddings, self.embedding_dim):
@@ -44,8 +49,10 @@ class KEmbeddingTorch(EmbeddingOp):
     """The whole table dequantized once into the model dtype (any device)."""
 
     def load(self, weights, dtype):
-        self.check_shape(weights, f"{self.key}.weight")
-        self.weight = weights.tensor(f"{self.key}.weight", dtype=dtype, device=self.device)
+        name = f"{self.key}.weight"
+        self.check_shape(weights, name)
+        self.weight = weights.tensor(name, dtype=self.weight_format(weights, name, dtype).torch_dtype,
+                                     device=self.device)
 
     def forward(self, ids):
         return F.embedding(ids, self.weight, self.padding_idx)
@@ -57,7 +64,12 @@ class KEmbeddingQuant(EmbeddingOp):
     Float sources (safetensors) have nothing to keep quantized: the table is held as loaded."""
 
     device_kinds = ("cpu",)
-    keeps_raw_weights = True
+
+    @classmethod
+    def decide_format(cls, weights, name, dtype, kwargs):
+        """Any stored ggml type stays as stored; a float source (or FP8 blocks) is the table as loaded."""
+        raw = weights.raw(name)
+        return raw_format(raw.type) if raw is not None and raw.type is not None else float_format(dtype)
 
     def load(self, weights, dtype):
         from ..weights.dequant import block_dequantizer
@@ -65,12 +77,13 @@ class KEmbeddingQuant(EmbeddingOp):
         name = f"{self.key}.weight"
         self.check_shape(weights, name)
         self.dtype = dtype
-        raw = weights.raw(name)
+        fmt = self.weight_format(weights, name, dtype)
         self.weight = None
         self._rows = None
-        if raw is None or raw.type is None:  # float source (or FP8 blocks): the table as loaded
-            self.weight = weights.tensor(name, dtype=dtype, device=self.device)
+        if fmt.kind == FLOAT:
+            self.weight = weights.tensor(name, dtype=fmt.torch_dtype, device=self.device)
             return
+        raw = stored_blocks(weights, name, fmt)
         info = raw.type
         self.ggml_type = info  # the lean decode step dequantizes single rows of kernel types in C++
         self._block = (info.block_bytes, info.block_elems)

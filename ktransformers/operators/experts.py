@@ -25,6 +25,7 @@ from torch import nn
 
 from ..errors import RuleError, WeightError
 from ..weights.experts_layout import ExpertsLayout
+from ..weights.source import EXPERT_PROJS
 from .base import BaseInjectedModule, Op
 from .expert_lora import ExpertLora, KernelLora
 from .kinds import EXPERTS
@@ -98,6 +99,11 @@ class ExpertsOp(Op):
         if self.activation == "clamp_silu":
             return self.act_fn(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
         return self.act_fn(gate) * up
+
+    @classmethod
+    def weight_names(cls, key: str) -> tuple[str, ...]:
+        """The stacked projections (a checkpoint in the module's own layout is converted to them)."""
+        return tuple(f"{key}.{p}" for p in EXPERT_PROJS)
 
     def from_parameters(self, weights) -> bool:
         """True when the checkpoint stores this module's own parameters in a non-stacked layout
@@ -190,6 +196,7 @@ class KExpertsTorch(ExpertsOp):
 
     def load(self, weights, dtype):
         self.check_shapes(weights)
+        dtype = self.weight_format(weights, f"{self.key}.gate_proj", dtype).torch_dtype
         if self.layout.stacked and not self.layout.bias:
             self.gate_up = weights.tensor(f"{self.key}.gate_up_proj", dtype=dtype, device=self.device)
             self.down = weights.tensor(f"{self.key}.down_proj", dtype=dtype, device=self.device)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from ..weights.fp8 import BLOCK, block_dequant, block_quant
 from .base import KwargSpec
+from .formats import FP8, WeightFormat
 from .linear import LinearOp
 from .registry import register
 
@@ -33,12 +34,17 @@ class KLinearFP8(LinearOp):
     }
 
     def __init__(self, key, config, orig_module, device, block_size=BLOCK, **kwargs):
-        super().__init__(key, config, orig_module, device, **kwargs)
+        super().__init__(key, config, orig_module, device, block_size=block_size, **kwargs)
         self.block_size = int(block_size)
+
+    @classmethod
+    def decide_format(cls, weights, name, dtype, kwargs):
+        return WeightFormat(FP8, block=int(kwargs.get("block_size", BLOCK)))
 
     def load(self, weights, dtype):
         name = f"{self.key}.weight"
         self.check_shape(weights, name)
+        self.block_size = self.weight_format(weights, name, dtype).block
         raw = weights.raw(name)
         if raw is not None and raw.is_fp8:
             w, s = raw.data, raw.scale_inv

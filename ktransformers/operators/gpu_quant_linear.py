@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..weights.dequant import dequantize
+from .formats import FLOAT, float_format, raw_format, stored_blocks
 from .linear import LinearOp
 from .registry import register
 
@@ -23,18 +24,26 @@ from .registry import register
 class KLinearGPUQ(LinearOp):
     """GGUF-quantized weight resident on the device, dequantized per call (GPU or CPU)."""
 
+    @classmethod
+    def decide_format(cls, weights, name, dtype, kwargs):
+        """Stored ggml blocks stay blocks; a weight stored as plain elements (or FP8) is a dense copy."""
+        raw = weights.raw(name)
+        if raw is not None and raw.type is not None and raw.type.quantized:
+            return raw_format(raw.type)
+        return float_format(dtype)
+
     def load(self, weights, dtype):
         name = f"{self.key}.weight"
         self.check_shape(weights, name)
         self.dtype = dtype
-        raw = weights.raw(name)
-        info = raw.type if raw is not None else None  # None also for FP8 blocks: kept dense
-        if info is None or info.name in ("F32", "F16", "BF16"):
+        fmt = self.weight_format(weights, name, dtype)
+        if fmt.kind == FLOAT:
             self.qweight = None
-            self.weight_dense = weights.tensor(name, dtype=dtype, device=self.device)
+            self.weight_dense = weights.tensor(name, dtype=fmt.torch_dtype, device=self.device)
         else:
+            raw = stored_blocks(weights, name, fmt)
             self.qweight = torch.from_numpy(np.ascontiguousarray(raw.data)).to(self.device)
-            self.ggml_type = info
+            self.ggml_type = fmt.type
             self.shape = tuple(raw.shape)
             self.weight_dense = None
         self.bias = weights.tensor(f"{self.key}.bias", dtype=dtype, device=self.device) if self.has_bias else None

@@ -24,6 +24,10 @@ class LinearOp(Op):
         self.out_features = int(orig_module.out_features)
         self.has_bias = getattr(orig_module, "bias", None) is not None
 
+    @classmethod
+    def weight_names(cls, key: str) -> tuple[str, ...]:
+        return (f"{key}.weight",)
+
     def check_shape(self, weights, name: str) -> None:
         shape = tuple(weights.shape(name))
         if shape != (self.out_features, self.in_features):
@@ -43,8 +47,10 @@ class KLinearTorch(LinearOp):
     """Dequantized weight in the model dtype, ``torch.nn.functional.linear`` (CPU or CUDA)."""
 
     def load(self, weights, dtype):
-        self.check_shape(weights, f"{self.key}.weight")
-        self.weight = weights.tensor(f"{self.key}.weight", dtype=dtype, device=self.device)
+        name = f"{self.key}.weight"
+        self.check_shape(weights, name)
+        self.weight = weights.tensor(name, dtype=self.weight_format(weights, name, dtype).torch_dtype,
+                                     device=self.device)
         self.bias = (
             weights.tensor(f"{self.key}.bias", dtype=dtype, device=self.device) if self.has_bias else None
         )

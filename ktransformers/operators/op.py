@@ -11,6 +11,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from .formats import WeightFormat, float_format
+
 
 @dataclass(frozen=True)
 class KwargSpec:
@@ -37,8 +39,6 @@ class Op:
     device_kinds: ClassVar[tuple[str, ...]] = ("any",)
     #: extra rule kwargs this op accepts beyond the wrapper's own
     extra_kwargs: ClassVar[dict[str, KwargSpec]] = {}
-    #: True when the op computes on the weights as stored (``explain`` counts stored bytes)
-    keeps_raw_weights: ClassVar[bool] = False
 
     def __init__(self, key: str, config, orig_module: nn.Module, device: torch.device, **kwargs):
         self.key = key
@@ -47,6 +47,24 @@ class Op:
         self.device = torch.device(device)
         self.kwargs = kwargs
         self.loaded = False
+        #: weight name -> the plan's :class:`~.formats.WeightFormat` (set by the operator building the op)
+        self.formats: dict[str, WeightFormat] = {}
+
+    @classmethod
+    def weight_names(cls, key: str) -> tuple[str, ...]:
+        """The weight tensors an op of module ``key`` holds, whose formats the plan decides."""
+        return ()
+
+    @classmethod
+    def decide_format(cls, weights, name: str, dtype: torch.dtype, kwargs: dict) -> WeightFormat:
+        """How this op holds weight ``name`` of a model in ``dtype``, under its rule ``kwargs``: called
+        by the plan, once.  By default a float copy in the model's dtype."""
+        return float_format(dtype)
+
+    def weight_format(self, weights, name: str, dtype: torch.dtype) -> WeightFormat:
+        """The plan's format of ``name``; an op built outside a plan decides it here, the same way."""
+        fmt = self.formats.get(name)
+        return fmt if fmt is not None else type(self).decide_format(weights, name, dtype, self.kwargs)
 
     @classmethod
     def check_device(cls, device: torch.device) -> str | None:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..operators.formats import RAW
 from .plan import Plan
 
 
@@ -23,6 +24,8 @@ class Row:
     prefill: str  # "device/op"
     generate: str
     bytes_per_device: dict[str, int]
+    #: how its ops hold their weights (``Placement.formats``, ``format_label``); "" without weights
+    format: str = ""
 
 
 @dataclass
@@ -141,6 +144,10 @@ def explain_plan(model: nn.Module, plan: Plan, weights=None, context: int | None
     are counted at their stored size.  The memory plan sizes the KV cache at ``context`` tokens
     (a chosen context, part of the peak), else at the model's own limit (reported, not counted).
     """
+    from .inject import ModelWeights, tied_weight_aliases
+
+    if weights is not None:
+        plan.decide_formats(model, ModelWeights(weights, model))
     owner: dict[str, str] = {}  # module name -> name of the placement row that owns its bytes
     rows: dict[str, Row] = {}
     for name, p in plan.placements.items():
@@ -149,7 +156,7 @@ def explain_plan(model: nn.Module, plan: Plan, weights=None, context: int | None
                 module=name or "<model>", module_class=p.module_class, operator=p.operator_name,
                 rule=p.rule.index if p.rule else None,
                 prefill=p.phases.label("prefill", p.operator_name), generate=p.phases.label("generate", p.operator_name),
-                bytes_per_device={},
+                bytes_per_device={}, format=format_label(p.formats, name),
             )
             owner[name] = name
         else:
@@ -161,11 +168,10 @@ def explain_plan(model: nn.Module, plan: Plan, weights=None, context: int | None
     held: dict[str, tuple[int, str]] = {}
     for name, p in plan.placements.items():
         fn = getattr(p.phases.generate_op, "memory_plan", None)
-        got = fn(name, p.kwargs, weights) if fn is not None and p.rule is not None else None
+        got = fn(name, p.kwargs, weights, p.formats.get("generate", {})) if fn is not None and p.rule is not None \
+            else None
         if got is not None:
             held[name] = got
-    from .inject import tied_weight_aliases
-
     # a tied parameter the weights do not hold on their own is the one it is tied to
     aliases = {a: b for a, b in tied_weight_aliases(model).items() if not _stored_apart(weights, a, b)}
     counted: set[tuple] = set()  # (tensor, read in place?, device)
@@ -333,18 +339,30 @@ def _stored_apart(weights, a: str, b: str) -> bool:
 
 
 def _stored_bytes(weights, full: str, t: torch.Tensor, p) -> tuple[int, bool]:
-    """(bytes, read in place from the file?) of one tensor as its op holds it."""
-    if weights is not None:
-        op_cls = p.phases.generate_op
-        if op_cls is not None and op_cls.keeps_raw_weights:
-            raw = None
-            try:
-                raw = weights.raw(full)
-            except Exception:  # noqa: BLE001 - a tensor the op derives (fused) has no raw form
-                raw = None
-            if raw is not None:
-                return raw.nbytes, True
+    """(bytes, read in place from the file?) of one tensor as its generate op holds it: raw blocks at
+    their stored size, anything else as the model's tensor."""
+    fmt = p.formats.get("generate", {}).get(full) if weights is not None else None
+    if fmt is not None and fmt.kind == RAW:
+        return fmt.type.nbytes(t.shape), True
     return _tensor_bytes(t), False
+
+
+def format_label(formats: dict[str, dict], module: str) -> str:
+    """One cell naming each weight's format (``operators/formats.py``): ``raw Q4_K`` when every weight of
+    the module has it, else ``gate_proj,up_proj raw Q4_K; down_proj raw Q6_K``; a prefill op holding its
+    own copy in another format is added as ``| prefill: …``."""
+    def cell(fmts: dict) -> str:
+        groups: dict[str, list[str]] = {}
+        for name, fmt in fmts.items():
+            leaf = name[len(module) + 1:] if name.startswith(f"{module}.") else name
+            groups.setdefault(fmt.label, []).append(leaf)
+        if len(groups) == 1:
+            return next(iter(groups))
+        return "; ".join(f"{','.join(names)} {label}" for label, names in groups.items())
+
+    gen = cell(formats.get("generate", {}))
+    pre = cell(formats.get("prefill", {}))
+    return gen if not pre or pre == gen else f"{gen} | prefill: {pre}"
 
 
 def fmt_bytes(n: int) -> str:
@@ -362,9 +380,9 @@ def compact_rows(rows: list[Row]) -> list[Row]:
     counts: dict[tuple, int] = {}
     for r in rows:
         pattern = re.sub(r"\.\d+(?=\.|$)", ".*", r.module)
-        key = (pattern, r.module_class, r.operator, r.rule, r.prefill, r.generate)
+        key = (pattern, r.module_class, r.operator, r.rule, r.prefill, r.generate, r.format)
         if key not in groups:
-            groups[key] = Row(pattern, r.module_class, r.operator, r.rule, r.prefill, r.generate, {})
+            groups[key] = Row(pattern, r.module_class, r.operator, r.rule, r.prefill, r.generate, {}, r.format)
             counts[key] = 0
         counts[key] += 1
         for d, b in r.bytes_per_device.items():
@@ -388,10 +406,11 @@ def format_explanation(ex: Explanation, compact: bool = False) -> str:
         flag = "  <-- matches nothing" if count == 0 else ""
         out.append(f"  #{index:<3} {count:>5} module(s)  {desc}  [{where}]{flag}")
     out.append("")
-    headers = ("module", "class", "operator", "rule", "prefill device/op", "generate device/op", "bytes")
+    headers = ("module", "class", "operator", "rule", "prefill device/op", "generate device/op", "weight format",
+               "bytes")
     table = [
         (r.module, r.module_class, r.operator, "-" if r.rule is None else f"#{r.rule}", r.prefill, r.generate,
-         ", ".join(f"{d} {fmt_bytes(b)}" for d, b in sorted(r.bytes_per_device.items())) or "-")
+         r.format or "-", ", ".join(f"{d} {fmt_bytes(b)}" for d, b in sorted(r.bytes_per_device.items())) or "-")
         for r in (compact_rows(ex.rows) if compact else ex.rows)
     ]
     widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(headers)]

@@ -21,7 +21,7 @@ from ..operators.cpu_threads import install_prefill_threads
 from ..util.peft_adapter import apply_adapter
 from ..weights import WeightSource, open_weights
 from ..weights.experts_layout import ExpertsLayout
-from .plan import Plan, check_devices_available, plan_model
+from .plan import Plan, check_devices_available, module_dtype, plan_model
 
 log = logging.getLogger("ktransformers")
 
@@ -198,6 +198,7 @@ def inject(
             raise RuleError(f"{r.where()}: matches no module of {type(model).__name__} ({r.describe_match()})")
     check_devices_available(plan)
     check_transfer_maps(plan)
+    plan.decide_formats(model, ModelWeights(source, model))  # once: a plan explained already has them
     apply_plan(model, plan, source)
     report = load_weights(model, plan, source, progress=progress)
     install_device_hooks(model, plan)
@@ -245,7 +246,7 @@ def apply_plan(model: nn.Module, plan: Plan, source=None) -> None:
     for p in plan.injected():
         orig = model.get_submodule(p.name) if p.name else model
         if issubclass(p.operator, BaseInjectedModule):
-            decided = {"phases": p.phases}  # construction reads the plan's decision
+            decided = {"phases": p.phases, "formats": p.formats}  # construction reads the plan's decisions
         else:  # a third-party module: the rule's op names as written
             decided = {k: p.rule.kwargs[k] for k in ("generate_op", "prefill_op") if k in p.rule.kwargs}
         try:
@@ -262,14 +263,6 @@ def apply_plan(model: nn.Module, plan: Plan, source=None) -> None:
         parent_name, _, leaf = p.name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, leaf, new)
-
-
-def _orig_dtype(module: nn.Module) -> torch.dtype:
-    orig = getattr(module, "orig_module", None) or module
-    for t in list(orig.parameters(recurse=False)) + list(orig.parameters()):
-        if t.is_floating_point():
-            return t.dtype
-    return torch.float32
 
 
 def load_weights(model: nn.Module, plan: Plan, source: WeightSource, progress: bool = False) -> LoadReport:
@@ -289,7 +282,7 @@ def load_weights(model: nn.Module, plan: Plan, source: WeightSource, progress: b
         device = place.generate_device
         if isinstance(module, BaseInjectedModule) and module.OPS is not None:
             try:
-                module.load(weights, _orig_dtype(module))
+                module.load(weights, module_dtype(module))
             except KTError:
                 raise
             for op in module.ops():

@@ -1,7 +1,8 @@
 """Match rules against a model's module tree and compute the placement of every module.
 
 The plan is the one source of truth: ``explain`` prints it, ``inject`` applies it and the
-loader reads devices from it.
+loader reads devices from it.  With the weights it also holds each op's weight formats
+(``Plan.decide_formats``; ``operators/formats.py``), which the operators receive and load by.
 
 Placement rules:
 * a module matched by a rule gets that rule's operator, devices and ops; devices the rule
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from ..errors import RuleError
+from ..operators.formats import WeightFormat
 from ..operators.kinds import describe, kinds_of
 from ..operators.phases import PhaseError, Phases, decide_phases
 from .rules import Rule, load_rules
@@ -37,6 +39,9 @@ class Placement:
     phases: Phases  # devices and ops of both phases, decided once
     kwargs: dict[str, Any] = field(default_factory=dict)  # the operator's constructor kwargs
     from_ancestor: str | None = None  # name of the matched ancestor whose placement applies
+    #: phase ("generate", and "prefill" where a second op holds its own copy) -> weight name -> its
+    #: format, from ``Plan.decide_formats``; empty until the weights are known
+    formats: dict[str, dict[str, WeightFormat]] = field(default_factory=dict)
 
     @property
     def operator_name(self) -> str:
@@ -69,6 +74,30 @@ class Plan:
     #: (e.g. a dense-MLP rule for a Qwen3-MoE whose every layer is sparse): noted, never an error
     absent_kind: dict[int, str] = field(default_factory=dict)
 
+    #: the weight source the formats were decided from (None: not yet)
+    formats_source: Any = field(default=None, repr=False, compare=False)
+
+    def decide_formats(self, model: nn.Module, weights) -> None:
+        """Ask each op of each placement how it holds each of its weights (``Op.decide_format``: from
+        the stored type in ``weights`` and the rule's kwargs), once per weight source.  ``weights``:
+        a source, or ``inject.ModelWeights`` over one (tied weights resolved)."""
+        source = getattr(weights, "source", weights)
+        if self.formats_source is source:
+            return
+        modules = dict(model.named_modules())
+        for p in self.injected():
+            ph = p.phases
+            if not ph.has_ops:
+                continue
+            dtype = module_dtype(modules[p.name])
+            ops = {"generate": ph.generate_op} if ph.shared else {"generate": ph.generate_op, "prefill": ph.prefill_op}
+            p.formats = {}
+            for phase, op in ops.items():
+                own = {k: v for k, v in p.kwargs.items() if k in op.extra_kwargs}
+                p.formats[phase] = {n: op.decide_format(weights, n, dtype, own)
+                                    for n in op.weight_names(p.name) if weights.has(n)}
+        self.formats_source = source
+
     def unmatched_rules(self) -> list[Rule]:
         """Rules that match nothing (a likely typo): an error unless the caller allows it."""
         return [r for r in self.rules if not self.matches.get(r.index) and r.index not in self.absent_kind]
@@ -88,7 +117,18 @@ class Plan:
         return list(seen.values())
 
 
-def plan_model(model: nn.Module, rules, default_device: str | torch.device = "cpu") -> Plan:
+def module_dtype(module: nn.Module) -> torch.dtype:
+    """The float dtype of a module's weights as the model was built (an operator: its original's)."""
+    orig = getattr(module, "orig_module", None) or module
+    for t in list(orig.parameters(recurse=False)) + list(orig.parameters()):
+        if t.is_floating_point():
+            return t.dtype
+    return torch.float32
+
+
+def plan_model(model: nn.Module, rules, default_device: str | torch.device = "cpu", weights=None) -> Plan:
+    """The placement of every module of ``model`` under ``rules``; with ``weights``, each op's weight
+    formats too (else ``Plan.decide_formats`` once the weights are open)."""
     rules = load_rules(rules)
     default_device = torch.device(default_device)
     placements: dict[str, Placement] = {}
@@ -110,7 +150,10 @@ def plan_model(model: nn.Module, rules, default_device: str | torch.device = "cp
             visit(f"{name}.{child_name}" if name else child_name, child, place, child_active)
 
     visit("", model, root, True)
-    return Plan(placements, rules, matches, default_device, _absent_kinds(model, rules, matches))
+    plan = Plan(placements, rules, matches, default_device, _absent_kinds(model, rules, matches))
+    if weights is not None:
+        plan.decide_formats(model, weights)
+    return plan
 
 
 def _absent_kinds(model: nn.Module, rules: list[Rule], matches: dict[int, list[str]]) -> dict[int, str]:
