@@ -29,6 +29,7 @@ COMMANDS = {
     "/undo": "forget the last question and its answer (an answer stopped with Ctrl-C stays in the "
              "conversation, as far as it got, until /undo)",
     "/stats": "token counts and rates of the last answer; '/stats on' / '/stats off' after every answer",
+    "/image": "PATH: attach a picture to your next message (vision-language models)",
     "/exit": "leave (also Ctrl-D)",
 }
 HELP = "\n".join([f"  {c:<8} {what}" for c, what in COMMANDS.items()]
@@ -196,6 +197,13 @@ def load(args, log=print, progress=None, started: float | None = None):
                     speculative=_drafter_name(args.speculative, args.draft_max), draft_max=args.draft_max,
                     draft_model=load_draft_model(args.speculative, args.draft_max, tokenizer, device=device,
                                                  device_map=args.device_map, log=log))
+    from .multimodal.chat import image_support
+    from .multimodal.images import ImageLimits
+    from .weights.model_config import weights_folder
+
+    # what /image needs: the model's processor (None: a text model); the user's own files are readable
+    gen.images = image_support(model.config, tokenizer, args.model_path or weights_folder(loaded.source),
+                               ImageLimits(allow_local_files=True))
     return model, tokenizer, gen
 
 
@@ -206,14 +214,18 @@ def _think_prefix(gen) -> list[int]:
     return gen.encode("<think>\n", add_special_tokens=False)
 
 
-def answer(gen, messages, params, force_think, out=sys.stdout, cancel=None, parts=None) -> tuple[str, str]:
+def answer(gen, messages, params, force_think, out=sys.stdout, cancel=None, parts=None,
+           images=()) -> tuple[str, str]:
     """Stream one answer to ``out``; (text, finish_reason).  ``parts`` collects the text as it
-    comes, so a caller interrupted mid-answer still has what was shown."""
+    comes, so a caller interrupted mid-answer still has what was shown.  ``images``: the
+    conversation's pictures, in the order of their markup in ``messages`` (``/image``)."""
     ids = gen.apply_chat_template(messages)
     if force_think:
         ids = ids + _think_prefix(gen)
         out.write("<think>\n")
         out.flush()
+    if images:
+        ids = gen.images.prompt(gen.tokenizer.decode(ids), list(images))
     parts = [] if parts is None else parts
     finish = "stop"
     for ev in gen.stream(ids, params, cancel):
@@ -284,6 +296,11 @@ def interactive(gen, params, args) -> int:
         mode = "plain completion (no chat template)"
     print(f"{BANNER}\n[{mode}]", flush=True)
     history: list[dict] = []
+    images: list = []       # the conversation's pictures, in order; turn_images: how many each turn added
+    turn_images: list[int] = []
+    from .multimodal.images import ImageError
+
+    attached = getattr(gen, "images", None) and gen.images.collector()  # /image files for the next message
     interrupted = False
     while True:
         try:
@@ -306,11 +323,15 @@ def interactive(gen, params, args) -> int:
             if word == "/help":
                 print(HELP, flush=True)
             elif word == "/clear":
-                history = []
+                history, images, turn_images = [], [], []
+                attached = attached and gen.images.collector()
                 print("[conversation cleared]", flush=True)
+            elif word == "/image":
+                print(_attach_image(attached, rest.strip()), flush=True)
             elif word == "/undo":
                 if history:
                     history = history[:-2]
+                    del images[len(images) - (turn_images.pop() if turn_images else 0):]
                     print(f"[last question and answer forgotten; {len(history) // 2} turn(s) left]", flush=True)
                 else:
                     print("[nothing to undo]", flush=True)
@@ -349,14 +370,24 @@ def interactive(gen, params, args) -> int:
             continue
         if not content.strip():
             continue
+        new_images = attached.images if attached else []
+        if new_images:  # the pictures first, as the chat routes put an image part before its text
+            content = attached.support.markup * len(new_images) + "\n" + content
+            attached = gen.images.collector()
         msgs = history + [{"role": "user", "content": content}]
         cancel = threading.Event()
         parts: list[str] = []
         try:
             with _SigintCancels(cancel):
-                text, finish = answer(gen, msgs, params, args.force_think, cancel=cancel, parts=parts)
+                text, finish = answer(gen, msgs, params, args.force_think, cancel=cancel, parts=parts,
+                                      images=images + new_images)
         except KeyboardInterrupt:
             text, finish = "".join(parts), "cancelled"
+        except ImageError as e:  # the text itself holds an image placeholder
+            print(f"[{e}]", flush=True)
+            continue
+        images += new_images
+        turn_images.append(len(new_images))
         print(flush=True)
         # the turn stays as the user saw it, a stopped answer as far as it got (/undo drops it)
         history = msgs + [{"role": "assistant", "content": text}]
@@ -368,6 +399,22 @@ def interactive(gen, params, args) -> int:
             print(length_marker(params), flush=True)
         if stats and gen.last_stats is not None:
             print(gen.last_stats.line(), file=sys.stderr, flush=True)
+
+
+def _attach_image(attached, path: str) -> str:
+    """``/image PATH``: the picture decoded now (a bad one is refused here, in one line)."""
+    from .multimodal.images import ImageError
+
+    if not attached:
+        return "[/image needs a vision-language model; this one takes text only]"
+    if not path:
+        return "[/image PATH: name a picture file (PNG, JPEG, WebP, GIF, BMP)]"
+    try:
+        attached.add_path(path)
+    except ImageError as e:
+        return f"[{e}]"
+    w, h = attached.images[-1].size
+    return f"[{path}: {w}x{h} attached to your next message ({len(attached.images)} waiting)]"
 
 
 def _read_prompt_file(path: str) -> str:

@@ -50,7 +50,7 @@ def decode_image(data: bytes, limits: ImageLimits = ImageLimits(), what: str = "
     if len(data) == 0:
         raise ImageError(f"{what}: empty")
     if len(data) > limits.max_bytes:
-        raise ImageError(f"{what}: {len(data)} bytes, over the limit of {limits.max_bytes} (--max_image_bytes)")
+        raise ImageError(f"{what}: {len(data)} bytes, over the limit of {limits.max_bytes} bytes (--max_image_mb)")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -104,7 +104,7 @@ def decode_base64(payload: str, limits: ImageLimits = ImageLimits(), what: str =
     if not isinstance(payload, str):
         raise ImageError(f"{what}: expected base64 text, got {type(payload).__name__}")
     if len(payload) * 3 // 4 > limits.max_bytes + 3:
-        raise ImageError(f"{what}: over the limit of {limits.max_bytes} bytes (--max_image_bytes)")
+        raise ImageError(f"{what}: over the limit of {limits.max_bytes} bytes (--max_image_mb)")
     try:
         return base64.b64decode("".join(payload.split()), validate=True)
     except (binascii.Error, ValueError):
@@ -118,7 +118,7 @@ def image_from_path(path: str | Path, limits: ImageLimits = ImageLimits(), what:
     try:
         size = p.stat().st_size
         if size > limits.max_bytes:
-            raise ImageError(f"{what}: {size} bytes, over the limit of {limits.max_bytes} (--max_image_bytes)")
+            raise ImageError(f"{what}: {size} bytes, over the limit of {limits.max_bytes} bytes (--max_image_mb)")
         data = p.read_bytes()
     except OSError as e:
         raise ImageError(f"{what}: cannot read: {e.strerror or e}") from None

@@ -184,8 +184,10 @@ class Engine:
     """Owns the Generator; serves :meth:`submit` calls from a bounded FIFO, one at a time."""
 
     def __init__(self, generator, tokenizer, *, model_name: str, max_context: int,
-                 defaults: SamplingDefaults | None = None, max_queue: int = 16, model_info: dict | None = None):
+                 defaults: SamplingDefaults | None = None, max_queue: int = 16, model_info: dict | None = None,
+                 images=None):
         self.generator = generator
+        self.images = images  # a vision-language model's multimodal.chat.ImageSupport; None: text only
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_context = int(max_context)
@@ -317,8 +319,9 @@ class Engine:
         n = len(req.input_ids)
         if n == 0:
             raise APIError(400, "the prompt is empty (0 tokens)", param="prompt")
-        model_limit = getattr(getattr(getattr(self.generator, "model", None), "config", None),
-                              "max_position_embeddings", None)
+        cfg = getattr(getattr(self.generator, "model", None), "config", None)
+        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg  # a VL model's text part
+        model_limit = getattr(cfg, "max_position_embeddings", None)
         if n >= self.max_context:
             raise PromptTooLong(n, self.max_context, model_limit=model_limit)
         room = self.max_context - n

@@ -106,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "$PGPASSWORD or ~/.pgpass keeps it out of ps) [SQLite in --data_dir]")
     g.add_argument("--max_queue", type=int, help="requests that may wait for the engine; more get 503 [16]")
     g.add_argument("--max_body_mb", type=float, help="largest request body accepted, in MiB [16]")
+    g.add_argument("--max_images", type=int, help="images one request may carry (vision-language models) [4]")
+    g.add_argument("--max_image_mb", type=float, help="largest encoded image, in MiB [20]")
+    g.add_argument("--max_image_pixels", type=int, help="most pixels of one image, checked before decoding [16777216]")
+    g.add_argument("--allow_local_images", type=_bool, nargs="?", const=True,
+                   help="accept file:// image URLs, read from this server's disk [off]")
     g.add_argument("--log_level", choices=["debug", "info", "warning", "error"], help="[info]")
     g.add_argument("--config", dest="config", help="YAML file of settings (keys = flag names); flags override it")
     return p
@@ -182,7 +187,8 @@ def _sampling_defaults(settings: Settings, model):
 
 def _max_positions(config) -> int:
     """The model's own context (max_position_embeddings; 4096 where the config names none)."""
-    return int(getattr(config, "max_position_embeddings", None) or 4096)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config  # a VL model's text part
+    return int(getattr(text, "max_position_embeddings", None) or 4096)
 
 
 def kv_cache_tokens(settings: Settings, config) -> int:
@@ -213,6 +219,11 @@ def build_engine(settings: Settings):
                                  chat_template=settings.chat_template,
                                  context=lambda config: kv_cache_tokens(settings, config))
     model, tokenizer, source = loaded.model, loaded.tokenizer, loaded.source
+    from ..multimodal.chat import image_support
+    from ..weights.model_config import weights_folder
+
+    images = image_support(model.config, tokenizer, settings.model_path or weights_folder(source),
+                           settings.image_limits())
     if not getattr(tokenizer, "chat_template", None):
         from ..util.chat_templates import ADD_TEMPLATE_HINT
 
@@ -223,7 +234,10 @@ def build_engine(settings: Settings):
     name = settings.model_name or settings.default_model_name()
     common = dict(model_name=name, defaults=_sampling_defaults(settings, model), max_queue=settings.max_queue,
                   model_info=_model_info(settings, model, source, load_s))
-    if settings.backend_type == "balance_serve":
+    if settings.backend_type == "balance_serve" and images is not None:
+        log.warning("a vision-language model is served one request at a time (--backend_type ktransformers): "
+                    "the batching engine takes text only")
+    elif settings.backend_type == "balance_serve":
         from ..generation.paged import NotPageable
         from .batch_engine import build_batch_engine
 
@@ -246,7 +260,7 @@ def build_engine(settings: Settings):
                           draft_model=load_draft_model(settings.speculative, settings.draft_max, tokenizer,
                                                        device=settings.device, device_map=settings.device_map,
                                                        log=log.info))
-    return Engine(generator, tokenizer, max_context=max_context, **common)
+    return Engine(generator, tokenizer, max_context=max_context, images=images, **common)
 
 
 def _setup_logging(settings: Settings) -> Path:

@@ -84,6 +84,9 @@ def _generate_prompt(request: Request, body: OllamaGenerateRequest):
     prompt = body.prompt or ""
     context = engine.check_token_ids(body.context or [], "context")
     special = not context  # a continuation of a context gets no second BOS
+    if body.images and (body.template or body.suffix or body.raw):
+        raise APIError(400, "images go through the model's chat template: not with raw, template or suffix",
+                       param="images")
     if body.template:
         text = render_go_template(body.template, {"System": body.system or "", "Prompt": prompt,
                                                   "Suffix": body.suffix or ""})
@@ -94,18 +97,27 @@ def _generate_prompt(request: Request, body: OllamaGenerateRequest):
     if body.raw:
         return ChatPrompt(context + engine.encode(prompt, special)), False
     msgs = ([{"role": "system", "content": body.system}] if body.system else []) + \
-           [{"role": "user", "content": prompt}]
+           [{"role": "user", "content": with_ollama_images(prompt, body.images)}]
+    if context and body.images:
+        raise APIError(400, "images with a context: send the conversation to /api/chat instead", param="context")
     p = request_prompt(request.app, msgs, None, think=body.think)
-    p.ids = context + p.ids
+    p.ids = context + p.ids if context else p.ids
     return p, True
+
+
+def with_ollama_images(content: str, images: list[str] | None, where: str = "images"):
+    """A message's text and its base64 ``images`` as content parts (images first, as Ollama puts them)."""
+    if not images:
+        return content
+    if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
+        raise APIError(400, f"'{where}' must be a list of base64 strings", param=where)
+    return [{"type": "image", "data": i} for i in images] + [{"type": "text", "text": content}]
 
 
 @router.post("/generate", responses=STREAMS_NDJSON)
 async def generate(body: OllamaGenerateRequest, request: Request):
     engine = _engine(request)
     model = check_model(engine, body.model, ollama=True)
-    if body.images:
-        raise APIError(400, "images are not supported: this model takes text only")
     if not (body.prompt or body.suffix):
         return _load_reply(model, chat=False)
     prompt, templated = await run_in_threadpool(_generate_prompt, request, body)
@@ -163,9 +175,9 @@ def _chat_prompt(request: Request, body: OllamaChatRequest, tools: list[dict] | 
 
     messages = []
     for i, m in enumerate(body.messages):
-        if m.images:
-            raise APIError(400, f"messages[{i}].images: images are not supported; this model takes text only")
-        messages.append({"role": m.role, "content": m.content or "", "tool_calls": m.tool_calls})
+        messages.append({"role": m.role, "content": with_ollama_images(m.content or "", m.images,
+                                                                        f"messages[{i}].images"),
+                         "tool_calls": m.tool_calls})
     return request_prompt(request.app, messages, tools, think=body.think)
 
 

@@ -24,8 +24,14 @@ from .tool_calls import ToolCallStream, held_back
 # messages
 
 
-def content_text(content: Any, param: str = "messages") -> str:
-    """OpenAI content (str, list of parts, None) → text; images are refused with a 400."""
+#: content parts that carry an image (``image`` with base64 ``data``: Ollama's ``images``, as read here)
+IMAGE_PART_KINDS = ("image_url", "input_image", "image")
+
+
+def content_text(content: Any, param: str = "messages", images=None) -> str:
+    """OpenAI content (str, list of parts, None) → text.  Image parts go to ``images`` (a
+    ``multimodal.chat.ImageCollector``: decoded, each replaced by the model's image markup) when the
+    model takes images; otherwise, and for bad images, a 400."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -47,7 +53,14 @@ def content_text(content: Any, param: str = "messages") -> str:
                 if t is not None and not isinstance(t, str):
                     raise APIError(400, f"'{where}' must be a string, not {type(t).__name__}", param=param)
                 out.append(t or "")
-            elif kind in ("image_url", "image_file", "input_image", "input_audio"):
+            elif kind in IMAGE_PART_KINDS and images is not None:
+                from ..multimodal.images import ImageError
+
+                try:
+                    out.append(images.add_part(p, f"{param}[{j}]"))
+                except ImageError as e:
+                    raise APIError(400, str(e), param=param) from None
+            elif kind in ("image_url", "image_file", "input_image", "input_audio", "image"):
                 raise APIError(400, f"content part type '{kind}' is not supported: this model takes text only",
                                param=param)
             elif not isinstance(kind, str):
@@ -67,11 +80,12 @@ def _arguments_obj(args: Any) -> Any:
     return args if args is not None else {}
 
 
-def template_messages(messages: list[dict], native_tools: bool) -> list[dict]:
+def template_messages(messages: list[dict], native_tools: bool, images=None) -> list[dict]:
     """Normalise messages for ``apply_chat_template``.
 
     With ``native_tools`` the template renders assistant ``tool_calls`` and ``tool`` messages
     itself; otherwise they become Hermes-style ``<tool_call>`` / ``<tool_response>`` text.
+    ``images``: where image parts go (see :func:`content_text`).
     """
     out: list[dict] = []
     for i, m in enumerate(messages):
@@ -80,7 +94,7 @@ def template_messages(messages: list[dict], native_tools: bool) -> list[dict]:
             role = "system"
         if role == "function":
             role = "tool"
-        text = content_text(m.get("content"), f"messages[{i}].content")
+        text = content_text(m.get("content"), f"messages[{i}].content", images)
         calls = m.get("tool_calls") or []
         if role == "assistant" and calls:
             norm = []
@@ -314,7 +328,9 @@ def chat_prompt(engine, messages: list[dict], tools: list[dict] | None, tool_cho
     the request turns reasoning off, and one that does not open it gets ``<think>`` when the
     request asks for reasoning on a think-tag model, or always with ``--force_think``."""
     native = engine.template_supports_tools
-    msgs = template_messages(messages, native)
+    support = getattr(engine, "images", None)  # a vision-language model's ImageSupport
+    images = support.collector() if support is not None else None
+    msgs = template_messages(messages, native, images)
     if tools and not native:
         msgs = add_tool_prompt(msgs, tools, tool_choice)
         tools = None
@@ -327,13 +343,26 @@ def chat_prompt(engine, messages: list[dict], tools: list[dict] | None, tool_cho
     ids = engine.apply_chat_template(msgs, tools=tools if native else None, template_kwargs=kw or None)
     template = engine.chat_template or ""
     if is_harmony_template(template):
-        return ChatPrompt(ids, harmony=True)
+        return ChatPrompt(with_images(engine, ids, images), harmony=True)
     inside = prompt_opens_think(engine.decode(ids[-8:]))
     if inside and think is False:
         ids, inside = ids + engine.encode(THINK_SKIP, add_special_tokens=False), False
     elif not inside and (force_think or (think and THINK_OPEN in template)):
         ids, inside = ids + engine.encode(THINK_PREFIX, add_special_tokens=False), True
-    return ChatPrompt(ids, inside)
+    return ChatPrompt(with_images(engine, ids, images), inside)
+
+
+def with_images(engine, ids: list[int], images) -> list[int]:
+    """The rendered prompt ``ids`` with the request's images: the processor reads the prompt's text
+    (special tokens kept) and expands each image placeholder (a ``multimodal.prompt.ImagePrompt``)."""
+    if images is None or not images.images:
+        return ids
+    from ..multimodal.images import ImageError
+
+    try:
+        return engine.images.prompt(engine.decode(ids), images.images)
+    except ImageError as e:
+        raise APIError(400, str(e), param="messages") from None
 
 
 # ---------------------------------------------------------------------------------------------

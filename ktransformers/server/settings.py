@@ -63,6 +63,10 @@ class Settings:
     draft_max: int = 8
     max_queue: int = 16
     max_body_mb: float = 16.0
+    max_images: int = 4  # images one request may carry (vision-language models)
+    max_image_mb: float = 20.0  # encoded size of one image, MiB
+    max_image_pixels: int = 4096 * 4096  # pixels of one image, read from its header before decoding
+    allow_local_images: bool = False  # file:// image URLs read from the server's own disk
     device: str | None = None
     device_map: str | None = None
     log_level: str = "info"
@@ -82,6 +86,12 @@ class Settings:
     @property
     def max_body_bytes(self) -> int:
         return int(self.max_body_mb * 1024 * 1024)
+
+    def image_limits(self):
+        from ..multimodal.images import ImageLimits
+
+        return ImageLimits(max_images=self.max_images, max_bytes=int(self.max_image_mb * 1024 * 1024),
+                           max_pixels=self.max_image_pixels, allow_local_files=bool(self.allow_local_images))
 
     def host_allow_list(self) -> set[str] | None:
         """Host names requests may carry; None when any is fine (all interfaces, or '*')."""
@@ -151,6 +161,11 @@ class Settings:
                               f"{self.page_size})")
         if self.max_queue < 0:
             raise ConfigError(f"--max_queue {self.max_queue}: must be 0 or more")
+        if self.max_images < 0:
+            raise ConfigError(f"--max_images {self.max_images}: must be 0 (images refused) or more")
+        for name in ("max_image_mb", "max_image_pixels"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{name} {getattr(self, name)}: must be positive")
         if self.temperature is not None and not (0 <= self.temperature <= 2):
             raise ConfigError(f"--temperature {self.temperature}: must be within 0..2")
         if self.top_p is not None and not (0 < self.top_p <= 1):

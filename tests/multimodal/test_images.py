@@ -100,7 +100,7 @@ def test_decompression_bomb_is_refused_whatever_the_limit():
 
 def test_byte_limit():
     data = _encoded(photo_like())
-    _one_line_error(decode_image, data, ImageLimits(max_bytes=100), match=r"over the limit of 100 .--max_image_bytes")
+    _one_line_error(decode_image, data, ImageLimits(max_bytes=100), match=r"over the limit of 100 bytes .--max_image_mb")
     _one_line_error(decode_base64, base64.b64encode(data).decode(), ImageLimits(max_bytes=100),
                     match="over the limit of 100 bytes")
 

@@ -1,0 +1,115 @@
+"""Images through the server (a subprocess of the tiny Qwen3-VL-MoE): the official ``openai`` and
+``ollama`` clients send a picture and get the tokens transformers' generate() gives for the same
+prompt on the unmodified model; usage counts the image tokens; bad images are 400s naming why."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import pytest
+import torch
+
+from server.conftest import start_server, stop_server
+
+from .conftest import photo_like
+
+QUESTION = "What is in the picture?"
+MAX_TOKENS = 8
+
+
+def _png(img) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+@pytest.fixture(scope="module")
+def vl_server(tiny_vl, tmp_path_factory):
+    base = tmp_path_factory.mktemp("vl-server")
+    # the default (batching) backend: a vision-language model is served by the single-request engine
+    proc, url = start_server(tiny_vl, base / "data", base / "server.log", "--model_name", "tiny-vl",
+                             "--max_images", "2", "--max_image_pixels", "100000")
+    yield url
+    stop_server(proc)
+    assert "served one request at a time" in (base / "server.log").read_text()
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_vl):
+    """(prompt tokens, greedy text) of transformers on the prompt the server renders: the image
+    markup, a newline, the question, through the chat template and the processor."""
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+
+    from ktransformers.multimodal.chat import image_support
+
+    tok = AutoTokenizer.from_pretrained(tiny_vl)
+    support = image_support(AutoConfig.from_pretrained(tiny_vl), tok, tiny_vl)
+    text = tok.apply_chat_template([{"role": "user", "content": f"{support.markup}\n{QUESTION}"}], tokenize=False,
+                                   add_generation_prompt=True)
+    prompt = support.prompt(text, [photo_like()])
+    hf = AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32).eval()
+    inputs = {"input_ids": torch.tensor([list(prompt)]), **prompt.vision.inputs}
+    with torch.no_grad():
+        out = hf.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=tok.eos_token_id)
+    text = tok.decode(out[0, len(prompt):], skip_special_tokens=True)
+    assert text.strip()
+    return len(prompt), text, prompt.vision.image_tokens
+
+
+def test_openai_client_image_url(vl_server, expected):
+    import openai
+
+    n_prompt, text, n_image = expected
+    client = openai.OpenAI(base_url=vl_server + "/v1", api_key="unused", max_retries=0, timeout=60)
+    r = client.chat.completions.create(model="tiny-vl", temperature=0, max_tokens=MAX_TOKENS, messages=[
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(_png(photo_like()))}},
+                                     {"type": "text", "text": QUESTION}]}])
+    assert r.choices[0].message.content == text
+    assert r.usage.prompt_tokens == n_prompt and n_image > 0
+    assert n_prompt > n_image  # the image's tokens and the text's
+
+
+def test_ollama_client_images(vl_server, expected):
+    import ollama
+
+    n_prompt, text, _ = expected
+    client = ollama.Client(host=vl_server, timeout=60)
+    r = client.chat(model="tiny-vl", options={"temperature": 0, "num_predict": MAX_TOKENS},
+                    messages=[{"role": "user", "content": QUESTION, "images": [_png(photo_like())]}])
+    assert r.message.content == text and r.prompt_eval_count == n_prompt
+    g = client.generate(model="tiny-vl", prompt=QUESTION, images=[_png(photo_like())],
+                        options={"temperature": 0, "num_predict": MAX_TOKENS})
+    assert g.response == text
+
+
+@pytest.mark.parametrize("url, why", [
+    (_data_url(_png(photo_like())[:200]), "corrupt or truncated"),
+    ("data:image/png;base64," + base64.b64encode(b"hello, not a picture").decode(), "not an image"),
+    ("https://example.com/cat.png", "remote URLs are not fetched"),
+    ("file:///etc/hostname", "file:// URLs are off"),
+    (_data_url(_png(photo_like(400, 300))), "over the limit of 100000 .--max_image_pixels"),
+])
+def test_openai_bad_images_are_400s(vl_server, url, why):
+    import openai
+
+    client = openai.OpenAI(base_url=vl_server + "/v1", api_key="unused", max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError, match=why):
+        client.chat.completions.create(model="tiny-vl", max_tokens=2, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, "hi"]}])
+
+
+def test_image_count_limit_and_ollama_bad_base64(vl_server):
+    import ollama
+
+    client = ollama.Client(host=vl_server, timeout=60)
+    with pytest.raises(ollama.ResponseError, match=r"more than 2 images in one request .--max_images") as e:
+        client.chat(model="tiny-vl", messages=[{"role": "user", "content": "hi", "images": [_png(photo_like())] * 3}])
+    assert e.value.status_code == 400
+    with pytest.raises(ollama.ResponseError, match="not valid base64") as e:
+        client.chat(model="tiny-vl", messages=[{"role": "user", "content": "hi", "images": ["***"]}])
+    assert e.value.status_code == 400
