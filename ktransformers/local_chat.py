@@ -18,7 +18,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a model hub
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
-from .errors import ConfigError, KTError  # noqa: E402
+from .errors import ConfigError, run_command  # noqa: E402
 
 BLOCK = '"""'
 BANNER = ('Type a message and press Enter.  A line of """ opens/closes a multi-line block; '
@@ -461,7 +461,8 @@ def main(argv: list[str] | None = None) -> int:
 
     show = args.progress if args.progress is not None else sys.stderr.isatty()
     progress = log if show else None
-    try:
+
+    def body() -> int:
         _check_args(args)
         if progress:
             progress("starting (torch, CPU kernels) ...")
@@ -473,12 +474,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.prompt is not None:
             return one_shot(gen, params, args)
         return interactive(gen, params, args)
-    except KTError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
+
+    return run_command(body)
 
 
 if __name__ == "__main__":

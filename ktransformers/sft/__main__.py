@@ -18,7 +18,7 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 # PEFT asks transformers a question transformers has renamed; not the user's concern
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
-from ..errors import ConfigError, KTError  # noqa: E402
+from ..errors import ConfigError, run_command  # noqa: E402
 
 COMMANDS = ("train", "chat", "export")
 USAGE = "usage: python -m ktransformers.sft [train|chat|export] CONFIG.yaml [key=value ...]  (--keys lists the keys)"
@@ -183,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     if extra and command != "chat":
         print(f"error: '{extra[0]}': only key=value overrides follow the config ({USAGE})", file=sys.stderr)
         return 2
-    try:
+
+    def body() -> int:
         cfg = _with_overrides(path, overrides)
         from ..operators.cpu_threads import use_threads
 
@@ -193,12 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         if command == "export" or not cfg.do_train:
             return export(cfg, log)
         return train(cfg, log)
-    except KTError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
+
+    return run_command(body)
 
 
 if __name__ == "__main__":
