@@ -163,9 +163,10 @@ class Settings:
             raise ConfigError(f"--max_queue {self.max_queue}: must be 0 or more")
         if self.max_images < 0:
             raise ConfigError(f"--max_images {self.max_images}: must be 0 (images refused) or more")
-        for name in ("max_image_mb", "max_image_pixels"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"--{name} {getattr(self, name)}: must be positive")
+        if self.max_image_pixels <= 0:
+            raise ConfigError(f"--max_image_pixels {self.max_image_pixels}: must be positive")
+        if not (0 < self.max_image_mb <= MAX_BODY_MB_RANGE[1]):
+            raise ConfigError(f"--max_image_mb {self.max_image_mb}: must be positive, at most {MAX_BODY_MB_RANGE[1]} (1 TiB)")
         if self.temperature is not None and not (0 <= self.temperature <= 2):
             raise ConfigError(f"--temperature {self.temperature}: must be within 0..2")
         if self.top_p is not None and not (0 < self.top_p <= 1):

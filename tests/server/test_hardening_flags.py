@@ -16,9 +16,9 @@ from hypothesis import strategies as st  # noqa: E402
 from fuzzing import fuzz_settings  # noqa: E402
 
 INT_FLAGS = ("--cache_lens", "--page_size", "--chunk_size", "--max_batch_size", "--max_queue", "--max_new_tokens",
-             "--top_k", "--cpu_infer", "--port")
+             "--top_k", "--cpu_infer", "--port", "--max_images", "--max_image_pixels")
 FLOAT_FLAGS = ("--prefix_cache_ram_gb", "--prefix_cache_disk_gb", "--max_body_mb", "--temperature", "--top_p",
-               "--repetition_penalty")
+               "--repetition_penalty", "--max_image_mb")
 
 #: flag values as a user might mistype them: numbers of every size and sign, non-numbers, nan/inf
 VALUES = st.one_of(
@@ -44,6 +44,8 @@ def _sane(s) -> None:
     assert s.repetition_penalty is None or s.repetition_penalty > 0
     assert s.temperature is None or 0 <= s.temperature <= 2
     assert s.top_p is None or 0 < s.top_p <= 1
+    limits = s.image_limits()  # the images' limits: a count of 0 or more, a positive size and pixel count
+    assert limits.max_images >= 0 and limits.max_bytes >= 0 and limits.max_pixels >= 1
 
 
 @fuzz_settings(400, deadline=None, database=None, suppress_health_check=list(HealthCheck))
