@@ -91,3 +91,14 @@ def test_generator_text_only_prompt_on_the_vision_model(loaded):
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None)[0, len(ids):]
     _, got, _ = Generator(model, tok).generate(ids, SamplingParams(max_new_tokens=8))
     assert got == ref.tolist()
+
+
+def test_gpu_rule_file_mapped_to_cpu_matches_transformers(loaded, tiny_vl):
+    """The GPU file's placements (experts out to cuda:0, the vision tower on cuda:0) read on a machine
+    without CUDA through ``--device_map cuda=cpu``: the same logits."""
+    _, tok, processor, hf, _ = loaded
+    model = load_model(tiny_vl, model_path=tiny_vl, rules=RULES_DIR / "Qwen3VLMoe.yaml", device_map="cuda=cpu",
+                       allow_unmatched=False)
+    inputs = _inputs(tok, processor)
+    with torch.no_grad():
+        assert _rel(model(**inputs).logits, hf(**inputs).logits) < TOL
