@@ -172,13 +172,33 @@ class Router:
             return JSONResponse(error_body(path, 503, f"{name} failed before answering; retry (new requests "
                                                       "go to a live replica)"),
                                 status_code=503, headers={"Retry-After": "1"})
-        if start.status < 400:
-            self.policy.record(keys, name)
         media = next((v.decode("latin-1") for k, v in start.headers if k.lower() == b"content-type"), "")
-        relay = _Relay(self, stream, name, path, media)
-        resp = _RelayedResponse(relay, status_code=start.status)
-        resp.raw_headers = [(k, v) for k, v in start.headers if k.lower() not in HOP_HEADERS]
-        resp.raw_headers.append((b"x-served-by", name.encode()))
+        headers = [(k, v) for k, v in start.headers if k.lower() not in HOP_HEADERS]
+        headers.append((b"x-served-by", name.encode()))
+        if is_stream(media):
+            if start.status < 400:
+                self.policy.record(keys, name)
+            resp = _RelayedResponse(_Relay(self, stream, name, path, media), status_code=start.status)
+        else:  # a whole answer: sent only once it is whole, so a 200 always carries its body
+            try:
+                body = b"".join([chunk async for chunk in stream])
+            except (RayError, asyncio.CancelledError) as e:
+                stream.cancel()
+                if isinstance(e, asyncio.CancelledError):
+                    raise
+                if isinstance(e, REPLICA_LOST):
+                    self._lost(name, e)
+                return JSONResponse(error_body(path, 503, f"{name} failed while answering; retry (new requests "
+                                                          "go to a live replica)"),
+                                    status_code=503, headers={"Retry-After": "1"})
+            finally:
+                self.policy.finished(name)
+            if start.status < 400:
+                self.policy.record(keys, name)
+                self.policy.learn_ids(ids_in_response(body), name)
+            resp = Response(body, status_code=start.status)
+        resp.raw_headers = headers + ([(b"content-length", str(len(resp.body)).encode())]
+                                      if not isinstance(resp, StreamingResponse) else [])
         return resp
 
     async def _body(self, request: Request) -> bytes | None:
@@ -280,18 +300,24 @@ class _RelayedResponse(StreamingResponse):
             self.relay.close()
 
 
+def is_stream(media: str) -> bool:
+    """Whether a response of this content type is a stream (SSE, NDJSON) the router relays as it comes."""
+    media = media.lower()
+    return "text/event-stream" in media or "ndjson" in media
+
+
 def stream_error_chunks(path: str, media: str, message: str) -> list[bytes]:
     """The error that ends a stream, in the framing and shape of the API that started it:
     NDJSON ``{"error": …}`` (Ollama), an SSE ``error`` event (Responses), an SSE OpenAI error
-    chunk and ``[DONE]`` (chat / completions); a body that is not a stream gets nothing (its
-    client sees a truncated body)."""
+    chunk and ``[DONE]`` (chat / completions); nothing for a whole answer (the router holds one
+    until it is complete, and answers 503 when its replica is lost)."""
     from ..server.common import ndjson, sse
     from ..server.errors import error_body
 
+    if not is_stream(media):
+        return []
     if "ndjson" in media or path.startswith("/api/"):
         return [ndjson({"error": message}).encode()]
-    if "text/event-stream" not in media:
-        return []
     if path.startswith("/v1/responses"):
         return [sse({"type": "error", "code": "replica_lost", "message": message, "param": None},
                     event="error").encode()]

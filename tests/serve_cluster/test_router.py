@@ -163,3 +163,37 @@ def test_a_body_over_the_limit_is_refused_before_any_replica():
 
     _answer(router, "/api/chat", b"x" * 11, send)
     assert out[0]["status"] == 413 and b"exceeds 10 bytes" in out[1]["body"]
+
+
+def test_a_whole_answer_cut_by_a_lost_replica_is_a_503_not_a_short_200():
+    from ktransformers.serve_cluster.asgi_call import ResponseStart
+
+    stream = _Stream([ResponseStart(200, [(b"content-type", b"application/json")]), b'{"id": "conv_'],
+                     fail_after=2)
+    router = Router({"replica-0": _StreamingHandle(stream)}, spill_at=4, max_body_bytes=1024)
+    out = []
+
+    async def send(msg):
+        out.append(msg)
+
+    _answer(router, "/v1/conversations", b"{}", send)
+    assert out[0]["status"] == 503 and b"replica-0 failed while answering" in out[1]["body"]
+    assert router.policy.down == {"replica-0"} and router.policy.in_flight == {"replica-0": 0}
+
+
+def test_a_whole_answer_teaches_the_router_its_ids():
+    from ktransformers.serve_cluster.asgi_call import ResponseStart
+
+    stream = _Stream([ResponseStart(200, [(b"content-type", b"application/json")]), b'{"id": "conv_0a1b", ',
+                      b'"object": "conversation"}'])
+    router = Router({"replica-0": _StreamingHandle(stream)}, spill_at=4, max_body_bytes=1024)
+    out = []
+
+    async def send(msg):
+        out.append(msg)
+
+    _answer(router, "/v1/conversations", b"{}", send)
+    assert out[0]["status"] == 200 and out[1]["body"] == b'{"id": "conv_0a1b", "object": "conversation"}'
+    assert (b"x-served-by", b"replica-0") in out[0]["headers"]
+    assert (b"content-length", b"45") in out[0]["headers"]
+    assert router.policy.ids["conv_0a1b"] == "replica-0"
