@@ -404,6 +404,9 @@ class RunExecutor:
     async def _finish(self, status: str, *, text: str | None = None, usage: dict | None = None,
                       err: dict | None = None) -> None:
         def finish(s, run):
+            nonlocal status
+            if run.status == "cancelling" and status != "failed":  # asked through another server meanwhile
+                status = "cancelled"
             now = _now()
             run.status = status
             run.usage = usage or run.usage

@@ -32,8 +32,8 @@ from .engine import Engine, GenerationRequest, QueueFull
 from .errors import STREAMS_SSE, APIError
 from .prompting import ChatPrompt
 from .response_items import items_to_messages, message_item, normalize_items, page_list  # noqa: F401 - public here too
-from .responses_store import (ConversationRow, ResponseRow, add_conversation_items, conversation_items,
-                              expire_unfinished_responses, response_chain_items)
+from .responses_store import (UNFINISHED, ConversationRow, ResponseRow, add_conversation_items,
+                              conversation_items, expire_unfinished_responses, response_chain_items)
 from .schemas import (FUNCTION_TOOL_SCHEMA, INPUT_ITEM_SCHEMA, Metadata, ModelName, Seed, StopType, _check_stop, _Req,
                       tool_name_problem)
 
@@ -301,18 +301,22 @@ class ResponseRegistry:
                 await asyncio.wait(tasks, timeout=5)
 
 
-def _save(db: Database, job: Job, resp: dict, *, final: bool) -> None:
-    """Write the response's current state; at the end also append its output to the conversation."""
+def _save(db: Database, job: Job, resp: dict, *, final: bool) -> bool:
+    """Write the response's current state; at the end also append its output to the conversation.
+    True when a cancel was asked through another server sharing the database."""
+    cancel = False
     with db.write() as s:
         if job.body.store:
-            row = s.scalar(select(ResponseRow).where(ResponseRow.id == job.id))
+            row = s.scalar(select(ResponseRow).where(ResponseRow.id == job.id).with_for_update())
             if row is not None:
                 row.status, row.data = resp["status"], resp
+                cancel = bool(row.cancel_requested)
         if final and job.conversation_id and resp["output"]:
             if s.scalar(select(ConversationRow).where(ConversationRow.id == job.conversation_id)
                         .with_for_update()) is not None:  # not deleted meanwhile, nor while appending
                 add_conversation_items(s, job.conversation_id,
                                        [o for o in resp["output"] if o.get("status") != "in_progress"])
+    return cancel
 
 
 def _usage(job: Job, n_out: int, n_reasoning: int) -> dict:
@@ -381,7 +385,8 @@ async def run_job(app, job: Job) -> AsyncIterator[dict]:
                         yield e
                 if time.monotonic() - last_save > _SAVE_EVERY_S:  # partial answers survive a crash
                     last_save = time.monotonic()
-                    await run_in_threadpool(_save, db, job, job.snapshot(), final=False)
+                    if await run_in_threadpool(_save, db, job, job.snapshot(), final=False):
+                        app.state.responses.cancel(job.id)  # asked through another server
         for e in pieces(parser.finish()):
             yield e
         usage = _usage(job, n_out, n_reasoning)
@@ -544,8 +549,9 @@ async def _cancel_when_gone(request: Request, job: Job):
         yield
 
 
-def _row(s, response_id: str) -> ResponseRow:
-    row = s.scalar(select(ResponseRow).where(ResponseRow.id == response_id))
+def _row(s, response_id: str, *, lock: bool = False) -> ResponseRow:
+    q = select(ResponseRow).where(ResponseRow.id == response_id)
+    row = s.scalar(q.with_for_update() if lock else q)
     if row is None:
         raise APIError(404, f"Response with id '{response_id}' not found.", param="response_id")
     return row
@@ -583,6 +589,18 @@ async def cancel_response(response_id: str, request: Request):
         if job.task is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(job.task), timeout=30)
+    elif row.status in UNFINISHED:
+        def ask() -> bool:
+            """Flag it for the server generating it; False when no live server does."""
+            with db.write() as s:
+                r = _row(s, response_id, lock=True)
+                r.cancel_requested = True
+                return r.status in UNFINISHED and not db.owner_is_gone(s, r.owner)
+
+        if await run_in_threadpool(ask):  # that server stops it at its next save: wait as for our own
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and (await run_in_threadpool(read)).status in UNFINISHED:
+                await asyncio.sleep(0.2)
     return (await run_in_threadpool(read)).to_dict()
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from sqlalchemy import JSON, Integer, String, select
+from sqlalchemy import JSON, Boolean, Integer, String, false, select
 from sqlalchemy.orm import Mapped, mapped_column
 
 from .db import Base, Database
@@ -31,6 +31,8 @@ class ResponseRow(Base):
     data: Mapped[dict] = mapped_column(JSON)  # the response object as the API returns it
     input_items: Mapped[list] = mapped_column(JSON, default=list)  # this request's own input items
     owner: Mapped[str | None] = mapped_column(String(64), nullable=True)  # Database.instance_id generating it
+    #: a cancel asked through another server sharing the database; the owner stops at its next save
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
     def to_dict(self) -> dict:
         return dict(self.data)
