@@ -9,11 +9,13 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=.venv/.ktransformers-installed
-want=$(cat pyproject.toml setup.py $(find csrc -type f | sort) | sha256sum | cut -d' ' -f1)
+# KT_EXTRAS: more of pyproject's extras, comma-separated (e.g. scale-out: PostgreSQL for the server)
+extras="test,demo${KT_EXTRAS:+,$KT_EXTRAS}"
+want=$( (cat pyproject.toml setup.py $(find csrc -type f | sort); echo "$extras") | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! .venv/bin/python -c "import ktransformers.cpuinfer_ext" 2>/dev/null; then
   PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
   "${PIP[@]}" "torch==2.13.0"
-  "${PIP[@]}" -e ".[test,demo]"
+  "${PIP[@]}" -e ".[$extras]"
   echo "$want" > "$stamp"
 fi
 .venv/bin/python -c "import ktransformers.kernels as k; print('ktransformers ready; CPU kernel tier:', k.isa_tier())"
