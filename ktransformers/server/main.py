@@ -191,15 +191,16 @@ def _max_positions(config) -> int:
     return int(getattr(text, "max_position_embeddings", None) or 4096)
 
 
-def kv_cache_tokens(settings: Settings, config) -> int:
-    """The tokens the server's KV cache holds, counted in the memory plan before a weight is read:
-    the batching engine's page pool, else ``--cache_lens`` or the model's max positions."""
+def planned_context(settings: Settings, config) -> int:
+    """The tokens whose KV cache the memory plan counts before a weight is read: the server's (the
+    batching engine's page pool, else ``--cache_lens`` or the model's max positions), at most the
+    model's max positions, the longest one sequence the plan sizes (a larger pool is not refused)."""
     max_pos = _max_positions(config)
     if settings.backend_type == "balance_serve":
         from .batch_engine import pool_tokens
 
-        return pool_tokens(settings, max_pos)
-    return settings.cache_lens or max_pos
+        return min(pool_tokens(settings, max_pos), max_pos)
+    return min(settings.cache_lens or max_pos, max_pos)
 
 
 def build_engine(settings: Settings):
@@ -217,7 +218,7 @@ def build_engine(settings: Settings):
                                  device_map=settings.device_map, allow_unmatched=True, log=log.info,
                                  check_tensors=settings.check_tensors, lora=settings.lora_path,
                                  chat_template=settings.chat_template,
-                                 context=lambda config: kv_cache_tokens(settings, config))
+                                 context=lambda config: planned_context(settings, config))
     model, tokenizer, source = loaded.model, loaded.tokenizer, loaded.source
     from ..multimodal.chat import image_support
     from ..weights.model_config import weights_folder

@@ -10,7 +10,7 @@ import pytest
 
 from ktransformers.optimize import build_model, explain_plan, plan_model
 from ktransformers.optimize_rules import default_rule_file
-from ktransformers.server.main import kv_cache_tokens, main, parse_settings
+from ktransformers.server.main import planned_context, main, parse_settings
 from ktransformers.weights import open_weights
 from ktransformers.weights.model_config import load_config
 
@@ -53,10 +53,21 @@ def test_start_refused_when_the_kv_cache_of_its_context_would_not_fit(capsys, ti
 
 def test_context_counted_is_the_one_the_server_serves(tiny_dir):
     cfg = load_config(tiny_dir)
-    assert kv_cache_tokens(parse_settings(["--model_path", str(tiny_dir)]), cfg) == cfg.max_position_embeddings
-    assert kv_cache_tokens(parse_settings(["--model_path", str(tiny_dir), "--cache_lens", "64",
+    assert planned_context(parse_settings(["--model_path", str(tiny_dir)]), cfg) == cfg.max_position_embeddings
+    assert planned_context(parse_settings(["--model_path", str(tiny_dir), "--cache_lens", "64",
                                            "--backend_type", "ktransformers"]), cfg) == 64
     cfg.max_position_embeddings = 10**6  # the batching pool stops at its default size
     from ktransformers.server.settings import DEFAULT_POOL_TOKENS
 
-    assert kv_cache_tokens(parse_settings(["--model_path", str(tiny_dir)]), cfg) == DEFAULT_POOL_TOKENS
+    assert planned_context(parse_settings(["--model_path", str(tiny_dir)]), cfg) == DEFAULT_POOL_TOKENS
+
+
+def test_a_pool_past_the_model_positions_is_planned_at_them_not_refused(capsys, tiny_dir, tmp_path, monkeypatch):
+    """A --cache_lens above the model's max positions (a batching pool several requests share) is
+    sized at the model's positions in the plan, not refused as a context the model cannot hold."""
+    cfg = load_config(tiny_dir)
+    assert planned_context(parse_settings(["--model_path", str(tiny_dir), "--cache_lens", "100000"]), cfg) \
+        == cfg.max_position_embeddings
+    monkeypatch.delenv("KT_IGNORE_MEMORY_PLAN", raising=False)
+    with pytest.raises(AssertionError, match="the server started"):
+        _start(capsys, tiny_dir, tmp_path, monkeypatch, "--cache_lens", "4096")
