@@ -330,9 +330,23 @@ def test_cancel_through_another_server(postgres, make_engine, tmp_path, monkeypa
 
 # ---- bad URLs -----------------------------------------------------------------------------
 
+@pytest.fixture
+def keep_server_logging():
+    """``main`` points the ``ktransformers`` logger at its data folder: give the other tests theirs back."""
+    import logging
+
+    logger = logging.getLogger("ktransformers")
+    handlers, level = logger.handlers[:], logger.level
+    yield
+    for h in logger.handlers:
+        if h not in handlers:
+            h.close()
+    logger.handlers[:], logger.level = handlers, level
+
+
 @pytest.mark.parametrize("case", ["scheme", "garbage", "no_database", "unreachable", "credentials",
                                   "missing_database"])
-def test_bad_database_url_is_one_line_at_start(case, postgres, tmp_path, capsys):  # noqa: F811
+def test_bad_database_url_is_one_line_at_start(case, postgres, tmp_path, capsys, keep_server_logging):  # noqa: F811
     """Before any model is loaded, ``main`` prints one ``error:`` line (no password) and exits 2."""
     from ktransformers.server.main import main
 
@@ -356,3 +370,15 @@ def test_bad_database_url_is_one_line_at_start(case, postgres, tmp_path, capsys)
     assert expect in err, err
     log = data / "logs" / "server.log"
     assert not log.exists() or PASSWORD not in log.read_text()
+
+
+def test_without_the_driver_the_url_says_what_to_install(monkeypatch):
+    import sys
+
+    from ktransformers.errors import ConfigError
+    from ktransformers.server.db import parse_database_url
+
+    monkeypatch.setitem(sys.modules, "psycopg", None)  # as where the extra is not installed
+    with pytest.raises(ConfigError) as e:
+        parse_database_url(f"postgresql://kt:{PASSWORD}@127.0.0.1/kt")
+    assert "pip install 'ktransformers[scale-out]'" in str(e.value) and PASSWORD not in str(e.value)
