@@ -47,6 +47,12 @@ def set_tensor(name: str, part: int, value, index: int = 0):
     return edit
 
 
+def cpu_seconds() -> float:
+    """This process's CPU time, the clock of the bound on a case's work: the first open of a damaged
+    tokenizer converts it (seconds of work) and wall time on a loaded machine multiplies that."""
+    return time.process_time()
+
+
 def outcome(path: Path, check_tensors: bool = False) -> str | None:
     """None when the file loads as far as a model is sized from it; the error line otherwise."""
     from ktransformers.weights import open_weights
@@ -99,10 +105,10 @@ CASES = [
 @needs_fixture
 @pytest.mark.parametrize("kind, edit, needle", CASES, ids=[c[0] for c in CASES])
 def test_corruption_named_before_anything_is_sized(tmp_path, kind, edit, needle):
-    t0 = time.perf_counter()
+    t0 = cpu_seconds()
     msg = outcome(corrupt(tmp_path, edit))
     assert msg is not None and needle in msg, msg
-    assert time.perf_counter() - t0 < 30
+    assert cpu_seconds() - t0 < 30
 @needs_fixture
 def test_fixture_itself_loads_and_scans_clean(tmp_path):
     assert outcome(corrupt(tmp_path, lambda r: None), check_tensors=True) is None
@@ -172,9 +178,9 @@ def test_corpus_every_numeric_field_swept(tmp_path, fixture):
             if dtype.kind == "u" and (isinstance(v, float) or v < 0):
                 continue
             p = corrupt(tmp_path, set_field(key, cast[()]), f"f{n}.gguf", fixture)
-            t0 = time.perf_counter()
+            t0 = cpu_seconds()
             errors += outcome(p) is not None
-            assert time.perf_counter() - t0 < 30, (key, v)
+            assert cpu_seconds() - t0 < 30, (key, v)
             p.unlink()
             n += 1
     assert n >= 70 and errors >= n // 3, (n, errors)
@@ -216,9 +222,9 @@ def test_fuzz_gguf_header_named_error_or_success(tmp_path, edits):
         for pos, byte in edits:
             raw[pos] = byte
         p.write_bytes(bytes(raw))
-    t0 = time.perf_counter()
+    t0 = cpu_seconds()
     outcome(p)
-    assert time.perf_counter() - t0 < 30
+    assert cpu_seconds() - t0 < 30
 
 
 # ---- keys written into a tiny Gemma-3 file: sliding window, special token ids -------------------
@@ -286,9 +292,9 @@ def test_fuzz_gemma_window_and_token_ids(tiny_gemma, tmp_path, key, value):
     kind = (T.BOOL if isinstance(value, bool) else T.INT64 if isinstance(value, int)
             else T.FLOAT64 if isinstance(value, float) else T.STRING)
     p = with_metadata(tiny_gemma, tmp_path / "f.gguf", {key: (kind, value)})
-    t0 = time.perf_counter()
+    t0 = cpu_seconds()
     msg = outcome(p)
-    assert time.perf_counter() - t0 < 30
+    assert cpu_seconds() - t0 < 30
     window = key.endswith("sliding_window")
     valid = (kind == T.INT64 and (1 <= value <= 1 << 20 if window else 0 <= value < 320))
     if valid:
