@@ -108,8 +108,8 @@ def test_a_live_server_keeps_its_unfinished_rows(postgres):  # noqa: F811
 
 # ---- migrations ---------------------------------------------------------------------------
 
-def _upgrade_to(store_url, revision: str) -> None:
-    """Bring a fresh database to ``revision`` only, as an older ktransformers left it."""
+def _upgrade_to(store_url, revision: str):
+    """Bring a fresh database to ``revision`` only, as an older ktransformers left it; its engine."""
     from alembic import command
     from alembic.config import Config
     from sqlalchemy import create_engine
@@ -133,14 +133,14 @@ def _upgrade_to(store_url, revision: str) -> None:
 
 
 def test_migrates_the_previous_schema_keeping_rows(store_url):
-    from sqlalchemy import text
+    from sqlalchemy import inspect, text
 
     from ktransformers.server.db import Run
     from ktransformers.server.responses_store import ResponseRow
 
     engine = _upgrade_to(store_url, "0001")
     with engine.begin() as c:
-        assert "owner" not in {col["name"] for col in __import__("sqlalchemy").inspect(c).get_columns("runs")}
+        assert "owner" not in {col["name"] for col in inspect(c).get_columns("runs")}
         c.execute(text("INSERT INTO runs (id, thread_id, assistant_id, created_at, status, model, tools, metadata, "
                        "parallel_tool_calls) VALUES ('run_old', 't', 'a', 1, 'in_progress', 'm', '[]', '{}', true)"))
         c.execute(text("INSERT INTO responses (id, created_at, status, data, input_items) "
@@ -182,8 +182,6 @@ def test_a_newer_schema_is_refused_in_one_line(store_url):
 
     from ktransformers.errors import ConfigError
 
-    _open(store_url).close()
-    data_dir, url = store_url
     db = _open(store_url)
     with db.engine.begin() as c:
         c.execute(text("UPDATE alembic_version SET version_num = '9999_future'"))
@@ -266,13 +264,7 @@ def test_two_servers_share_conversations_responses_and_threads(postgres, make_en
         thread = a.post("/v1/threads", json={"messages": [{"role": "user", "content": "hi"}]}, headers=beta).json()
         run = b.post(f"/v1/threads/{thread['id']}/runs", json={"assistant_id": asst["id"],
                                                                "max_completion_tokens": 2}, headers=beta).json()
-        for _ in range(200):
-            got = a.get(f"/v1/threads/{thread['id']}/runs/{run['id']}", headers=beta).json()
-            if got["status"] not in ("queued", "in_progress"):
-                break
-            import time
-
-            time.sleep(0.05)
+        got = _wait_status(a, f"/v1/threads/{thread['id']}/runs/{run['id']}", beta)
         assert got["status"] in ("completed", "incomplete")
         msgs = a.get(f"/v1/threads/{thread['id']}/messages", params={"order": "asc"}, headers=beta).json()["data"]
         assert [m["role"] for m in msgs] == ["user", "assistant"]
