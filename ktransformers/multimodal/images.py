@@ -15,9 +15,13 @@ import struct
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 
 from ..errors import KTError
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 #: formats decoded; others (PDF, EPS, ICO, ...) are refused by name
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")

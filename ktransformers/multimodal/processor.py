@@ -68,4 +68,8 @@ def image_prompt(processor, text: str, images: list, limits: ImageLimits = Image
     marks = text.count(placeholder)
     if marks != len(images):
         raise ImageError(f"the prompt holds {marks} image placeholders ({placeholder}) for {len(images)} images")
-    return dict(processor(text=[text], images=images or None, return_tensors="pt"))
+    try:
+        return dict(processor(text=[text], images=images or None, return_tensors="pt"))
+    except ValueError as e:  # what the image processor cannot take (an aspect ratio past its limit ...)
+        sizes = ", ".join(f"{w}x{h}" for w, h in (im.size for im in images))
+        raise ImageError(f"images ({sizes}): the model's processor refused them: {str(e).splitlines()[0]}") from None

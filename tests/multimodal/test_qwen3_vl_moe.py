@@ -102,3 +102,41 @@ def test_gpu_rule_file_mapped_to_cpu_matches_transformers(loaded, tiny_vl):
     inputs = _inputs(tok, processor)
     with torch.no_grad():
         assert _rel(model(**inputs).logits, hf(**inputs).logits) < TOL
+
+
+def test_processor_refusals_are_image_errors(loaded):
+    from PIL import Image
+
+    from ktransformers.multimodal.images import ImageError
+
+    _, tok, processor, _, _ = loaded
+    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}]}], tokenize=False)
+    with pytest.raises(ImageError, match=r"images \(1000x1\): the model's processor refused them: .*aspect ratio"):
+        image_prompt(processor, text, [Image.new("RGB", (1000, 1))])
+    with pytest.raises(ImageError, match=r"the prompt holds 1 image placeholders .* for 2 images"):
+        image_prompt(processor, text, [Image.new("RGB", (64, 64))] * 2)
+
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from fuzzing import fuzz_settings  # noqa: E402
+
+
+@fuzz_settings(60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(width=st.integers(1, 3000), height=st.integers(1, 3000))
+def test_fuzz_picture_sizes_through_the_processor(loaded, width, height):
+    """Any picture size that decodes: model inputs whose image tokens fill the placeholder, or a refusal."""
+    from PIL import Image
+
+    from ktransformers.multimodal.images import ImageError
+    from ktransformers.multimodal.prompt import ImagePrompt
+
+    _, tok, processor, _, _ = loaded
+    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}]}], tokenize=False)
+    try:
+        prompt = ImagePrompt.from_processor(image_prompt(processor, text, [Image.new("RGB", (width, height))]))
+    except ImageError as e:
+        assert "\n" not in str(e) and "aspect ratio" in str(e)
+    else:
+        assert prompt.vision.image_tokens == int(prompt.vision.inputs["image_grid_thw"].prod()) // 4

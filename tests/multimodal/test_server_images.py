@@ -93,6 +93,7 @@ def test_ollama_client_images(vl_server, expected):
     ("https://example.com/cat.png", "remote URLs are not fetched"),
     ("file:///etc/hostname", "file:// URLs are off"),
     (_data_url(_png(photo_like(400, 300))), "over the limit of 100000 .--max_image_pixels"),
+    (_data_url(_png(photo_like(1000, 1))), r"the model's processor refused them: absolute aspect ratio"),
 ])
 def test_openai_bad_images_are_400s(vl_server, url, why):
     import openai
