@@ -274,6 +274,9 @@ class Database:
             self.engine.dispose()
             what = f"--database_url {self.where}" if url else f"database {self.where}"
             raise ConfigError(_connect_problem(e, what, self.url.password)) from None
+        except BaseException:  # a schema this version does not know, an interrupt: no connection left open
+            self.engine.dispose()
+            raise
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._write_sessions = sessionmaker(writer, expire_on_commit=False, info={"owner": self.instance_id})
         event.listen(self._write_sessions, "before_flush", _stamp_owner)
@@ -343,7 +346,8 @@ class Database:
 
     def unfinished_orphans(self, s: Session, cls, statuses) -> list:
         """Rows of ``cls`` in one of ``statuses`` whose owner is gone, locked for this write."""
-        rows = list(s.scalars(select(cls).where(cls.status.in_(statuses)).with_for_update()))
+        # locked in one order (seq), so servers starting together cannot deadlock on them
+        rows = list(s.scalars(select(cls).where(cls.status.in_(statuses)).order_by(cls.seq).with_for_update()))
         gone = {o: self.owner_is_gone(s, o) for o in {r.owner for r in rows}}
         return [r for r in rows if gone[r.owner]]
 
