@@ -80,8 +80,15 @@ def postgres():
     bin_dir = _bin_dir()
     if bin_dir is None:
         pytest.skip("PostgreSQL is not installed (no pg_ctl on PATH or in /usr/lib/postgresql/*/bin)")
-    if os.geteuid() == 0 and shutil.which("runuser") is None:
-        pytest.skip("running as root without runuser: cannot start PostgreSQL as another user")
+    if os.geteuid() == 0:
+        import pwd
+
+        try:
+            pwd.getpwnam("postgres")
+        except KeyError:
+            pytest.skip("running as root without a 'postgres' user: PostgreSQL refuses to run as root")
+        if shutil.which("runuser") is None:
+            pytest.skip("running as root without runuser: cannot start PostgreSQL as the 'postgres' user")
     cluster = Cluster(bin_dir)
     yield cluster
     cluster.stop()
