@@ -294,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
 
         database = Database(settings.data_dir, url=settings.database_url)  # a bad URL fails before the model loads
         log.info("database %s", database.where)
-        log.info("data dir %s (database, logs in %s)", Path(settings.data_dir).resolve(), log_file)
+        log.info("data dir %s (%slogs in %s)", Path(settings.data_dir).resolve(),
+                 "" if settings.database_url else "database, ", log_file)
         log.info("loading model ...")
         engine = build_engine(settings)
     except KTError as e:
