@@ -114,3 +114,22 @@ def test_fuzz_database_url_one_line_without_the_password(tmp_path_factory, url):
 
         assert parse_database_url(s.database_url).drivername == "postgresql+psycopg"
         assert DB_PASSWORD not in redact_url(s.database_url)
+
+
+@fuzz_settings(300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(cache_lens=st.one_of(st.none(), st.integers(16, 2**40)), backend=st.sampled_from(["balance_serve", "ktransformers"]),
+       max_positions=st.one_of(st.none(), st.integers(1, 2**24)))
+def test_fuzz_planned_context_is_one_the_memory_plan_takes(tmp_path_factory, cache_lens, backend, max_positions):
+    """Any accepted --cache_lens on either backend, any model context: the memory plan is asked for
+    1 .. the model's max positions tokens (a larger pool is planned at them, never refused as a context)."""
+    from types import SimpleNamespace
+
+    from ktransformers.server.main import planned_context
+
+    argv = ["--model_path", str(tmp_path_factory.getbasetemp()), "--backend_type", backend, "--page_size", "16"]
+    s = parse_settings(argv + (["--cache_lens", str(cache_lens)] if cache_lens else []))
+    limit = max_positions or 4096  # a config without it: 4096, as the plan reads it
+    got = planned_context(s, SimpleNamespace(max_position_embeddings=max_positions))
+    assert 1 <= got <= limit
+    if backend == "ktransformers":  # its context is --cache_lens, else the model's
+        assert got == min(cache_lens or limit, limit)
