@@ -64,6 +64,7 @@ def test_fuzz_dataset_file_bytes(tmp_path_factory, data):
     except ConfigError as e:
         assert "\n" not in str(e) and str(f) in str(e), str(e)
 
+
 # -- adapters with expert LoRA, applied on the inference rules -------------------------------------------
 
 EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
