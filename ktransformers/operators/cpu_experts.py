@@ -27,7 +27,7 @@ from ..weights.source import EXPERT_PROJS
 from .base import KwargSpec
 from .cpu_threads import kernel_pool
 from .experts import ExpertsOp
-from .formats import PACKED, RAW, kernel_format, read_for_kernel
+from .formats import PACKED, RAW, kernel_format, read_for_kernel, stored_type
 from .registry import register
 
 #: backends whose weights the LoRA forward / backward kernels (``kernels.MoETrainKernel``) read
@@ -54,7 +54,7 @@ class KExpertsCPU(ExpertsOp):
 
     @classmethod
     def decide_format(cls, weights, name, dtype, kwargs):
-        return kernel_format(weights.raw(name), dtype, kwargs.get("backend", "llamafile"))
+        return kernel_format(stored_type(weights, name), dtype, kwargs.get("backend", "llamafile"))
 
     def __init__(self, key, config, orig_module, device, backend: str = "llamafile", **kwargs):
         super().__init__(key, config, orig_module, device, backend=backend, **kwargs)

@@ -7,7 +7,7 @@ import torch
 
 from .. import kernels as K
 from .cpu_threads import kernel_pool
-from .formats import kernel_format, read_for_kernel
+from .formats import kernel_format, read_for_kernel, stored_type
 from .linear import LinearOp
 from .registry import register
 
@@ -18,7 +18,7 @@ class KLinearCPU(LinearOp):
 
     @classmethod
     def decide_format(cls, weights, name, dtype, kwargs):
-        return kernel_format(weights.raw(name), dtype)
+        return kernel_format(stored_type(weights, name), dtype)
 
     def load(self, weights, dtype):
         name = f"{self.key}.weight"

@@ -23,7 +23,7 @@ import torch
 
 from ..errors import WeightError
 from ..kernels.moe import PACKED_BACKENDS
-from ..weights.ggml_types import BY_NAME, GGMLType
+from ..weights.ggml_types import BY_NAME, TYPES, GGMLType
 
 RAW, FLOAT, PACKED, FP8 = "raw", "float", "packed", "fp8"
 
@@ -77,12 +77,24 @@ def float_format(dtype: torch.dtype) -> WeightFormat:
     return WeightFormat(FLOAT, row)
 
 
-def kernel_format(stored, dtype: torch.dtype, backend: str = "llamafile") -> WeightFormat:
-    """The CPU kernels' format of a weight stored as ``stored`` (a ``RawTensor`` or None): its raw
+def stored_type(weights, name: str) -> GGMLType | None:
+    """The ggml type ``name`` is stored in (None: plain floats, FP8, or a tensor computed from stored
+    values), read from the file's header where the source can (GGUF's ``ggml_type``): deciding a
+    format reads no tensor data."""
+    probe = getattr(weights, "ggml_type", None)
+    if callable(probe):
+        tid = probe(name)
+        return TYPES.get(tid) if tid is not None else None
+    raw = weights.raw(name)
+    return raw.type if raw is not None else None
+
+
+def kernel_format(stored: GGMLType | None, dtype: torch.dtype, backend: str = "llamafile") -> WeightFormat:
+    """The CPU kernels' format of a weight stored as ``stored`` (:func:`stored_type`): its raw
     blocks where the kernels compute on the type, else a float copy (F32 for an fp32 model, else
     BF16); packed from either by a packing ``backend``."""
-    if stored is not None and stored.type is not None and stored.type.kernel:
-        fmt = raw_format(stored.type)
+    if stored is not None and stored.kernel:
+        fmt = raw_format(stored)
     else:
         fmt = float_format(torch.float32 if dtype == torch.float32 else torch.bfloat16)
     return WeightFormat(PACKED, backend=backend, source=fmt) if backend in PACKED_BACKENDS else fmt

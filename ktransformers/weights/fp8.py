@@ -120,6 +120,12 @@ class FP8DequantSource(WeightSource):
     def stores_parameter(self, name: str) -> bool:
         return self.inner.stores_parameter(name)
 
+    def ggml_type(self, name: str) -> int | None:
+        """The inner file's stored ggml type of ``name`` (None for a checkpoint of floats / FP8), read
+        from its header: no tensor is read."""
+        probe = getattr(self.inner, "ggml_type", None)
+        return probe(name) if callable(probe) and self.inner.has(name) else None
+
     def raw(self, name: str) -> RawTensor | None:
         """The FP8 weight with its fp32 ``scale_inv`` when ``name`` is stored as FP8; else the inner raw."""
         if not self.inner.has(name):

@@ -353,6 +353,9 @@ class _OffsetNorm(_Plain):
     def raw(self, src, name):
         return None
 
+    def stored_type(self, src):
+        return None  # computed from the stored values, as raw() says
+
     def natural_dtype(self, src):
         return torch.float32
 
@@ -366,6 +369,9 @@ class _ALog(_Plain):
 
     def raw(self, src, name):
         return None
+
+    def stored_type(self, src):
+        return None  # computed from the stored values, as raw() says
 
     def natural_dtype(self, src):
         return torch.float32
@@ -482,7 +488,8 @@ class _Stack(_Entry):
         return RawTensor(name, np.concatenate([t.data for t in ts]), ts[0].type, self.shape)
 
     def stored_type(self, src):
-        return src._tensors[self.parts[0]].type.id
+        types = {src._tensors[p].type for p in self.parts}
+        return types.pop().id if len(types) == 1 else None  # mixed types: floats, as raw() says
 
 
 class _SplitKvB(_Entry):

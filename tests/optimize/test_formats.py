@@ -171,3 +171,34 @@ def test_format_label_names_each_weight_where_they_differ():
     assert format_label({}, key) == ""
     packed = F.kernel_format(None, torch.float32, "AMXInt4")
     assert packed.label == "AMXInt4 packed from float F32" and packed.read.torch_dtype == torch.float32
+
+
+def test_deciding_a_format_reads_no_tensor_data(tmp_path):
+    """The plan decides formats from the file's header: a GGUF source's ``ggml_type`` agrees with its
+    ``raw()`` on every tensor, and deciding does not call ``raw()``."""
+    from ktransformers.operators.formats import stored_type
+    from ktransformers.util.tiny_models import write_tiny_model
+    from ktransformers.weights import open_weights
+    from ktransformers.convert import convert
+
+    d = tmp_path / "m"
+    write_tiny_model("qwen3_moe", d, seed=1)
+    gguf = tmp_path / "m.gguf"
+    convert(d, gguf)
+    src = open_weights(str(gguf))
+    for name in src.names():
+        raw = src.raw(name)
+        assert stored_type(src, name) == (raw.type if raw is not None else None), name
+
+    class NoRead:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def ggml_type(self, name):
+            return self.inner.ggml_type(name)
+
+        def raw(self, name):
+            raise AssertionError("a format decision read the tensor")
+
+    name = next(n for n in src.names() if "experts" in n)
+    assert stored_type(NoRead(src), name) is not None
