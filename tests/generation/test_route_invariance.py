@@ -105,24 +105,6 @@ def test_gemma_routes_past_the_sliding_window(gemma):
     _check_routes(gemma, prompt, steps=4, chunk=100, others=others, page_size=16)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from ktransformers import load_model
-    from ktransformers.util.tiny_models import write_tiny_model
-
-    made = {}
-
-    def get(arch, **overrides):
-        key = (arch, repr(sorted(overrides.items())))
-        if key not in made:
-            d = tmp_path_factory.mktemp(f"routes-{arch}")
-            write_tiny_model(arch, d, seed=2, **overrides)
-            made[key] = load_model(d, model_path=d)
-        return made[key]
-
-    return get
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "qwen2_moe", "gemma3_text"])
 def test_tiny_families_routes_give_the_same_bits(tiny, arch):
     _flash_or_skip()

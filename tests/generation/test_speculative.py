@@ -21,24 +21,6 @@ from ktransformers.generation.speculative import NgramDrafter, Policy
 from .test_invariance import _NoText
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from ktransformers import load_model
-    from ktransformers.util.tiny_models import write_tiny_model
-
-    made = {}
-
-    def get(arch, **overrides):
-        key = (arch, repr(sorted(overrides.items())))
-        if key not in made:
-            d = tmp_path_factory.mktemp(f"spec-{arch}")
-            write_tiny_model(arch, d, seed=2, **overrides)
-            made[key] = load_model(d, model_path=d)
-        return made[key]
-
-    return get
-
-
 # a sliding window shorter than the prompt: the verify rows roll the window, and undo restores it
 FAMILIES = [("llama", {}), ("qwen3_moe", {}), ("qwen2_moe", {"shared_expert_intermediate_size": 64}),
             ("gemma3_text", {"sliding_window": 8})]
