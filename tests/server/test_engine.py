@@ -80,7 +80,8 @@ def test_non_stream_disconnect_cancels(live_app, make_engine, slow):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(srv.url + "/v1/chat/completions", timeout=0.5,
                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 500})
-        assert _wait(slow.cancelled.is_set, 5)
+        # the disconnect is noticed between tokens; allow for a loaded machine
+        assert _wait(slow.cancelled.is_set, 15)
 
 
 def test_queue_full_answers_503(live_app, make_engine, slow):
