@@ -62,6 +62,9 @@ class ImageCollector:
         if part.get("type") == "image":
             return self._add(decode_image(decode_base64(part.get("data"), limits, where), limits, where))
         url = part.get("image_url")
+        if url is None and part.get("file_id") is not None:
+            raise ImageError(f"{where}.file_id: this server stores no files; send the image as image_url, "
+                             f"a data:image/...;base64 URL")
         if isinstance(url, dict):
             url = url.get("url")
         if not isinstance(url, str):

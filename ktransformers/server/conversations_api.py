@@ -41,6 +41,11 @@ def _db(request: Request) -> Database:
     return request.app.state.db
 
 
+def _images(request: Request):
+    """The model's ImageSupport when it takes images (its items may hold ``input_image`` parts)."""
+    return getattr(request.app.state.engine, "images", None)
+
+
 def conversation_row(s, conversation_id: str, *, lock: bool = False) -> ConversationRow:
     """The conversation (404 when none); ``lock``: no other writer adds to or deletes it until this write commits."""
     q = select(ConversationRow).where(ConversationRow.id == conversation_id)
@@ -63,7 +68,7 @@ def _item(s, conversation_id: str, item_id: str) -> ConversationItemRow:
 def create_conversation(request: Request, body: ConversationCreate | None = None):
     body = body or ConversationCreate()
     meta = dict(body.metadata or {})
-    items = normalize_items(body.items or [], "items")
+    items = normalize_items(body.items or [], "items", _images(request))
     c = ConversationRow(id=new_id("conv_"), created_at=int(time.time()), meta=meta)
     with _db(request).write() as s:
         s.add(c)
@@ -104,7 +109,7 @@ def list_items(conversation_id: str, request: Request, limit: int = 20, order: s
 
 @router.post("/conversations/{conversation_id}/items")
 def create_items(conversation_id: str, body: ItemsCreate, request: Request):
-    items = normalize_items(body.items, "items")
+    items = normalize_items(body.items, "items", _images(request))
     with _db(request).write() as s:
         conversation_row(s, conversation_id, lock=True)
         add_conversation_items(s, conversation_id, items)

@@ -8,7 +8,7 @@ from typing import Any
 
 from .common import new_id
 from .errors import APIError, UnknownCursor
-from .prompting import content_text
+from .prompting import IMAGE_PART_KINDS, content_text
 from .schemas import json_type_name
 
 
@@ -37,12 +37,37 @@ def _checked_parts(content: Any, where: str) -> Any:
     return content
 
 
-def normalize_items(raw: Any, param: str = "input") -> list[dict]:
-    """Input items (a string, or messages / function calls / their outputs) → stored items with ids."""
+def _has_images(content: Any) -> bool:
+    return isinstance(content, list) and any(isinstance(p, dict) and p.get("type") in IMAGE_PART_KINDS
+                                             for p in content)
+
+
+def _message_with_images(role: str, content: list, where: str, images) -> dict:
+    """A message item keeping its parts in order: text parts and ``input_image`` parts (their
+    ``image_url``, a data: URL), each image decoded and checked now by ``images`` (an
+    ``ImageCollector``), so that a bad one is a 400 naming its part here, not a later continuation's."""
+    content_text(content, where, images)  # the chat route's checks and errors, image by image
+    parts = []
+    for p in content:
+        if isinstance(p, dict) and p.get("type") in IMAGE_PART_KINDS:
+            url = p.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            parts.append({"type": "input_image", "image_url": url, "detail": p.get("detail") or "auto"})
+        else:
+            parts.append(_text_part(role, content_text([p], where)))
+    return {"type": "message", "id": new_id("msg_"), "role": role, "status": "completed", "content": parts}
+
+
+def normalize_items(raw: Any, param: str = "input", images=None) -> list[dict]:
+    """Input items (a string, or messages / function calls / their outputs) → stored items with ids.
+
+    ``images``: the model's ``multimodal.chat.ImageSupport`` when it takes images (None: text only,
+    an image part is a 400); a message's ``input_image`` parts are checked and stored with it."""
     if raw is None:
         return []
     if isinstance(raw, str):
         return [message_item("user", raw)]
+    collector = images.collector() if images is not None else None  # --max_images counts the whole input
     out = []
     for i, it in enumerate(raw):
         where = f"{param}[{i}]"
@@ -58,8 +83,11 @@ def normalize_items(raw: Any, param: str = "input") -> list[dict]:
             if it.get("content") is None:
                 raise APIError(400, f"'{where}.content' is required: a string or a list of content parts",
                                param=f"{where}.content")
-            text = content_text(_checked_parts(it.get("content"), f"{where}.content"), f"{where}.content")
-            item = message_item(role, text)
+            content = _checked_parts(it.get("content"), f"{where}.content")
+            if collector is not None and _has_images(content):
+                item = _message_with_images(role, content, f"{where}.content", collector)
+            else:
+                item = message_item(role, content_text(content, f"{where}.content"))
         elif kind == "function_call":
             for k in ("call_id", "name", "arguments"):
                 if not isinstance(it.get(k), str):
@@ -93,7 +121,9 @@ def items_to_messages(items: list[dict]) -> list[dict]:
     for it in items:
         kind = it.get("type")
         if kind == "message":
-            msgs.append({"role": it["role"], "content": content_text(it.get("content"), "input")})
+            content = it.get("content")  # with pictures: the parts, which the chat prompt decodes again
+            msgs.append({"role": it["role"], "content": list(content) if _has_images(content)
+                         else content_text(content, "input")})
         elif kind == "function_call":
             call = {"id": it["call_id"], "type": "function",
                     "function": {"name": it["name"], "arguments": it["arguments"]}}

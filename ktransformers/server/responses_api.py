@@ -445,7 +445,7 @@ def _prepare(app, body: ResponseCreate) -> Job:
         raise APIError(400, "background responses must be stored: 'store' cannot be false", param="store")
     if body.background and body.stream:
         raise APIError(400, "streaming a background response is not supported by this server", param="stream")
-    items = normalize_items(body.input)
+    items = normalize_items(body.input, images=getattr(engine, "images", None))
     if not items and not conv_id:
         raise APIError(400, "'input' is required", param="input")
     use_tools = bool(body.tools) and body.tool_choice != "none"

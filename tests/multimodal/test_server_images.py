@@ -40,25 +40,35 @@ def vl_server(tiny_vl, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def expected(tiny_vl):
-    """(prompt tokens, greedy text) of transformers on the prompt the server renders: the image
-    markup, a newline, the question, through the chat template and the processor."""
+def reference(tiny_vl):
+    """``reference(messages, images)``: (prompt tokens, greedy text, image tokens) of transformers'
+    generate() on the unmodified model, for the prompt the server renders: each picture's markup
+    then a newline before the text, through the chat template and the processor."""
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 
     from ktransformers.multimodal.chat import image_support
 
     tok = AutoTokenizer.from_pretrained(tiny_vl)
     support = image_support(AutoConfig.from_pretrained(tiny_vl), tok, tiny_vl)
-    text = tok.apply_chat_template([{"role": "user", "content": f"{support.markup}\n{QUESTION}"}], tokenize=False,
-                                   add_generation_prompt=True)
-    prompt = support.prompt(text, [photo_like()])
     hf = AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32).eval()
-    inputs = {"input_ids": torch.tensor([list(prompt)]), **prompt.vision.inputs}
-    with torch.no_grad():
-        out = hf.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=tok.eos_token_id)
-    text = tok.decode(out[0, len(prompt):], skip_special_tokens=True)
+
+    def answer(messages, images):
+        msgs = [dict(m, content=m["content"].replace("<image>", support.markup)) for m in messages]
+        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        prompt = support.prompt(text, images)
+        inputs = {"input_ids": torch.tensor([list(prompt)]), **prompt.vision.inputs}
+        with torch.no_grad():
+            out = hf.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=tok.eos_token_id)
+        return len(prompt), tok.decode(out[0, len(prompt):], skip_special_tokens=True), prompt.vision.image_tokens
+
+    return answer
+
+
+@pytest.fixture(scope="module")
+def expected(reference):
+    n_prompt, text, n_image = reference([{"role": "user", "content": f"<image>\n{QUESTION}"}], [photo_like()])
     assert text.strip()
-    return len(prompt), text, prompt.vision.image_tokens
+    return n_prompt, text, n_image
 
 
 def test_openai_client_image_url(vl_server, expected):
@@ -114,3 +124,43 @@ def test_image_count_limit_and_ollama_bad_base64(vl_server):
     with pytest.raises(ollama.ResponseError, match="not valid base64") as e:
         client.chat(model="tiny-vl", messages=[{"role": "user", "content": "hi", "images": ["***"]}])
     assert e.value.status_code == 400
+
+
+def test_responses_input_image_and_continuation(vl_server, expected, reference):
+    """A Responses ``input_image`` part answers as the chat route does; the stored input keeps the
+    picture, so a ``previous_response_id`` continuation sends it again with the history."""
+    import openai
+
+    n_prompt, text, _ = expected
+    client = openai.OpenAI(base_url=vl_server + "/v1", api_key="unused", max_retries=0, timeout=60)
+    r = client.responses.create(model="tiny-vl", temperature=0, max_output_tokens=MAX_TOKENS, input=[
+        {"role": "user", "content": [{"type": "input_image", "image_url": _data_url(_png(photo_like()))},
+                                     {"type": "input_text", "text": QUESTION}]}])
+    assert r.output_text == text and r.usage.input_tokens == n_prompt
+    stored = client.responses.input_items.list(r.id).data[0].content
+    assert [p.type for p in stored] == ["input_image", "input_text"]
+    assert stored[0].image_url == _data_url(_png(photo_like()))
+    follow = "And the colours?"
+    r2 = client.responses.create(model="tiny-vl", temperature=0, max_output_tokens=MAX_TOKENS,
+                                 previous_response_id=r.id, input=follow)
+    want = reference([{"role": "user", "content": f"<image>\n{QUESTION}"}, {"role": "assistant", "content": text},
+                      {"role": "user", "content": follow}], [photo_like()])
+    assert (r2.usage.input_tokens, r2.output_text) == want[:2]
+
+
+@pytest.mark.parametrize("part, why", [
+    ({"type": "input_image", "image_url": "https://example.com/cat.png"},
+     r"input\[0\]\.content\[0\]\.image_url: remote URLs are not fetched"),
+    ({"type": "input_image", "file_id": "file-abc"}, r"input\[0\]\.content\[0\]\.file_id: this server stores no files"),
+    ({"type": "input_image", "image_url": _data_url(_png(photo_like())[:200])}, "corrupt or truncated"),
+])
+def test_responses_bad_images_are_400s(vl_server, part, why):
+    import openai
+
+    client = openai.OpenAI(base_url=vl_server + "/v1", api_key="unused", max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError, match=why):
+        client.responses.create(model="tiny-vl", max_output_tokens=2, input=[
+            {"role": "user", "content": [part, {"type": "input_text", "text": "hi"}]}])
+    with pytest.raises(openai.BadRequestError, match=r"more than 2 images in one request .--max_images"):
+        client.responses.create(model="tiny-vl", max_output_tokens=2, input=[
+            {"role": "user", "content": [{"type": "input_image", "image_url": _data_url(_png(photo_like()))}] * 3}])
