@@ -31,8 +31,17 @@ layers: their MoE block runs as ``_MoE`` (the router's linear on the kernels, so
 renormalisation in C++, the routed experts' ``MoEKernel`` straight into the step's buffer, the
 shared expert and its sigmoid gate as grouped kernel calls) where its router is the plain
 softmax-top-k one and its experts are on the CPU kernels; otherwise the block is called as a
-module on the step's rows.  ``DecodeStep.build`` returns ``None`` for anything else (MLA, linear
-attention: the generic forward), and ``accepts`` / ``accepts_rows`` are checked on every call.
+module on the step's rows.
+
+DeepSeek-V2 / V3 (and the ``deepseek_v3`` configs of Kimi-K2 / Moonlight) are served over
+transformers' caches (``step``, ``step_rows``; not the page pool, whose MLA pages hold the latent:
+the generic step): the attention is ``_MLA`` (query and ``kv_a`` in one kernel call, the norms in
+C++, RoPE by ``operators/mla.py``, the latent written through the cache layer's own ``update``
+in the layout the model's attention keeps, the absorbed attention per row in torch, ``o_proj`` on
+the kernels), the MoE block ``_MoE`` with the DeepSeek routers (gate.py's functions, per row),
+the routed experts' ``MoEKernel`` and the shared experts added; the dense first layers as any MLP.
+``DecodeStep.build`` returns ``None`` for anything else (linear attention, GLM's routers: the
+generic forward), and ``accepts`` / ``accepts_rows`` are checked on every call.
 """
 
 from __future__ import annotations
@@ -49,7 +58,7 @@ log = logging.getLogger("ktransformers.decode")
 
 #: config.model_type -> (Gemma-style norms and sandwich layers?)
 FAMILIES = {"gemma3_text": True, "llama": False, "mistral": False, "qwen2": False, "qwen3": False,
-            "qwen3_moe": False, "qwen2_moe": False}
+            "qwen3_moe": False, "qwen2_moe": False, "deepseek_v2": False, "deepseek_v3": False}
 #: config activation name -> the kernels' gated activation
 GLU = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -146,6 +155,30 @@ class _Proj:
 SOFTMAX_TOPK_ROUTERS = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter")
 
 
+#: DeepSeek routers (transformers' own, or ``KMoEGate`` over one): routed in the step by gate.py's functions
+DEEPSEEK_ROUTERS = ("DeepseekV2TopkRouter", "DeepseekV3TopkRouter")
+
+
+def _deepseek_router(router) -> dict | None:
+    """The routing parameters of a DeepSeek-V2/V3 router (``KMoEGate`` or transformers' own), else None."""
+    if router is None:
+        return None
+    orig = router.orig_module if type(router).__name__ == "KMoEGate" else router
+    if type(orig).__name__ not in DEEPSEEK_ROUTERS:
+        return None
+    bias = router._buffers.get("e_score_correction_bias") if hasattr(router, "_buffers") else None
+    method = getattr(orig, "topk_method", None)
+    if (bias is None) == (method is None):
+        raise Unsupported(f"router {type(orig).__name__}: neither a correction bias nor a topk_method")
+    if bias is not None and (bias.is_meta or bias.device.type != "cpu"):
+        raise Unsupported("router correction bias not loaded on the CPU")
+    if method is not None and method not in ("greedy", "group_limited_greedy"):
+        raise Unsupported(f"router topk_method {method!r}")
+    return dict(bias=None if bias is None else bias.detach().float(), method=method, top_k=int(orig.top_k),
+                n_group=int(orig.num_group or 1), topk_group=int(orig.topk_group or 1),
+                norm=bool(getattr(orig, "norm_topk_prob", False)), scale=float(orig.routed_scaling_factor))
+
+
 def _experts_op(experts):
     """The ``KExpertsCPU`` op that serves ``experts`` at T=1 with its output on the CPU, or None.
 
@@ -176,7 +209,8 @@ class _MoE:
 
         mods = mlp._modules
         router, experts = mods.get("gate"), mods.get("experts")
-        if router is None or type(router).__name__ not in SOFTMAX_TOPK_ROUTERS:
+        self.deepseek = _deepseek_router(router)
+        if router is None or (type(router).__name__ not in SOFTMAX_TOPK_ROUTERS and self.deepseek is None):
             raise Unsupported(f"router {type(router).__name__}")
         op = _experts_op(experts) if experts is not None else None
         if op is None:
@@ -187,13 +221,24 @@ class _MoE:
             raise Unsupported("router weight is not an fp32 [num_experts, hidden] tensor")
         self.router_w = w.detach().contiguous()  # the kernel reads it in place
         self.num_experts, self.hidden = E, H
-        self.top_k, self.norm = int(router.top_k), bool(router.norm_topk_prob)
+        if self.deepseek is not None:
+            self.top_k, self.norm = self.deepseek["top_k"], False
+            if self.deepseek["bias"] is not None and tuple(self.deepseek["bias"].shape) != (E,):
+                raise Unsupported("router correction bias of another shape than the experts")
+            if E % self.deepseek["n_group"] or not 0 < self.deepseek["topk_group"] <= self.deepseek["n_group"]:
+                raise Unsupported("router groups")
+        else:
+            self.top_k, self.norm = int(router.top_k), bool(router.norm_topk_prob)
         if not 0 < self.top_k <= E:
             raise Unsupported(f"top_k {self.top_k}")
         extra = []
         self.shared = self.shared_down = None
-        if "shared_experts" in mods:
-            raise Unsupported("shared_experts (DeepSeek-style block)")
+        ds = mods.get("shared_experts")
+        if ds is not None:  # DeepSeek: ungated shared experts, added to the routed output
+            if self.deepseek is None or act not in GLU or not all(hasattr(ds, n) for n in ("gate_proj", "up_proj", "down_proj")):
+                raise Unsupported(f"shared experts {type(ds).__name__}")
+            self.shared = _Proj([ds.gate_proj, ds.up_proj], glu=GLU[act])
+            self.shared_down = _Proj([ds.down_proj])
         sh = mods.get("shared_expert")
         if sh is not None:
             sgate = mods.get("shared_expert_gate")
@@ -240,10 +285,31 @@ class _MoE:
         fills each row's expert ids / weights."""
         logits, ids, w, _ = self._buffers(n)
         self.router.rows(n, h, logits)
+        if self.deepseek is not None:
+            self._route_deepseek(n, logits, ids, w)
+            return logits
         lp, ip, wp, k = logits.data_ptr(), ids.data_ptr(), w.data_ptr(), self.top_k
         for r in range(n):
             self._route(lp + 4 * r * self.width, self.num_experts, k, self.norm, ip + 8 * r * k, wp + 4 * r * k)
         return logits
+
+    def _route_deepseek(self, n: int, logits: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> None:
+        """The DeepSeek routers (V3: sigmoid + correction bias, groups by their top-2 sum; V2: softmax,
+        greedy or group-limited), by the functions ``KMoEGate`` runs (operators/gate.py: transformers'
+        ops in transformers' order), one row at a time so a row's choice never depends on the rows
+        beside it."""
+        from ..operators.gate import deepseek_v2_route, deepseek_v3_route
+
+        d = self.deepseek
+        for r in range(n):
+            row = logits[r:r + 1, :self.num_experts]
+            if d["bias"] is not None:
+                wr, ir = deepseek_v3_route(row, d["bias"], d["top_k"], d["n_group"], d["topk_group"], d["norm"],
+                                           d["scale"])
+            else:
+                wr, ir = deepseek_v2_route(row, d["top_k"], d["method"], d["n_group"], d["topk_group"], d["scale"])
+            ids[r].copy_(ir[0])
+            w[r].copy_(wr[0])
 
     def run_experts(self, n: int, h: torch.Tensor) -> torch.Tensor:
         """The routed experts of the rows ``h`` into the ``[n, hidden]`` output.  Submitted to the
@@ -262,15 +328,124 @@ class _MoE:
         if self.shared is not None:
             mid = torch.empty(n, self.shared.out_features)
             s = self.shared_down.rows(n, self.shared.rows(n, h, mid), torch.empty(n, self.hidden))
+            if self.deepseek is not None:  # routed + shared, as the block adds them (one rounding per value)
+                return out.add_(s)
             for r in range(n):  # row by row: one row's bits never depend on the others
                 out[r].add_(s[r], alpha=1.0 / (1.0 + math.exp(-float(logits[r, self.num_experts]))))
         return out
+
+
+class _MLA:
+    """DeepSeek-V2/V3 multi-head latent attention of N rows on the step's buffers, as
+    ``KDeepseekV2Attention`` decodes (operators/attention.py, operators/mla.py):
+
+    * the query (``q_proj``, or ``q_a_proj`` -> ``q_a_layernorm`` -> ``q_b_proj``) and
+      ``kv_a_proj_with_mqa`` in one kernel call (they share the input), the norms in C++;
+    * RoPE on the rope parts by ``mla.apply_mla_rope`` (V2's complex tables, V3's cos / sin,
+      interleaved or not), the normed latent and the roped shared key written through the cache
+      layer's own ``update`` (the layout the model's attention keeps: ``c_kv`` as keys, ``k_pe`` as
+      values);
+    * the attention in latent space (``W_UK`` folded into the query, ``W_UV`` after the weighted
+      sum) in torch, one row at a time, each row over the keys up to its own position: a row's
+      bits never depend on how many rows the step has;
+    * ``o_proj`` on the kernels."""
+
+    def __init__(self, attn, config, idx: int):
+        from ..operators.attention import dense_linear_weight
+        from ..operators.mla import split_kv_b
+
+        mods = attn._modules
+        self.idx = idx
+        self.H = int(attn.num_heads)
+        self.nope, self.rope, self.v = int(attn.qk_nope_head_dim), int(attn.qk_rope_head_dim), int(attn.v_head_dim)
+        self.C = int(attn.kv_lora_rank)
+        self.scaling = float(attn.scaling)
+        self.interleave = bool(getattr(config, "rope_interleave", True))
+        self.qk = self.nope + self.rope
+        if getattr(attn, "q_lora_rank", None) is None:
+            q_first, self.q_b, self.qa, self.q_norm = mods.get("q_proj"), None, 0, None
+        else:
+            q_first, self.q_b = mods.get("q_a_proj"), _Proj([mods["q_b_proj"]])
+            self.qa = int(attn.q_lora_rank)
+            self.q_norm = _norm_weight(mods["q_a_layernorm"], False)
+            if self.q_b.out_features != self.H * self.qk:
+                raise Unsupported("q_b_proj of another width than the heads")
+        if q_first is None or "kv_a_proj_with_mqa" not in mods or "kv_b_proj" not in mods:
+            raise Unsupported(f"MLA attention {type(attn).__name__} without its projections")
+        self.first = _Proj([q_first, mods["kv_a_proj_with_mqa"]])
+        self.q_width = self.qa if self.q_b is not None else self.H * self.qk
+        if self.first.out_features != self.q_width + self.C + self.rope:
+            raise Unsupported("MLA projections of other widths than the config's")
+        self.kv_norm = _norm_weight(mods["kv_a_layernorm"], False)
+        if self.kv_norm[0].numel() != self.C:
+            raise Unsupported("kv_a_layernorm of another width than kv_lora_rank")
+        w = dense_linear_weight(mods["kv_b_proj"])
+        if not isinstance(w, torch.Tensor) or w.is_meta or w.device.type != "cpu":
+            raise Unsupported("kv_b_proj has no dense weight on the CPU")
+        if tuple(w.shape) != (self.H * (self.nope + self.v), self.C):
+            raise Unsupported("kv_b_proj of another shape than the heads")
+        if hasattr(attn, "absorb_weights"):  # the operator's own fp32 split (made once, shared)
+            w_uk, w_uv = attn.absorb_weights(torch.device("cpu"), torch.float32)
+        else:
+            w_uk, w_uv = split_kv_b(w.detach().float(), self.H, self.nope, self.v)
+        self.w_uk = w_uk.detach()  # [H, nope, C]
+        self.w_uv_t = w_uv.detach().transpose(-1, -2)  # [H, C, v]
+        self.o = _Proj([mods["o_proj"]])
+        self.linears = [q_first, mods["kv_a_proj_with_mqa"], mods["o_proj"]] + (
+            [mods["q_b_proj"]] if self.q_b is not None else [])
+
+    def __call__(self, n: int, h: torch.Tensor, pe: list, kv, a: torch.Tensor, bufs: dict, ops) -> None:
+        """``a [n, hidden]`` = the attention output of the rows ``h``; ``pe[r]`` the rotary tables of
+        row r, ``kv(layer index, r, c_kv [1,1,1,C], k_pe [1,1,1,rope])`` writes row r's latent into the
+        cache and returns the latent keys ``[L, C]`` / rope keys ``[L, rope]`` row r attends to."""
+        H, C, R, nope = self.H, self.C, self.rope, self.nope
+        W = self.first.out_features
+        first = self.first.rows(n, h, bufs["first"].rows(n, W))
+        fp = first.data_ptr()
+        c = bufs["c"].rows(n, C)
+        cp = c.data_ptr()
+        for r in range(n):  # the latent's norm; the query's low-rank norm
+            ops.rms_norm(fp + 4 * (r * W + self.q_width), self.kv_norm[2], cp + 4 * r * C, 1, C, 0, self.kv_norm[1])
+        if self.q_b is not None:
+            qa = bufs["qa"].rows(n, self.qa)
+            for r in range(n):
+                ops.rms_norm(fp + 4 * r * W, self.q_norm[2], qa.data_ptr() + 4 * r * self.qa, 1, self.qa, 0,
+                             self.q_norm[1])
+            q = self.q_b.rows(n, qa, bufs["q"].rows(n, H * self.qk))
+        else:
+            q = first[:, :self.q_width]
+        o = bufs["o"].rows(n, H * self.v)
+        from ..operators.mla import apply_mla_rope
+
+        for r in range(n):
+            qr = q[r].view(1, H, 1, self.qk)
+            q_pe, k_pe = apply_mla_rope(qr[..., nope:], first[r, self.q_width + C:].view(1, 1, 1, R), pe[r],
+                                        self.interleave)
+            lat, rk = kv(self.idx, r, c[r].view(1, 1, 1, C), k_pe.float())
+            q_abs = torch.bmm(qr[0, :, :, :nope], self.w_uk).view(H, C)
+            scores = torch.mm(q_abs, lat.t())
+            scores.add_(torch.mm(q_pe.reshape(H, R).float(), rk.t()))
+            probs = torch.softmax(scores.mul_(self.scaling), dim=-1)
+            torch.bmm(torch.mm(probs, lat).view(H, 1, C), self.w_uv_t, out=o[r].view(H, 1, self.v))
+        self.o.rows(n, o, a)
 
 
 class _Layer:
     def __init__(self, layer, idx: int, config, gemma: bool):
         attn = layer.self_attn
         self.idx = idx
+        self.mla = None
+        if "kv_a_proj_with_mqa" in attn._modules:  # DeepSeek MLA
+            self.mla = _MLA(attn, config, idx)
+            self.hq = self.hkv = 1
+            self.d = 0
+            self.layer_type, self.window, self.gemma = "full_attention", 0, False
+            self.qkv = self.o = self.qk_norm = None
+            self.qk_ptr, self.qk_eps = 0, 0.0
+            self.in_norm = _norm_weight(layer.input_layernorm, False)
+            self.pre_mlp_norm = _norm_weight(layer.post_attention_layernorm, False)
+            self._mlp(layer, idx, config)
+            return
         self.hq = int(config.num_attention_heads)
         self.hkv = int(config.num_key_value_heads)
         self.d = int(getattr(attn, "head_dim", None) or config.hidden_size // config.num_attention_heads)
@@ -305,6 +480,9 @@ class _Layer:
             self.post_mlp_norm = _norm_weight(layer.post_feedforward_layernorm, True)
         else:
             self.pre_mlp_norm = _norm_weight(layer.post_attention_layernorm, False)
+        self._mlp(layer, idx, config)
+
+    def _mlp(self, layer, idx: int, config) -> None:
         mlp = layer.mlp
         act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
         self.gate_up = self.down = None
@@ -399,16 +577,20 @@ class DecodeStep:
         self.hidden = H = int(config.hidden_size)
         self.layer_types = sorted({lay.layer_type for lay in self.layers})
         self.gemma_rope = gemma  # Gemma-3's rotary module takes the layer type
+        mla = [lay.mla is not None for lay in self.layers]
+        self.mla = all(mla)
+        if any(mla) and not self.mla:
+            raise Unsupported("MLA on some layers only")
         linears = [lm_head]
         for layer, lay in zip(backbone.layers, self.layers):
             attn = layer.self_attn
-            linears += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
+            linears += lay.mla.linears if lay.mla is not None else [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
             if lay.gate_up is not None:
                 linears += [layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj]
         self.max_rows = _rows_limit(linears)
         probe = torch.zeros(1, 1, H), torch.zeros(1, 1, dtype=torch.long)
         self._rope_width = {}
-        for lt in self.layer_types:
+        for lt in ([] if self.mla else self.layer_types):  # MLA: the rotary tables of the rope part, per row
             cos = self._rope(*probe, lt)[0]
             if any(cos.shape[-1] != lay.d for lay in self.layers if lay.layer_type == lt):
                 raise Unsupported(f"{lt}: rotary width {cos.shape[-1]} is not the head_dim (partial rotary)")
@@ -423,7 +605,7 @@ class DecodeStep:
             kinds |= {str(t) for t in (v.values() if isinstance(v, dict) else [v]) if t is not None}
         static = kinds <= {"default", "linear", "llama3", "yarn"}
         aligned = all(w % 32 == 0 for w in self._rope_width.values())
-        self._rope_rows_max = 16384 if static and aligned else 0
+        self._rope_rows_max = 16384 if static and aligned and not self.mla else 0
         from .. import cpuinfer_ext
 
         self._ops = cpuinfer_ext.decode_ops
@@ -431,8 +613,13 @@ class DecodeStep:
         self._cpuinfer = self.head._pool  # attention runs on the kernels' pool
         self._lock = threading.Lock()
         self.x, self.h, self.a, self.m = _Buf(H), _Buf(H), _Buf(H), _Buf(H)
-        self.qkv = _Buf(max(lay.qkv.out_features for lay in self.layers))
-        self.att = _Buf(max(lay.hq * lay.d for lay in self.layers))
+        self.qkv = _Buf(max([lay.qkv.out_features for lay in self.layers if lay.qkv is not None], default=1))
+        self.att = _Buf(max([lay.hq * lay.d for lay in self.layers if lay.mla is None], default=1))
+        if self.mla:
+            ms = [lay.mla for lay in self.layers]
+            self.mla_bufs = {"first": _Buf(max(m.first.out_features for m in ms)), "c": _Buf(max(m.C for m in ms)),
+                             "qa": _Buf(max(m.qa for m in ms) or 1), "q": _Buf(max(m.H * m.qk for m in ms)),
+                             "o": _Buf(max(m.H * m.v for m in ms))}
         self.mid = _Buf(max([lay.gate_up.out_features for lay in self.layers if lay.gate_up is not None], default=1))
 
     @classmethod
@@ -462,6 +649,16 @@ class DecodeStep:
         kinds = static if type(cache) is StaticCache else dynamic if type(cache) is DynamicCache else None
         if kinds is None:
             return False
+        if self.mla:  # the latent [1, 1, S, C] as keys, the rope key [1, 1, S, rope] as values
+            for lay, cl in zip(self.layers, cache.layers):
+                if type(cl) is not kinds[0] or not cl.is_initialized:
+                    return False
+                k, v, m = cl.keys, cl.values, lay.mla
+                if (k.dtype is not torch.float32 or v.dtype is not torch.float32 or k.dim() != 4 or v.dim() != 4
+                        or k.device.type != "cpu" or v.device.type != "cpu" or tuple(k.shape[:2]) != (1, 1)
+                        or tuple(v.shape[:2]) != (1, 1) or k.shape[3] != m.C or v.shape[3] != m.rope):
+                    return False
+            return True
         for lay, cl in zip(self.layers, cache.layers):
             if type(cl) not in kinds or not cl.is_initialized or getattr(cl, "record_past", False):
                 return False
@@ -479,6 +676,8 @@ class DecodeStep:
     def pages_of(self, pool) -> list | None:
         """Per layer the (keys, values) addresses of ``pool``'s fp32 CPU ``[slots, kv heads, d]``
         pages, or None when the pool holds another layout (latent pages: the generic step)."""
+        if self.mla:
+            return None
         mine = pool.__dict__.setdefault("_kt_step_pages", {})  # kept on the pool: it lives as long
         got = mine.get(id(self))                                  # as the addresses it holds
         if got is None:
@@ -635,6 +834,12 @@ class DecodeStep:
         """Logits ``[1, vocab]`` of ``token`` at ``pos`` (the cache holds positions < pos), or None
         when this cache state is not one the step reproduces (the caller takes the generic forward).
         One step at a time on the model's buffers (a lock, uncontended per stream)."""
+        if self.mla:
+            kv = self._latent(cache, pos, 1)
+            if kv is None:
+                return None
+            with self._lock:
+                return self._rows([token], [pos], kv)
         with self._lock:
             try:
                 got = (self._static_slots if self._static(cache) else self._dynamic_slots)(cache, pos)
@@ -675,6 +880,8 @@ class DecodeStep:
         n = len(tokens)
         if n < 1 or type(cache) is not StaticCache or not self.accepts_rows(n) or not self.accepts(cache):
             return None
+        if self.mla:
+            return self._latent_rows(list(tokens), pos, cache)
         with self._lock:
             try:
                 plan, full = self._static_plan(cache)
@@ -741,6 +948,44 @@ class DecodeStep:
 
         return logits, undo
 
+    def _latent(self, cache, pos: int, n: int):
+        """MLA: the writer of rows ``pos .. pos + n - 1`` into the latent cache (each row through its
+        layer's own ``update``, as the model's attention writes it), or None when the cache does not
+        hold exactly the positions before ``pos`` or has no room for the rows."""
+        static = self._static(cache)
+        for cl in cache.layers:
+            if static:
+                if int(cl.cumulative_length) != pos or pos + n > int(cl.max_cache_len):
+                    return None
+            elif cl.keys.shape[-2] != pos:
+                return None
+        layers = cache.layers
+
+        def kv(idx, r, c_kv, k_pe):
+            keys, values = layers[idx].update(c_kv, k_pe)
+            seen = pos + r + 1
+            return keys[0, 0, :seen], values[0, 0, :seen]
+
+        return kv
+
+    def _latent_rows(self, tokens: list[int], pos: int, cache):
+        """``step_rows`` of an MLA model: each row's latent written and attended in order."""
+        n = len(tokens)
+        with self._lock:
+            kv = self._latent(cache, pos, n)
+            if kv is None:
+                return None
+            logits = self._rows(tokens, list(range(pos, pos + n)), kv)
+        layers = cache.layers
+
+        def undo(kept: int) -> None:
+            if not 0 <= kept <= n:
+                raise ValueError(f"undo: kept {kept} of {n} rows")
+            for cl in layers:
+                cl.cumulative_length.fill_(pos + kept)
+
+        return logits, undo
+
     def step_pages(self, tokens: list[int], positions: list[int], tables: list[list[int]], pool) -> torch.Tensor:
         """Logits ``[N, vocab]`` of ``tokens[r]`` at ``positions[r]`` appended to the sequence whose
         block table (new page included) is ``tables[r]`` in ``pool``; its K/V rows are written into
@@ -774,7 +1019,9 @@ class DecodeStep:
         x, h, a = self.x.rows(n), self.h.rows(n), self.a.rows(n)
         self._embed(tokens, x)
         rope = {}
-        for lt in self.layer_types:
+        # MLA: the rotary module's tables (V2 complex, V3 cos / sin) of each row, one call per row
+        pe = [self.rotary(x[:1][None], torch.tensor([[p]], dtype=torch.long)) for p in positions] if self.mla else None
+        for lt in ([] if self.mla else self.layer_types):
             if n == 1 or n * self._rope_width[lt] <= self._rope_rows_max:
                 cos, sin = self._rope(x[:1][None], torch.tensor([positions], dtype=torch.long), lt)
                 rope[lt] = (cos.reshape(n, -1).float().contiguous(), sin.reshape(n, -1).float().contiguous())
@@ -790,11 +1037,14 @@ class DecodeStep:
         ops.rms_norm(xp, first.in_norm[2], hp, n, H, 0, first.in_norm[1])
         n_layers = len(self.layers)
         for i, lay in enumerate(self.layers):
-            q = lay.qkv.rows(n, h, self.qkv.rows(n, lay.qkv.out_features))
-            cos, sin = rope[lay.layer_type]
-            o_att = self.att.rows(n, lay.hq * lay.d)
-            attend(lay, q.data_ptr(), cos.data_ptr(), sin.data_ptr(), o_att.data_ptr())
-            lay.o.rows(n, o_att, a)
+            if lay.mla is not None:  # attend: the latent cache's writer (_latent)
+                lay.mla(n, h, pe, attend, a, self.mla_bufs, ops)
+            else:
+                q = lay.qkv.rows(n, h, self.qkv.rows(n, lay.qkv.out_features))
+                cos, sin = rope[lay.layer_type]
+                o_att = self.att.rows(n, lay.hq * lay.d)
+                attend(lay, q.data_ptr(), cos.data_ptr(), sin.data_ptr(), o_att.data_ptr())
+                lay.o.rows(n, o_att, a)
             if lay.gemma:
                 ops.residual_norm(xp, ap, lay.post_attn_norm[2], lay.post_attn_norm[1], lay.pre_mlp_norm[2],
                                   lay.pre_mlp_norm[1], hp, n, H)

@@ -172,10 +172,10 @@ def test_env_switch_and_unserved_models(models, monkeypatch, one_torch_thread):
     monkeypatch.setenv("KT_LEAN_DECODE", "0")
     assert BatchRunner(models("llama"), page_size=4, num_pages=8).lean_decode is False
     monkeypatch.delenv("KT_LEAN_DECODE")
-    # MLA keeps latent pages: the generic step serves it
+    # MLA keeps latent pages: the generic step serves them (the decode step serves its caches only)
     ds = models("deepseek_v2")
     runner = BatchRunner(ds, page_size=4, num_pages=16)
-    assert decode_step_for(ds) is None
+    assert decode_step_for(ds) is not None and decode_step_for(ds).pages_of(runner.pool) is None
     runner.begin(0)
     runner.step([(0, _prompt(5, 0))])
     assert runner.step([(0, [7])]).shape == (1, ds.config.vocab_size)

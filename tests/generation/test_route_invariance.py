@@ -15,6 +15,8 @@ Scope (docs/server.md, "Determinism"): the families the decode step serves (Gemm
 Mistral / Qwen2 / Qwen3 / Qwen-MoE) on the tiers with the prompt flash kernel (AVX2 + FMA and up;
 elsewhere both routes read prompts with transformers' sdpa, over differently shaped key tensors),
 sliding windows included (a chunk past the window reads the rolled layer through the same kernel).
+DeepSeek MLA: the Generator and generate() only (the batching server decodes latent pages with its
+generic step).
 """
 
 from __future__ import annotations
@@ -148,3 +150,25 @@ def test_gemma_past_its_sliding_window_routes_give_the_same_bits(tiny):
     prompt = [int(i) for i in rng.integers(3, 250, 45)]
     others = {1: (1, [int(i) for i in rng.integers(3, 250, 20)], 6)}
     _check_routes(model, prompt, steps=10, chunk=7, others=others, page_size=4)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+def test_mla_generator_and_generate_give_the_same_bits(tiny, arch, monkeypatch):
+    """DeepSeek MLA: the Generator and transformers' generate() (dynamic and static cache) read the
+    prompt with the model's own forward and decode through the one step over the latent cache: the
+    same bits.  (The batching server keeps MLA's latent in pages and decodes it with the generic
+    paged step: not bitwise the same, out of this check.)"""
+    from ktransformers.generation.decode_step import decode_step_for
+
+    model = tiny(arch)
+    step = decode_step_for(model)
+    calls = []
+    own = step.step
+    monkeypatch.setattr(step, "step", lambda *a: calls.append(1) or own(*a))
+    rng = np.random.default_rng(7)
+    prompt = [int(i) for i in rng.integers(3, 250, 30)]
+    want = _generator_rows(model, prompt, steps=8, chunk=8192)
+    for cache in (None, "static"):
+        del calls[:]
+        _same(f"generate(), {cache or 'dynamic'} cache", _generate_rows(model, prompt, 8, cache), want)
+        assert len(calls) >= 8, f"generate() with a {cache or 'dynamic'} cache did not decode through the step"

@@ -21,14 +21,17 @@ from ktransformers.generation.speculative import NgramDrafter, Policy
 from .test_invariance import _NoText
 
 
-# a sliding window shorter than the prompt: the verify rows roll the window, and undo restores it
-FAMILIES = [("llama", {}), ("qwen3_moe", {}), ("qwen2_moe", {"shared_expert_intermediate_size": 64}),
-            ("gemma3_text", {"sliding_window": 8})]
+# a sliding window shorter than the prompt: the verify rows roll the window, and undo restores it;
+# DeepSeek MLA (V2: no q_lora, complex RoPE, softmax router; V3: q_lora, interleaved RoPE, sigmoid
+# grouped router) keeps its own head sizes (head_dim is its rope width there)
+H64 = {"head_dim": 64}
+FAMILIES = [("llama", H64), ("qwen3_moe", H64), ("qwen2_moe", {**H64, "shared_expert_intermediate_size": 64}),
+            ("gemma3_text", {**H64, "sliding_window": 8}), ("deepseek_v2", {}), ("deepseek_v3", {})]
 
 
 @pytest.mark.parametrize("arch,extra", FAMILIES, ids=[f[0] for f in FAMILIES])
 def test_verify_rows_are_plain_steps_and_undo_restores_the_cache(tiny, arch, extra):
-    model = tiny(arch, head_dim=64, **extra)
+    model = tiny(arch, **extra)
     step = decode_step_for(model)
     assert step is not None
     rng = np.random.default_rng(7)
@@ -92,7 +95,7 @@ class _OracleDrafter:
 def test_speculative_greedy_is_the_plain_answer(tiny, arch, extra, penalty, monkeypatch):
     import ktransformers.generation.speculative as spec
 
-    model = tiny(arch, head_dim=64, **extra)
+    model = tiny(arch, **extra)
     prompt = _copy_prompt(np.random.default_rng(3))
     params = SamplingParams(max_new_tokens=40, repetition_penalty=penalty)
     _, want, _ = Generator(model, _NoText()).generate(prompt, params)

@@ -1,0 +1,194 @@
+"""The one decode step on DeepSeek MLA models (generation/decode_step.py: ``_MLA`` and the DeepSeek
+MoE block in ``_MoE``) against the model's own forward and the unmodified transformers model.
+
+Tiny random DeepSeek-V2 (no q_lora, complex RoPE, greedy softmax router, two shared experts) and V3
+(q_lora, interleaved RoPE, grouped sigmoid router with correction bias), plus a Moonlight-like V3
+(no q_lora, YaRN, rotate-half RoPE) and a V2-Chat-like V2 (q_lora, YaRN, group-limited router),
+each with a dense first layer, loaded through the shipped -cpu rules (F32 weights on the CPU kernels).
+
+Tolerances:
+* the step against the model's own forward on the same cache (the injected ``KDeepseekV2Attention``
+  and ``KMoEBlock``): within 1e-5 x max|logits| every step, static and dynamic caches (the norms run
+  in C++ here, in torch there);
+* against the unmodified transformers model, teacher-forced on the step's own greedy tokens: within
+  1e-4 x max|logits| (the bar of tests/operators/test_mla_attention.py), and the greedy tokens equal
+  transformers' own wherever its top-1 margin exceeds that.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import ktransformers
+from ktransformers.generation import Generator, SamplingParams
+from ktransformers.generation.decode_step import DecodeStep, decode_step_for
+from ktransformers.util.tiny_models import write_tiny_model
+
+from .test_invariance import _NoText
+
+RULES = Path(ktransformers.__file__).parent / "optimize_rules"
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 0.707, "rope_theta": 10000.0}
+CASES = {
+    "v3": ("deepseek_v3", "DeepSeek-V3-Chat-cpu.yaml", {}),
+    "v2": ("deepseek_v2", "DeepSeek-V2-Lite-Chat-cpu.yaml", {}),
+    "v3_noqlora_yarn_halfrope": ("deepseek_v3", "Moonlight-16B-A3B-cpu.yaml",
+                                 dict(q_lora_rank=None, rope_interleave=False, rope_scaling=YARN)),
+    "v2_qlora_yarn_glg": ("deepseek_v2", "DeepSeek-V2-Chat-cpu.yaml",
+                          dict(q_lora_rank=16, rope_scaling=YARN, topk_method="group_limited_greedy", n_group=4,
+                               topk_group=2, routed_scaling_factor=16.0)),
+}
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+_MODELS: dict[str, tuple] = {}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("ds_step")
+
+
+def pair(case: str, root: Path):
+    """(unmodified transformers model, injected model) of a case, built once per session."""
+    if case not in _MODELS:
+        arch, rule, over = CASES[case]
+        d = root / case
+        hf = write_tiny_model(arch, d, seed=3, **over)
+        _MODELS[case] = (hf, ktransformers.load_model(d, model_path=d, rules=RULES / rule))
+    return _MODELS[case]
+
+
+def _prompt(n=12, seed=0):
+    return [int(i) for i in torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed))]
+
+
+def _own(model, tok, pos, cache):
+    """The model's own forward (not the step answering under it, generation/hf_generate.py)."""
+    own = model.__dict__.get("_kt_lean_forward") or model
+    return own(input_ids=torch.tensor([[tok]]), cache=cache, position_ids=torch.tensor([[pos]]),
+               use_cache=True, logits_to_keep=1).logits[0, -1].float()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_step_serves_mla_and_the_deepseek_moe(case, root):
+    _, model = pair(case, root)
+    step = DecodeStep.build(model)
+    assert step is not None and step.mla
+    cfg = model.config
+    assert all(lay.mla is not None for lay in step.layers)
+    assert (step.layers[0].mla.q_b is None) == (cfg.q_lora_rank is None)
+    for i, lay in enumerate(step.layers):
+        if i < cfg.first_k_dense_replace:  # the dense first layers: gate/up + down on the kernels
+            assert lay.gate_up is not None and lay.moe is None
+        else:  # router, routed experts and shared experts in the step, not the block's forward
+            assert lay.moe is not None and lay.mlp_module is None
+            assert lay.moe.deepseek is not None and lay.moe.shared is not None
+            assert (lay.moe.deepseek["bias"] is not None) == (cfg.model_type == "deepseek_v3")
+
+
+@pytest.mark.parametrize("kind", ["static", "dynamic"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_step_equals_the_models_own_forward(case, kind, root):
+    from transformers import DynamicCache
+
+    _, model = pair(case, root)
+    step = decode_step_for(model)
+    g = Generator(model, _NoText())
+    ids = _prompt()
+    worst = 0.0
+
+    def cache():
+        return g.new_cache(48) if kind == "static" else DynamicCache(config=model.config)
+
+    with torch.inference_mode():
+        ca, cb = cache(), cache()
+        tok = int(g.prefill(ids, ca).argmax())
+        g.prefill(ids, cb)
+        for pos in range(len(ids), len(ids) + 20):
+            want = _own(model, tok, pos, ca)
+            assert step.accepts(cb)
+            got = step.step(tok, pos, cb)[0]
+            worst = max(worst, (got - want).abs().max().item() / want.abs().max().item())
+            tok = int(want.argmax())
+        for la, lb in zip(ca.layers, cb.layers):  # the latent cache as the model's attention leaves it
+            n = int(la.get_seq_length())
+            assert n == int(lb.get_seq_length()) == len(ids) + 20
+            for a, b in ((la.keys, lb.keys), (la.values, lb.values)):
+                assert a.shape == b.shape
+                assert torch.allclose(a[:, :, :n], b[:, :, :n], rtol=1e-5, atol=1e-5 * a.abs().max().item())
+    assert worst <= 1e-5, f"{case}/{kind}: the step is off the model's own forward by {worst:.2e} x max|logits|"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_tokens_and_logits_match_transformers(case, root):
+    hf, model = pair(case, root)
+    g = Generator(model, _NoText())
+    g.eos_ids = set()
+    ids = _prompt(8, seed=1)
+    steps = 16
+    step = decode_step_for(model)
+    rows = []
+    with torch.inference_mode():
+        cache = g.new_cache(len(ids) + steps + 1)
+        logits = g.prefill(ids, cache)[0]
+        toks = []
+        for i in range(steps):
+            toks.append(int(logits.argmax()))
+            assert step.accepts(cache)
+            logits = step.step(toks[-1], len(ids) + i, cache)[0]
+            rows.append(logits.clone())
+    _, got, _ = g.generate(ids, SamplingParams(max_new_tokens=steps))
+    assert got == toks  # the Generator decodes through the same step
+    seq = torch.tensor([ids + toks])
+    with torch.no_grad():
+        ref = hf(seq).logits[0].float()
+    tol = 1e-4 * ref.abs().max().item()
+    for i, row in enumerate(rows):  # teacher-forced on the step's tokens: every step's logits
+        diff = (row - ref[len(ids) + i]).abs().max().item()
+        assert diff <= tol, f"{case}: step {i} off transformers by {diff:.3g} (tolerance {tol:.3g})"
+    want = hf.generate(torch.tensor([ids]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                       pad_token_id=0)[0, len(ids):].tolist()
+    top2 = ref[len(ids) - 1:-1].topk(2, dim=-1).values
+    for i in range(steps):
+        if top2[i, 0] - top2[i, 1] <= tol:
+            break  # a near tie: the continuations may part from here on
+        assert got[i] == want[i], f"{case}: greedy token {i} is {got[i]}, transformers gives {want[i]}"
+    assert i >= steps // 2, f"{case}: only {i} clear steps; the check would be vacuous"
+
+
+@pytest.mark.parametrize("case", ["v2", "v3"])
+def test_speculative_verify_is_the_plain_answer(case, root):
+    """Prompt lookup on a copying prompt: the verify rows (``step_rows``) give the plain answer."""
+    import numpy as np
+
+    _, model = pair(case, root)
+    run = [int(i) for i in np.random.default_rng(5).integers(3, 300, 16)]
+    prompt = run * 3 + run[:8]
+    params = SamplingParams(max_new_tokens=32)
+    _, want, _ = Generator(model, _NoText()).generate(prompt, params)
+    g = Generator(model, _NoText(), speculative="ngram", draft_max=5)
+    _, got, _ = g.generate(prompt, params)
+    assert got == want
+    assert g.last_stats.drafted_tokens > 0
+
+
+def test_unserved_cache_states_take_the_generic_forward(root):
+    _, model = pair("v3", root)
+    step = decode_step_for(model)
+    g = Generator(model, _NoText())
+    ids = _prompt()
+    with torch.inference_mode():
+        cache = g.new_cache(len(ids) + 2)
+        assert not step.accepts(cache)  # layers not initialised before the prefill
+        g.prefill(ids, cache)
+        assert step.accepts(cache)
+        assert step.step(5, len(ids) + 1, cache) is None  # not the next position
+        assert step.step_rows([5, 6, 7], len(ids), cache) is None  # no room for three rows
+        assert step.step(5, len(ids), cache) is not None
+        assert step.step(5, len(ids) + 1, cache) is not None
+        assert step.step(5, len(ids) + 2, cache) is None  # the cache is full
+    assert not step.accepts(cache)  # outside inference mode (autograd may be recording)
