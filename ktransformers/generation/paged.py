@@ -226,6 +226,7 @@ class _Seq:
     pages: list[int] = field(default_factory=list)
     length: int = 0
     shared: int = 0  # leading pages given by begin(): read-only
+    rope_delta: int = 0  # M-RoPE shift of the text after a prompt with images (0: none)
 
 
 class _PagedBatch:
@@ -581,13 +582,17 @@ class BatchRunner:
       page_size``) are already in ``prefix_pages`` (another sequence's or the prefix cache's).
       The runner increfs each prefix page and never writes into it (all later tokens go to pages it
       allocates itself); the caller's own references are untouched.
-    * ``step(chunks)``: ONE forward for ``[(seq_id, new_token_ids), ...]`` (each seq at most once,
+    * ``step(chunks, prompt, images)``: ONE forward for ``[(seq_id, new_token_ids), ...]`` (each seq at most once,
       ``len >= 1``; a prefill chunk or one decode token); appends the tokens to their sequences and
       returns fp32 logits of each chunk's last token, ``[len(chunks), vocab]``, in chunk order, on
       the device of the model's head.  It
       takes ``sum(pages_needed)`` pages with ``pool.reserve`` first: ``OutOfPages`` (or a bad chunk,
       ``ValueError``/``KeyError``) is raised before any state changed; an error inside the forward
       gives the new pages back and leaves the sequences as they were.
+      ``images`` (``{seq_id: VisionInputs}``, multimodal/prompt.py): a vision-language model's prompt
+      with pictures, read whole (from its first token) as the only chunk of its step, by the model's
+      own forward with the pictures; its later tokens take M-RoPE positions shifted by the
+      pictures' offset, in any step.
     * ``pages_needed(seq_id, n_new)``: pages a step appending ``n_new`` tokens would allocate.
     * ``seq_len`` / ``seq_pages``: tokens held / block table (prefix pages first).
     * ``release(seq_id)``: decref every page of the sequence at once and forget it.
@@ -677,28 +682,41 @@ class BatchRunner:
         return out
 
     @torch.no_grad()
-    def step(self, chunks: list[tuple[int, list[int]]], prompt=()) -> torch.Tensor:
+    def step(self, chunks: list[tuple[int, list[int]]], prompt=(), images=None) -> torch.Tensor:
         """Logits of each chunk's last token.  ``prompt``: ids of the sequences whose chunk is prompt
         tokens; such a chunk is read by the prompt forward even when it is one token, so a prompt's
         cache is the same bits whatever the chunking (a one-token chunk of another sequence is a
-        decoding row)."""
+        decoding row).  ``images``: ``{seq_id: VisionInputs}`` of a whole prompt with pictures."""
         chunks = self._check_chunks(chunks)
-        is_prompt = [sid in prompt for sid, _ in chunks]
+        images = dict(images or {})
+        is_prompt = [sid in prompt or sid in images for sid, _ in chunks]
         if not chunks:
             return torch.empty(0, self.vocab_size)
+        if images:
+            sid = chunks[0][0]
+            if len(chunks) != 1 or set(images) != {sid} or self._seqs[sid].length != 0:
+                raise ValueError("a prompt with images is read whole, from its first token, as the only chunk "
+                                 f"of its step (got chunks of {[c[0] for c in chunks]}, images of {list(images)})")
         need = [self.pages_needed(sid, len(toks)) for sid, toks in chunks]
         fresh = self.pool.reserve(sum(need))
+        delta = None
         try:
             tables, it = [], iter(fresh)
             for (sid, toks), n in zip(chunks, need):
                 s = self._seqs[sid]
                 tables.append((s.pages + [next(it) for _ in range(n)], s.length, len(toks)))
-            logits = None if any(is_prompt) else self._lean_step(chunks, tables)
-            if logits is None:
+            shifted = any(self._seqs[sid].rope_delta for sid, _ in chunks)
+            logits = None if (any(is_prompt) or shifted) else self._lean_step(chunks, tables)
+            if logits is None and not shifted:
                 logits = self._mixed_step(chunks, tables, is_prompt)
             if logits is None:
                 batch = _PagedBatch(self.pool, tables, is_prompt)
-                logits = self._forward(batch, [t for _, toks in chunks for t in toks])
+                tokens = [t for _, toks in chunks for t in toks]
+                if images:
+                    logits, delta = self._image_forward(batch, tokens, images[chunks[0][0]])
+                else:
+                    shift = [self._seqs[sid].rope_delta for sid, _ in chunks] if shifted else None
+                    logits = self._forward(batch, tokens, shift)
         except BaseException:
             for p in fresh:
                 self.pool.decref(p)
@@ -706,6 +724,8 @@ class BatchRunner:
         for (sid, toks), (pages, past, t) in zip(chunks, tables):
             s = self._seqs[sid]
             s.pages, s.length = pages, past + t
+            if delta is not None:
+                s.rope_delta = delta
         return logits
 
     def _lean_step(self, chunks, tables) -> torch.Tensor | None:
@@ -736,10 +756,26 @@ class BatchRunner:
         out[rest] = other
         return out
 
-    def _forward(self, batch: _PagedBatch, tokens: list[int]) -> torch.Tensor:
+    def _image_forward(self, batch: _PagedBatch, tokens: list[int], vision) -> tuple[torch.Tensor, int]:
+        """(logits, M-RoPE shift) of a whole prompt with pictures: the model's own forward with them,
+        at the positions of its ``get_rope_index`` (multimodal/prompt.py)."""
+        ids = torch.tensor([tokens], dtype=torch.long, device=module_device(self.model.get_input_embeddings()))
+        kwargs, delta = vision.batch_kwargs(self.model, ids)
+        return self._forward(batch, tokens, position_ids=kwargs.pop("position_ids"), extra=kwargs), delta
+
+    def _forward(self, batch: _PagedBatch, tokens: list[int], shift: list[int] | None = None, *,
+                 position_ids: torch.Tensor | None = None, extra: dict | None = None) -> torch.Tensor:
+        """``shift``: per chunk, the M-RoPE shift of a sequence whose prompt had pictures (positions
+        [4, 1, T]: the cache row, then t / h / w moved by the shift; text-only rows move by 0)."""
         emb = self.model.get_input_embeddings()
         dev = module_device(emb)
         ids = torch.tensor([tokens], dtype=torch.long, device=dev)
+        if position_ids is None:
+            position_ids = batch.position_ids
+            if shift is not None:
+                sizes = torch.diff(batch.last_index, prepend=torch.tensor([-1]))  # tokens per chunk
+                per_token = torch.repeat_interleave(torch.tensor(shift), sizes)
+                position_ids = torch.cat([position_ids[None], (position_ids + per_token)[None].expand(3, 1, -1)])
         saved = [c._attn_implementation for c in self._configs]
         from ..operators.cpu_attention import NAME as KT_SDPA
 
@@ -747,8 +783,8 @@ class BatchRunner:
         for c in self._configs:
             c._attn_implementation = PAGED_ATTENTION
         try:
-            out = self.model(input_ids=ids, position_ids=batch.position_ids.to(dev), cache=batch, use_cache=True,
-                             logits_to_keep=batch.last_index)
+            out = self.model(input_ids=ids, position_ids=position_ids.to(dev), cache=batch, use_cache=True,
+                             logits_to_keep=batch.last_index, **(extra or {}))
         finally:
             for c, v in zip(self._configs, saved):
                 c._attn_implementation = v

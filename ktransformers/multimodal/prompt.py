@@ -41,6 +41,26 @@ class VisionInputs:
                     mm_token_type_ids=self.inputs["mm_token_type_ids"].to(ids.device),
                     position_ids=torch.cat([text, rope.to(ids.device)], dim=0))
 
+    def batch_kwargs(self, model, ids: torch.Tensor) -> tuple[dict, int]:
+        """For the batching runner (generation/paged.py), which reads a prompt with images in one
+        step of its own: the forward's keyword arguments beside ``input_ids`` for ``ids`` [1, n]
+        (the prompt and, when it is read again after a preemption, the text generated since), and
+        the M-RoPE shift of the tokens after it.  The pictures go through the vision tower here
+        (``mm_encoder_outputs``), before the runner hands the text model's attention to its paged
+        function: set on the model's config, that choice would reach the vision tower's config too."""
+        base = model.model
+        n = ids.shape[1]
+        kinds = self.inputs["mm_token_type_ids"].to(ids.device)
+        if kinds.shape[1] < n:  # the generated text after the prompt
+            kinds = torch.cat([kinds, kinds.new_zeros(1, n - kinds.shape[1])], dim=1)
+        grid = self.inputs["image_grid_thw"]
+        rope, delta = base.get_rope_index(ids, mm_token_type_ids=kinds, image_grid_thw=grid.to(ids.device))
+        vis_dev = next(base.visual.parameters()).device
+        feats = model.get_image_features(self.inputs["pixel_values"].to(vis_dev), grid.to(vis_dev), return_dict=True)
+        text = torch.arange(n, device=ids.device).view(1, 1, n)
+        return dict(mm_encoder_outputs={"image": feats}, mm_token_type_ids=kinds,
+                    position_ids=torch.cat([text, rope.to(ids.device)], dim=0)), int(delta.reshape(-1)[0])
+
     def positions(self, start: int, n: int, device) -> torch.Tensor:
         """Positions [4, 1, n] of ``n`` text tokens after the prompt, from cache row ``start``."""
         if self.rope_delta is None:

@@ -166,7 +166,8 @@ class BatchEngine(Engine):
             new = list(self._waiting)
             self._waiting.clear()
             for job in new:
-                job.seq = Sequence(job.id, list(job.request.input_ids), job.params.max_new_tokens, owner=job)
+                job.seq = Sequence(job.id, list(job.request.input_ids), job.params.max_new_tokens, owner=job,
+                                   vision=getattr(job.request.input_ids, "vision", None))
                 self.scheduler.add(job.seq)
                 self._jobs.append(job)
 
@@ -220,9 +221,11 @@ class BatchEngine(Engine):
             if job.started_at is None:
                 job.started_at = now
                 job.cached_tokens = s.cached_tokens or 0
+        images = {s.seq_id: s.vision for s, _ in chunks if s.vision is not None and not s.decoding}
         try:
             logits = self.runner.step([(s.seq_id, s.chunk(n)) for s, n in chunks],
-                                      prompt={s.seq_id for s, _ in chunks if not s.decoding})
+                                      prompt={s.seq_id for s, _ in chunks if not s.decoding},
+                                      **({"images": images} if images else {}))
         except self._out_of_pages as e:  # the planned pages were not there after all
             youngest = self.scheduler.running[-1]
             if len(self.scheduler.running) > 1:

@@ -235,10 +235,7 @@ def build_engine(settings: Settings):
     name = settings.model_name or settings.default_model_name()
     common = dict(model_name=name, defaults=_sampling_defaults(settings, model), max_queue=settings.max_queue,
                   model_info=_model_info(settings, model, source, load_s))
-    if settings.backend_type == "balance_serve" and images is not None:
-        log.warning("a vision-language model is served one request at a time (--backend_type ktransformers): "
-                    "the batching engine takes text only")
-    elif settings.backend_type == "balance_serve":
+    if settings.backend_type == "balance_serve":
         from ..generation.paged import NotPageable
         from .batch_engine import build_batch_engine
 
@@ -247,7 +244,7 @@ def build_engine(settings: Settings):
                         "--backend_type ktransformers speculates", settings.speculative)
 
         try:
-            return build_batch_engine(settings, model, tokenizer, max_pos, **common)
+            return build_batch_engine(settings, model, tokenizer, max_pos, images=images, **common)
         except NotPageable as e:  # a layer the paged cache cannot hold (linear attention, sinks)
             log.warning("continuous batching is not available for this model (%s); serving one request "
                         "at a time (--backend_type ktransformers)", e)

@@ -39,6 +39,7 @@ class Sequence:
     cached_tokens: int | None = None   # prompt tokens the prefix cache gave at first admission
     preemptions: int = 0
     owner: Any = None            # the engine's per-request state
+    vision: Any = None           # a prompt with pictures (multimodal/prompt.py VisionInputs): read whole, uncached
 
     @property
     def tokens(self) -> list[int]:
@@ -114,7 +115,10 @@ class Scheduler:
         self.drop(seq)
 
     def _remember(self, seq: Sequence) -> None:
-        if self.prefix_cache is not None and seq.begun and seq.computed >= self.pool.page_size:
+        # a prompt with pictures is never cached: its image tokens are the same placeholder ids
+        # whatever the picture, so its pages must not answer another prompt of the same ids
+        if (self.prefix_cache is not None and seq.vision is None and seq.begun
+                and seq.computed >= self.pool.page_size):
             self.prefix_cache.insert(seq.tokens[:seq.computed], list(self.runner.seq_pages(seq.seq_id)))
 
     # ---- pages -----------------------------------------------------------------------
@@ -159,7 +163,7 @@ class Scheduler:
 
     def _admit(self, seq: Sequence) -> None:
         pages, n = [], 0
-        if self.prefix_cache is not None:
+        if self.prefix_cache is not None and seq.vision is None:
             pages, n, _tiers = self.prefix_cache.match(seq.tokens)
         try:
             self.runner.begin(seq.seq_id, pages, n)
@@ -188,8 +192,26 @@ class Scheduler:
                 raise NoRoom(self.running[0], self.pool)
             self.preempt(self.running[-1])  # everyone is stuck on pages: the youngest gives way
 
+    def _whole(self) -> list[tuple[Sequence, int]] | None:
+        """A step of its own for a prompt with pictures (read whole: the vision tower's features fill
+        its image tokens in one forward), running or at the head of the queue, when its pages are
+        free (keeping a page per decoding request in hand); None otherwise."""
+        decoding = sum(1 for s in self.running if s.decoding)
+        for s in self.running:
+            if s.vision is not None and not s.decoding and s.pending > 0:
+                return [(s, s.pending)] if self._available(self.runner.pages_needed(s.seq_id, s.pending)) else None
+        head = self.waiting[0] if self.waiting else None
+        if (head is not None and head.vision is not None and len(self.running) < self.max_batch_size
+                and self._available(self._pages_for_new(head.total_len) + decoding)):
+            self._admit(head)
+            return [(head, head.pending)]
+        return None
+
     def _plan(self) -> list[tuple[Sequence, int]]:
         self._reserved = 0
+        whole = self._whole()
+        if whole is not None:
+            return whole
         # 1. every decoding request gets its token; short of pages, the youngest is preempted
         while True:
             decodes = [s for s in self.running if s.decoding]
@@ -204,7 +226,7 @@ class Scheduler:
         for s in self.running:
             if budget <= 0:
                 break
-            if s.decoding or s.pending <= 0:
+            if s.decoding or s.pending <= 0 or s.vision is not None:  # pictures: _whole
                 continue
             n = self._fit(s, min(s.pending, budget))
             if n > 0:
@@ -215,6 +237,8 @@ class Scheduler:
         #    per decoding request in hand for the next step
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             head = self.waiting[0]
+            if head.vision is not None:  # admitted by _whole when its pages are free
+                break
             first = min(head.total_len, budget)
             if not self._available(self._pages_for_new(first) + len(decodes)):
                 break

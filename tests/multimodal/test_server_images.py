@@ -28,15 +28,19 @@ def _data_url(data: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
-@pytest.fixture(scope="module")
-def vl_server(tiny_vl, tmp_path_factory):
+@pytest.fixture(scope="module", params=["balance_serve", "ktransformers"])
+def vl_server(request, tiny_vl, tmp_path_factory):
+    """The server on each backend: the batching engine (the default, here with the prefix cache on)
+    and the single-request engine."""
     base = tmp_path_factory.mktemp("vl-server")
-    # the default (batching) backend: a vision-language model is served by the single-request engine
+    extra = ["--prefix_cache_ram_gb", "0.05"] if request.param == "balance_serve" else []
     proc, url = start_server(tiny_vl, base / "data", base / "server.log", "--model_name", "tiny-vl",
-                             "--max_images", "2", "--max_image_pixels", "100000")
+                             "--backend_type", request.param, "--max_images", "2", "--max_image_pixels", "100000",
+                             *extra)
     yield url
     stop_server(proc)
-    assert "served one request at a time" in (base / "server.log").read_text()
+    batching = "batching: " in (base / "server.log").read_text()
+    assert batching == (request.param == "balance_serve")
 
 
 @pytest.fixture(scope="module")
