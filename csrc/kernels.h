@@ -67,11 +67,19 @@ struct GemmArgs {
   int nt = 0;
   float* C = nullptr;
   size_t ldc = 0;
+  const uint8_t* next = nullptr;     // what the caller reads next (the next call's first rows), or null:
+  size_t next_bytes = 0;             // the prefill panels fetch it into L2 during their last row group
   float* tmp = nullptr;              // scratch, >= Kpad floats (+64) per call, 64-byte aligned
   size_t tmp_bytes = 0;              // bytes at tmp; >= kGemmPrefillTmp(Kpad) enables the
                                      // llamafile prefill paths (unpacked weight panels)
 };
 using GemmFn = void (*)(const GemmArgs&);
+// The first row group (32 rows) of the llamafile matrix rows `n` describes, as GemmArgs::next
+// of the call before it (nothing for the packed layouts, which prefetch their own panels).
+inline void first_rows(const GemmArgs& n, const uint8_t** p, size_t* bytes) {
+  *p = n.w_row_bytes ? n.W : nullptr;
+  *bytes = n.w_row_bytes * static_cast<size_t>(n.nr < 32 ? n.nr : 32);
+}
 // Scratch (GemmArgs::tmp_bytes) that enables every prefill path for rows of Kpad elements.
 inline size_t kGemmPrefillTmp(int Kpad) { return 80ull * Kpad + 256; }
 

@@ -191,10 +191,18 @@ void MoE::forward(ThreadPool& pool, int T, int k, const void* x, DType xdt, cons
     GemmArgs g;
     g.A = Ag; g.nt = nt; g.C = G; g.ldc = nr; g.tmp = U + tile; g.tmp_bytes = gemm_tmp;
     gate_.setup(g, tk.e, tk.r0, nr);
-    gate_.gemm(g);
     GemmArgs u;
     u.A = Au; u.nt = nt; u.C = U; u.ldc = nr; u.tmp = U + tile; u.tmp_bytes = gemm_tmp;
     up_.setup(u, tk.e, tk.r0, nr);
+    // each call's last row group fetches the first rows of what this thread reads next: up's,
+    // then the next task's gate (tasks run in contiguous ranges per thread)
+    first_rows(u, &g.next, &g.next_bytes);
+    if (ti + 1 < static_cast<int>(tasks.size())) {
+      GemmArgs n;
+      gate_.setup(n, tasks[ti + 1].e, tasks[ti + 1].r0, std::min(rb1, I - tasks[ti + 1].r0));
+      first_rows(n, &u.next, &u.next_bytes);
+    }
+    gate_.gemm(g);
     up_.gemm(u);
     if (cfg_.gate_bias || cfg_.up_bias) add_row_bias(G, U, nt, nr, cfg_.gate_bias, cfg_.up_bias, static_cast<size_t>(tk.e) * I + tk.r0);
     for (int t = 0; t < nt; ++t)
@@ -229,6 +237,11 @@ void MoE::forward(ThreadPool& pool, int T, int k, const void* x, DType xdt, cons
     g.A = A; g.nt = nt; g.C = ybuf + static_cast<size_t>(p0) * H + tk.r0; g.ldc = H; g.tmp = thr(tid) + 2 * tile;
     g.tmp_bytes = gemm_tmp;
     down_.setup(g, tk.e, tk.r0, nr);
+    if (ti + 1 < static_cast<int>(tasks.size())) {
+      GemmArgs n;
+      down_.setup(n, tasks[ti + 1].e, tasks[ti + 1].r0, std::min(rb2, H - tasks[ti + 1].r0));
+      first_rows(n, &g.next, &g.next_bytes);
+    }
     down_.gemm(g);
   });
 
