@@ -26,7 +26,7 @@ from .common import SSE_HEADERS, Collected, check_model, new_id, pieces, sse
 from .db import ACTIVE_RUN, Assistant, Database, Message, Run, Thread
 from .engine import Engine, GenerationRequest, QueueFull
 from .errors import STREAMS_SSE, APIError
-from .prompting import content_text
+from .prompting import IMAGE_PART_KINDS, content_text, with_images
 from .schemas import (AssistantCreate, AssistantModify, MessageCreate, MetadataModify, RunCreate, RunModify,
                       ThreadAndRunCreate, ThreadCreate, json_type_name)
 
@@ -46,9 +46,16 @@ def _now() -> int:
     return int(time.time())
 
 
-def _parts(content, param: str) -> list[dict]:
+def _has_images(content) -> bool:
+    return isinstance(content, list) and any(isinstance(p, dict) and p.get("type") in IMAGE_PART_KINDS
+                                             for p in content)
+
+
+def _parts(content, param: str, images=None) -> list[dict]:
     """A thread message's content as stored; a text part without its text is a 400 naming it (a
-    stored message with no text would only fail later, in every run of the thread)."""
+    stored message with no text would only fail later, in every run of the thread).  ``images``:
+    the model's ``ImageSupport`` when it takes images; its ``image_url`` parts are then checked
+    (the chat route's decoding and errors) and stored in order beside the text parts."""
     for j, part in enumerate(content if isinstance(content, list) else []):
         text = part.get("text") if isinstance(part, dict) else part
         if isinstance(part, dict) and part.get("type", "text") not in ("text", "input_text", "output_text"):
@@ -59,6 +66,18 @@ def _parts(content, param: str) -> list[dict]:
                                     f"{json_type_name(text.get('value'))}", param=param)
         elif text is None:  # other types: content_text names them
             raise APIError(400, f"'{param}[{j}].text' is required: a string or {{\"value\": string}}", param=param)
+    if images is not None and _has_images(content):
+        content_text(content, param, images.collector())  # each picture decoded and checked now
+        out = []
+        for p in content:
+            if isinstance(p, dict) and p.get("type") in IMAGE_PART_KINDS:
+                url = p.get("image_url")
+                detail = (url.get("detail") if isinstance(url, dict) else None) or "auto"
+                url = url.get("url") if isinstance(url, dict) else url
+                out.append({"type": "image_url", "image_url": {"url": url, "detail": detail}})
+            else:
+                out.append({"type": "text", "text": {"value": content_text([p], param), "annotations": []}})
+        return out
     text = content_text(content, param)
     return [{"type": "text", "text": {"value": text, "annotations": []}}]
 
@@ -116,26 +135,31 @@ def delete_assistant(assistant_id: str, request: Request):
 
 # ---- threads ------------------------------------------------------------------------------
 
-def _new_message(thread_id: str, m: MessageCreate, i: int | None = None) -> Message:
+def _new_message(thread_id: str, m: MessageCreate, i: int | None = None, images=None) -> Message:
     param = "content" if i is None else f"messages[{i}].content"
     return Message(id=new_id("msg_"), thread_id=thread_id, created_at=_now(), role=m.role,
-                   content=_parts(m.content, param), status="completed", attachments=m.attachments or [],
+                   content=_parts(m.content, param, images), status="completed", attachments=m.attachments or [],
                    meta=_meta(m.metadata), completed_at=_now())
 
 
-def _create_thread(s, body: ThreadCreate | None) -> Thread:
+def _create_thread(s, body: ThreadCreate | None, images=None) -> Thread:
     body = body or ThreadCreate()
     t = Thread(id=new_id("thread_"), created_at=_now(), meta=_meta(body.metadata), tool_resources=body.tool_resources)
     s.add(t)
     for i, m in enumerate(body.messages or []):
-        s.add(_new_message(t.id, m, i))
+        s.add(_new_message(t.id, m, i, images))
     return t
+
+
+def _images(request: Request):
+    """The model's ImageSupport when it takes images (None: text only)."""
+    return getattr(request.app.state.engine, "images", None)
 
 
 @router.post("/threads")
 def create_thread(request: Request, body: ThreadCreate | None = None):
     with _db(request).write() as s:
-        t = _create_thread(s, body)
+        t = _create_thread(s, body, _images(request))
     return t.to_dict()
 
 
@@ -148,9 +172,9 @@ async def create_thread_and_run(body: ThreadAndRunCreate, request: Request):
     def work():
         with db.write() as s:
             Database.get(s, Assistant, body.assistant_id, "assistant")
-            t = _create_thread(s, body.thread)
+            t = _create_thread(s, body.thread, _images(request))
             s.flush()
-            return t.to_dict(), _insert_run(s, t.id, body).to_dict()
+            return t.to_dict(), _insert_run(s, t.id, body, _images(request)).to_dict()
 
     thread_d, run_d = await run_in_threadpool(work)
     return await _launch(request, run_d, body.stream, thread_d if body.stream else None)
@@ -208,7 +232,7 @@ def create_message(thread_id: str, body: MessageCreate, request: Request):
         if active is not None:
             raise APIError(400, f"Can't add messages to {thread_id} while a run {active.id} is active.",
                            param="thread_id")
-        m = _new_message(thread_id, body)
+        m = _new_message(thread_id, body, images=_images(request))
         s.add(m)
     return m.to_dict()
 
@@ -296,8 +320,25 @@ def _prompt_messages(s, run: Run) -> list[dict]:
                      .order_by(Message.seq.asc()))
     for m in rows:
         if m.role in ("user", "assistant") and (m.role == "user" or m.status != "in_progress"):
-            msgs.append({"role": m.role, "content": m.text()})
+            msgs.append({"role": m.role, "content": list(m.content) if _has_images(m.content) else m.text()})
     return msgs
+
+
+def _run_prompt(engine, messages: list[dict], max_prompt_tokens: int | None) -> list[int]:
+    """Prompt ids of a run: the thread through the chat template, its pictures (``image_url``
+    parts, on a model that takes images) through the model's processor."""
+    support = getattr(engine, "images", None)
+    if support is None or not any(isinstance(m["content"], list) for m in messages):
+        ids = engine.apply_chat_template(messages)
+        return ids[-max_prompt_tokens:] if max_prompt_tokens and len(ids) > max_prompt_tokens else ids
+    images = support.collector()
+    msgs = [dict(m, content=content_text(m["content"], f"messages[{i}].content", images))
+            for i, m in enumerate(messages)]
+    ids = with_images(engine, engine.apply_chat_template(msgs), images)
+    if max_prompt_tokens and len(ids) > max_prompt_tokens:
+        raise APIError(400, f"the thread is {len(ids)} tokens with its pictures, over max_prompt_tokens "
+                            f"({max_prompt_tokens}); a prompt with pictures is not cut", param="max_prompt_tokens")
+    return ids
 
 
 class RunExecutor:
@@ -346,9 +387,7 @@ class RunExecutor:
             return _prompt_messages(s, run), run.to_dict()
 
         messages, run_d = await self._write(prepare)
-        ids = await run_in_threadpool(self.engine.apply_chat_template, messages)
-        if run_d["max_prompt_tokens"] and len(ids) > run_d["max_prompt_tokens"]:
-            ids = ids[-run_d["max_prompt_tokens"]:]
+        ids = await run_in_threadpool(_run_prompt, self.engine, messages, run_d["max_prompt_tokens"])
         req = GenerationRequest(ids, temperature=run_d["temperature"], top_p=run_d["top_p"],
                                 max_new_tokens=run_d["max_completion_tokens"], tag="assistants.run")
         while True:
@@ -449,13 +488,13 @@ def _check_run_body(request: Request, body: RunCreate) -> None:
         check_model(request.app.state.engine, body.model)
 
 
-def _insert_run(s, thread_id: str, body: RunCreate) -> Run:
+def _insert_run(s, thread_id: str, body: RunCreate, images=None) -> Run:
     a = Database.get(s, Assistant, body.assistant_id, "assistant")
     active = _active_run(s, thread_id)
     if active is not None:
         raise APIError(400, f"Thread {thread_id} already has an active run {active.id}.", param="thread_id")
     for i, m in enumerate(body.additional_messages or []):
-        s.add(_new_message(thread_id, m, i))
+        s.add(_new_message(thread_id, m, i, images))
     instructions = body.instructions if body.instructions is not None else (a.instructions or "")
     if body.additional_instructions:
         instructions = (instructions + "\n\n" + body.additional_instructions).strip()
@@ -506,16 +545,16 @@ async def _launch(request: Request, run_d: dict, stream: bool, thread_d: dict | 
 @router.post("/threads/{thread_id}/runs", responses=STREAMS_SSE)
 async def create_run(thread_id: str, body: RunCreate, request: Request):
     _check_run_body(request, body)
-    run_d = await run_in_threadpool(start_run, _db(request), thread_id, body)
+    run_d = await run_in_threadpool(start_run, _db(request), thread_id, body, _images(request))
     return await _launch(request, run_d, body.stream)
 
 
-def start_run(db: Database, thread_id: str, body: RunCreate) -> dict:
+def start_run(db: Database, thread_id: str, body: RunCreate, images=None) -> dict:
     """Write a queued run on ``thread_id``; the thread's row lock keeps it the only active run even
     when several servers share the database."""
     with db.write() as s:
         Database.get(s, Thread, thread_id, "thread", lock=True)
-        return _insert_run(s, thread_id, body).to_dict()
+        return _insert_run(s, thread_id, body, images).to_dict()
 
 
 def _run(s, thread_id: str, run_id: str, *, lock: bool = False) -> Run:

@@ -291,6 +291,8 @@ async def show(body: OllamaShowRequest, request: Request):
     caps = ["completion", "tools"]
     if fim_tokens(e.tokenizer) is not None:
         caps.append("insert")
+    if getattr(e, "images", None) is not None:  # a vision-language model: messages may carry images
+        caps.append("vision")
     family = e.model_info.get("family", "")
     model_info = {"general.architecture": family, "general.name": e.model_name,
                   "general.parameter_count": int(e.model_info.get("parameter_count", 0)),

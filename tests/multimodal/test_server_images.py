@@ -34,7 +34,7 @@ def vl_server(request, tiny_vl, tmp_path_factory):
     and the single-request engine."""
     base = tmp_path_factory.mktemp("vl-server")
     extra = ["--prefix_cache_ram_gb", "0.05"] if request.param == "balance_serve" else []
-    proc, url = start_server(tiny_vl, base / "data", base / "server.log", "--model_name", "tiny-vl",
+    proc, url = start_server(tiny_vl, base / "data", base / "server.log", "--model_name", "tiny-vl", "--web",
                              "--backend_type", request.param, "--max_images", "2", "--max_image_pixels", "100000",
                              *extra)
     yield url
@@ -168,3 +168,83 @@ def test_responses_bad_images_are_400s(vl_server, part, why):
     with pytest.raises(openai.BadRequestError, match=r"more than 2 images in one request .--max_images"):
         client.responses.create(model="tiny-vl", max_output_tokens=2, input=[
             {"role": "user", "content": [{"type": "input_image", "image_url": _data_url(_png(photo_like()))}] * 3}])
+
+
+def test_assistants_image_url_message_and_run(vl_server, expected):
+    """A thread message's ``image_url`` part is checked and stored; the run reads the picture."""
+    import httpx
+
+    _, text, _ = expected
+    with httpx.Client(base_url=vl_server + "/v1", timeout=60) as c:
+        a = c.post("/assistants", json={"model": "tiny-vl"}).json()
+        t = c.post("/threads").json()
+        m = c.post(f"/threads/{t['id']}/messages", json={"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": _data_url(_png(photo_like()))}},
+            {"type": "text", "text": QUESTION}]})
+        assert m.status_code == 200, m.text
+        assert [p["type"] for p in m.json()["content"]] == ["image_url", "text"]
+        run = c.post(f"/threads/{t['id']}/runs", json={"assistant_id": a["id"], "max_completion_tokens": MAX_TOKENS,
+                                                       "temperature": 0})
+        for _ in range(300):
+            r = c.get(f"/threads/{t['id']}/runs/{run.json()['id']}").json()
+            if r["status"] not in ("queued", "in_progress"):
+                break
+            import time
+
+            time.sleep(0.1)
+        assert r["status"] in ("completed", "incomplete"), r
+        msgs = c.get(f"/threads/{t['id']}/messages", params={"order": "asc"}).json()["data"]
+        assert msgs[-1]["content"][0]["text"]["value"] == text
+        bad = c.post(f"/threads/{t['id']}/messages", json={"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]})
+        assert bad.status_code == 400 and "content[0].image_url: remote URLs are not fetched" in bad.text
+
+
+def test_web_page_offers_images_when_the_model_takes_them(vl_server):
+    """The info endpoint says so (Ollama's ``vision`` capability) and the page has the control."""
+    import httpx
+
+    caps = httpx.post(vl_server + "/api/show", json={"model": "tiny-vl"}).json()["capabilities"]
+    assert "vision" in caps
+    page = httpx.get(vl_server + "/web/").text
+    assert 'id="attach"' in page and 'type="file"' in page
+    assert "image_url" in httpx.get(vl_server + "/web/app.js").text
+
+
+CHROMIUM = __import__("shutil").which("chromium") or __import__("shutil").which("chromium-browser")
+
+
+def test_web_page_sends_an_attached_image(vl_server, tmp_path):
+    """In headless Chromium: attach a picture, send a question; the page shows the picture and an
+    answer, and the thread stores the picture as the file's own bytes (its answer is checked against
+    transformers in test_assistants_image_url_message_and_run)."""
+    if not CHROMIUM:
+        pytest.skip("chromium is not installed")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    import httpx
+
+    path = tmp_path / "photo.png"
+    path.write_bytes(_png(photo_like()))
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"])
+        try:
+            pg = browser.new_page()
+            errors = []
+            pg.on("pageerror", lambda e: errors.append(str(e)))
+            pg.goto(vl_server + "/web")
+            pg.wait_for_selector("body[data-ready='1']", timeout=20000)
+            assert pg.is_visible("#attach")
+            pg.set_input_files("#image-file", str(path))
+            pg.wait_for_function("document.getElementById('attached').textContent.includes('1 image')")
+            pg.fill("#input", QUESTION)
+            pg.click("#send")
+            pg.wait_for_selector(".msg.user img.attached", timeout=10000)
+            pg.wait_for_selector(".msg.assistant.done", timeout=60000)
+            assert not errors
+            assert pg.inner_text("#attached") == ""
+        finally:
+            browser.close()
+    threads = httpx.get(vl_server + "/v1/threads").json()["data"]
+    msgs = httpx.get(vl_server + f"/v1/threads/{threads[0]['id']}/messages", params={"order": "asc"}).json()["data"]
+    assert [p["type"] for p in msgs[0]["content"]] == ["image_url", "text"]
+    assert msgs[0]["content"][0]["image_url"]["url"] == _data_url(_png(photo_like()))

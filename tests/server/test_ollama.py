@@ -66,7 +66,7 @@ def test_list_show_ps_version(client, http):
     assert [m.model for m in models] == [MODEL_NAME]
     assert models[0].details.family == "qwen3_moe"
     info = client.show(MODEL_NAME)
-    assert "completion" in info.capabilities
+    assert "completion" in info.capabilities and "vision" not in info.capabilities  # a text model
     assert info.modelinfo["general.architecture"] == "qwen3_moe"
     assert client.ps().models[0].model == MODEL_NAME
     assert http.get("/api/version").json()["version"]

@@ -38,6 +38,7 @@ def test_web_static_files(http):
 def test_web_chat_streams_an_answer(page, server):
     page.goto(server.url + "/web")
     page.wait_for_selector("body[data-ready='1']", timeout=20000)
+    assert page.is_hidden("#attach")  # a text model: /api/show lists no "vision"
     page.fill("#input", "Hello **there**")
     page.click("#send")
     page.wait_for_selector(".msg.user", timeout=10000)

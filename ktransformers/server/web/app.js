@@ -3,7 +3,7 @@
   "use strict";
   const $ = (id) => document.getElementById(id);
   const state = { key: localStorage.getItem("kt_api_key") || "", assistant: null, model: null,
-                  thread: null, run: null, abort: null };
+                  thread: null, run: null, abort: null, images: [] };
 
   async function api(path, opts) {
     opts = opts || {};
@@ -24,12 +24,18 @@
 
   function setStatus(text) { $("status").textContent = text || ""; }
 
-  function addMessage(role, text) {
+  function addMessage(role, text, images) {
     const div = document.createElement("div");
     div.className = "msg " + role;
     div.innerHTML = '<div class="role"></div><div class="body"></div>';
     div.querySelector(".role").textContent = role;
     div.querySelector(".body").innerHTML = renderMarkdown(text);
+    for (const url of images || []) {
+      const img = document.createElement("img");
+      img.className = "attached";
+      img.src = url;
+      div.insertBefore(img, div.querySelector(".body"));
+    }
     $("messages").appendChild(div);
     $("messages").scrollTop = $("messages").scrollHeight;
     return div.querySelector(".body");
@@ -37,6 +43,33 @@
 
   function textOf(msg) {
     return (msg.content || []).filter((p) => p.type === "text").map((p) => p.text.value).join("\n");
+  }
+
+  function imagesOf(msg) {
+    return (msg.content || []).filter((p) => p.type === "image_url").map((p) => p.image_url.url);
+  }
+
+  // a model that takes images says so in Ollama's /api/show capabilities ("vision")
+  async function checkVision() {
+    const headers = { "Content-Type": "application/json" };
+    if (state.key) headers["Authorization"] = "Bearer " + state.key;
+    const res = await fetch("/api/show", { method: "POST", headers: headers, body: JSON.stringify({ model: state.model }) });
+    const caps = res.ok ? ((await res.json()).capabilities || []) : [];
+    $("attach").hidden = !caps.includes("vision");
+  }
+
+  function showAttached() {
+    const n = state.images.length;
+    $("attached").textContent = n ? n + (n === 1 ? " image" : " images") + " attached" : "";
+  }
+
+  function readAsDataURL(file) {
+    return new Promise((resolve, reject) => {
+      const r = new FileReader();
+      r.onload = () => resolve(r.result);
+      r.onerror = () => reject(r.error);
+      r.readAsDataURL(file);
+    });
   }
 
   async function ensureAssistant() {
@@ -81,7 +114,7 @@
     state.thread = id;
     $("messages").innerHTML = "";
     const list = await api("/threads/" + id + "/messages?order=asc&limit=100");
-    for (const m of list.data) addMessage(m.role, textOf(m));
+    for (const m of list.data) addMessage(m.role, textOf(m), imagesOf(m));
     loadThreads();
   }
 
@@ -104,9 +137,15 @@
       state.thread = t.id;
       loadThreads();
     }
+    const images = state.images;
+    const content = images.length
+      ? images.map((url) => ({ type: "image_url", image_url: { url: url } })).concat([{ type: "text", text: text }])
+      : text;
     await api("/threads/" + state.thread + "/messages", { method: "POST",
-      body: JSON.stringify({ role: "user", content: text }) });
-    addMessage("user", text);
+      body: JSON.stringify({ role: "user", content: content }) });
+    state.images = [];
+    showAttached();
+    addMessage("user", text, images);
     const body = addMessage("assistant", "");
     body.parentElement.classList.add("streaming");
     let answer = "";
@@ -175,8 +214,15 @@
     if (ev.key === "Enter" && !ev.shiftKey) { ev.preventDefault(); $("composer").requestSubmit(); }
   });
   $("stop").addEventListener("click", stop);
+  $("attach").addEventListener("click", () => $("image-file").click());
+  $("image-file").addEventListener("change", async (ev) => {
+    for (const f of ev.target.files) state.images.push(await readAsDataURL(f));
+    ev.target.value = "";
+    showAttached();
+  });
+  $("attached").addEventListener("click", () => { state.images = []; showAttached(); });
   $("new-chat").addEventListener("click", newChat);
 
-  ensureAssistant().then(loadThreads).then(() => { document.body.dataset.ready = "1"; })
+  ensureAssistant().then(checkVision).then(loadThreads).then(() => { document.body.dataset.ready = "1"; })
     .catch((e) => setStatus("error: " + e.message));
 })();
