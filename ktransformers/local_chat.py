@@ -68,9 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
       help="long_context (Llama only): keep the KV cache in CPU memory")
     a("--force_think", action="store_true", help="start every answer with '<think>\\n' (reasoning models)")
     a("--chunk_size", type=int, default=8192, help="prompt tokens per prefill step (default 8192)")
-    a("--speculative", default=None, metavar="ngram|draft:PATH",
+    a("--speculative", default=None, metavar="ngram|mtp|draft:PATH",
       help="speculative decoding, the same answer: ngram = prompt lookup (guesses copied from the text so far; "
-           "pays where the answer repeats the prompt), draft:PATH = a smaller model of the same vocabulary "
+           "pays where the answer repeats the prompt), mtp = the model's own multi-token-prediction layer "
+           "(DeepSeek-V3 / R1 checkpoints), draft:PATH = a smaller model of the same vocabulary "
            "(GGUF or folder, default rules); docs/speculative.md")
     a("--draft_max", type=int, default=8, help="most guessed tokens per speculative step (1-32, default 8)")
     a("--device", default=None, help="device for modules no rule places (default cuda:0 if available, else cpu)")

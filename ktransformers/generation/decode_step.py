@@ -612,6 +612,10 @@ class DecodeStep:
         self._dequantize = cpuinfer_ext.dequantize
         self._cpuinfer = self.head._pool  # attention runs on the kernels' pool
         self._lock = threading.Lock()
+        #: when set (the MTP drafter, generation/mtp.py): each step leaves ``last_hidden`` =
+        #: (positions, the rows' final hidden states after the final norm ``[n, hidden]``)
+        self.keep_hidden = False
+        self.last_hidden = None
         self.x, self.h, self.a, self.m = _Buf(H), _Buf(H), _Buf(H), _Buf(H)
         self.qkv = _Buf(max([lay.qkv.out_features for lay in self.layers if lay.qkv is not None], default=1))
         self.att = _Buf(max([lay.hq * lay.d for lay in self.layers if lay.mla is None], default=1))
@@ -1064,6 +1068,8 @@ class DecodeStep:
                                   n, H)
             else:
                 ops.residual_norm(xp, m.data_ptr(), 0, 0.0, nxt[2], nxt[1], hp, n, H)
+        if self.keep_hidden:
+            self.last_hidden = (list(positions), h.clone())
         logits = self.head.rows(n, h, torch.empty(n, self.head.out_features))
         if self.softcap is not None:
             logits.div_(self.softcap).tanh_().mul_(self.softcap)

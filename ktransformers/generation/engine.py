@@ -176,6 +176,10 @@ class Generator:
         check_drafter(speculative, draft_max, draft_model)
         if draft_model is not None:
             check_same_vocabulary(model, draft_model)
+        if speculative == "mtp":  # the model's own MTP layer (generation/mtp.py): read now, one error if none
+            from .mtp import load_mtp_layer
+
+            load_mtp_layer(model)
         self.speculative = speculative
         self.draft_max = int(draft_max)
         self.draft_model = draft_model
@@ -239,13 +243,15 @@ class Generator:
         return step
 
     def prefill(self, input_ids: list[int], cache, cancel: threading.Event | None = None,
-                vision=None) -> torch.Tensor | None:
+                vision=None, hidden: list | None = None) -> torch.Tensor | None:
         """Run the prompt through the model in chunks; logits [1, V] (fp32) of its last position.
 
         Every chunk is read by the model's prompt forward, a one-token chunk too (never the decode
         step, whose attention sums in another order): the cache and logits are the same bits
         whatever the chunking.  Returns None when ``cancel`` was set between chunks.  A prompt with
-        images (``vision``: multimodal/prompt.py) is read in one forward that takes them.
+        images (``vision``: multimodal/prompt.py) is read in one forward that takes them.  ``hidden``:
+        a list that receives the final hidden states (after the final norm) of the prompt's
+        positions, ``[T, hidden]`` per chunk (the MTP drafter's input).
         """
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
         logits = None
@@ -255,16 +261,24 @@ class Generator:
                 out = forward(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1,
                               **vision.prefill_kwargs(self.model, ids))
             return out.logits[:, -1].float()
-        with torch.inference_mode():
-            for start in range(0, ids.shape[1], self.chunk_size):
-                if cancel is not None and cancel.is_set() and start > 0:
-                    return None
-                chunk = ids[:, start:start + self.chunk_size]
-                pos = torch.arange(start, start + chunk.shape[1], device=self.device).unsqueeze(0)
-                # the model's own forward, not generate()'s lean-step wrapper (hf_generate.py)
-                forward = self.model.__dict__.get("_kt_lean_forward") or self.model
-                out = forward(input_ids=chunk, cache=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
-                logits = out.logits[:, -1].float()
+        hook = None
+        if hidden is not None:
+            hook = self.model.get_decoder().norm.register_forward_hook(
+                lambda mod, args, out: hidden.append(out[0].detach().float().cpu().clone()))
+        try:
+            with torch.inference_mode():
+                for start in range(0, ids.shape[1], self.chunk_size):
+                    if cancel is not None and cancel.is_set() and start > 0:
+                        return None
+                    chunk = ids[:, start:start + self.chunk_size]
+                    pos = torch.arange(start, start + chunk.shape[1], device=self.device).unsqueeze(0)
+                    # the model's own forward, not generate()'s lean-step wrapper (hf_generate.py)
+                    forward = self.model.__dict__.get("_kt_lean_forward") or self.model
+                    out = forward(input_ids=chunk, cache=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
+                    logits = out.logits[:, -1].float()
+        finally:
+            if hook is not None:
+                hook.remove()
         return logits
 
     # ----------------------------------------------------------------------------- requests
@@ -302,14 +316,15 @@ class Generator:
         t0 = time.perf_counter()
         cap = n + max_new
         cache = self.new_cache(cap)
-        logits = self.prefill(input_ids, cache, cancel, vision)
+        hidden = [] if self.speculative == "mtp" and vision is None else None
+        logits = self.prefill(input_ids, cache, cancel, vision, hidden=hidden)
         stats.prefill_seconds = time.perf_counter() - t0  # updated below to include the first sample
         sampler = Sampler(params, logits.device if logits is not None else self.device)
         history = None
         if sampler.needs_ids:
             history = torch.zeros((1, cap), dtype=torch.long, device=sampler_device(logits, self.device))
             history[0, :n] = torch.tensor(input_ids, dtype=torch.long)
-        spec = self._speculation(input_ids, cap) if vision is None else None
+        spec = self._speculation(input_ids, cap, hidden) if vision is None else None
         pos = n          # where the newest decided token goes in the cache
         finish = None
         first = True
@@ -364,18 +379,20 @@ class Generator:
             pos += 1
         yield out.final(finish)
 
-    def _speculation(self, input_ids, capacity: int):
+    def _speculation(self, input_ids, capacity: int, hidden: list | None = None):
         """(drafter, policy) for a request when the Generator speculates and its decode step can
-        verify rows (else None: plain decoding, the same tokens)."""
+        verify rows (else None: plain decoding, the same tokens).  ``hidden``: the prompt's final
+        hidden states (the MTP drafter's)."""
         if self.speculative is None:
             return None
         step = self._decode_step()
-        if step is None:
+        if step is None or (self.speculative == "mtp" and not hidden):
             return None
         from .speculative import Policy, make_drafter
 
         draft = Generator(self.draft_model, None) if self.draft_model is not None else None
-        drafter = make_drafter(self.speculative, draft, capacity)
+        prompt_hidden = torch.cat(hidden) if hidden else None
+        drafter = make_drafter(self.speculative, draft, capacity, self.model, step, prompt_hidden)
         drafter.extend(input_ids)
         return drafter, Policy(self.draft_max)
 

@@ -15,8 +15,9 @@ distribution does not).
 
 Drafters: prompt lookup (``NgramDrafter``), the continuation of the latest earlier occurrence of
 the text's last n tokens, in the prompt or the answer so far -- no extra weights, and it pays where
-an answer copies (code edits, quoting summaries, JSON rewrites); and a smaller model of the same
-vocabulary (``DraftModelDrafter``), greedy on its own cache.  ``Policy``
+an answer copies (code edits, quoting summaries, JSON rewrites); a smaller model of the same
+vocabulary (``DraftModelDrafter``), greedy on its own cache; and DeepSeek-V3's own
+multi-token-prediction layer (``mtp``, generation/mtp.py).  ``Policy``
 adapts the draft length to what is accepted and backs off where guesses keep failing, so plain
 chat runs at plain speed.
 """
@@ -28,13 +29,13 @@ from dataclasses import dataclass
 from ..errors import ConfigError
 
 #: drafters a user can name (local_chat --speculative, Generator(speculative=...))
-DRAFTERS = ("ngram", "draft")
+DRAFTERS = ("ngram", "draft", "mtp")
 
 
 def check_drafter(name: str | None, draft_max: int, draft_model=None) -> None:
     """A clear error for a drafter or length the loop cannot use."""
     if name is not None and name not in DRAFTERS:
-        raise ConfigError(f"--speculative {name!r}: unknown drafter (choose from ngram, draft:PATH)")
+        raise ConfigError(f"--speculative {name!r}: unknown drafter (choose from ngram, mtp, draft:PATH)")
     if not 1 <= int(draft_max) <= 32:
         raise ConfigError(f"--draft_max must be between 1 and 32 (got {draft_max})")
     if (name == "draft") != (draft_model is not None):
@@ -48,11 +49,11 @@ def parse_speculative(spec: str | None, draft_max: int, flag: str = "--speculati
         raise ConfigError(f"--draft_max must be between 1 and 32 (got {draft_max})")
     if spec is None:
         return None, None
-    if spec == "ngram":
-        return "ngram", None
+    if spec in ("ngram", "mtp"):
+        return spec, None
     path = spec[len("draft:"):] if spec.startswith("draft:") else None
     if not path:
-        raise ConfigError(f"{flag} {spec!r}: choose ngram or draft:PATH")
+        raise ConfigError(f"{flag} {spec!r}: choose ngram, mtp or draft:PATH")
     from pathlib import Path
 
     if not Path(path).exists():
@@ -163,7 +164,8 @@ class DraftModelDrafter:
         self.step = decode_step_for(draft.model)
         if self.step is None:
             raise ConfigError(f"draft model {type(draft.model).__name__}: its family is not served by the decode "
-                              "step (Gemma-3 text, Llama / Mistral / Qwen2 / Qwen3, Qwen-MoE), so it cannot draft")
+                              "step (Gemma-3 text, Llama / Mistral / Qwen2 / Qwen3, Qwen-MoE, DeepSeek MLA), so it "
+                              "cannot draft")
         self.gen = draft
         self.capacity = int(capacity)
         self.tokens: list[int] = []   # the text so far (prompt and emitted tokens)
@@ -224,10 +226,15 @@ class DraftModelDrafter:
         return out
 
 
-def make_drafter(name: str, draft=None, capacity: int = 0):
-    """The drafter ``name`` for one request (``draft``: the draft model's ``Generator``)."""
+def make_drafter(name: str, draft=None, capacity: int = 0, model=None, step=None, prompt_hidden=None):
+    """The drafter ``name`` for one request (``draft``: the draft model's ``Generator``; ``mtp``: the
+    model, its decode step and the prompt's final hidden states)."""
     if name == "ngram":
         return NgramDrafter()
     if name == "draft":
         return DraftModelDrafter(draft, capacity)
-    raise ConfigError(f"unknown drafter {name!r} (choose from ngram, draft:PATH)")
+    if name == "mtp":
+        from .mtp import MTPDrafter
+
+        return MTPDrafter(model, step, prompt_hidden)
+    raise ConfigError(f"unknown drafter {name!r} (choose from ngram, mtp, draft:PATH)")

@@ -285,5 +285,7 @@ def test_local_chat_with_a_draft_model_gives_the_plain_answer(tiny_model_dir):
     bad = run_chat("--model_path", d, "--prompt", "Hi", "--speculative", "draft:/nonexistent/model.gguf")
     assert bad.returncode == 2 and "--speculative draft:/nonexistent/model.gguf: no such file" in bad.stderr
     assert "Traceback" not in bad.stderr
-    bad = run_chat("--model_path", d, "--prompt", "Hi", "--speculative", "mtp")
-    assert bad.returncode == 2 and "choose ngram or draft:PATH" in bad.stderr
+    bad = run_chat("--model_path", d, "--prompt", "Hi", "--speculative", "eagle")
+    assert bad.returncode == 2 and "choose ngram, mtp or draft:PATH" in bad.stderr
+    bad = run_chat("--model_path", d, "--prompt", "Hi", "--speculative", "mtp")  # a llama has no MTP layer
+    assert bad.returncode == 2 and "--speculative mtp: llama models have no MTP layer" in bad.stderr

@@ -57,7 +57,7 @@ def test_batching_engine_says_it_decodes_plainly(tiny_dir, tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--speculative", "mtp"], "choose ngram or draft:PATH"),
+    (["--speculative", "eagle"], "choose ngram, mtp or draft:PATH"),
     (["--speculative", "draft:/nonexistent/m.gguf"], "--speculative draft:/nonexistent/m.gguf: no such file"),
     (["--speculative", "ngram", "--draft_max", "0"], "--draft_max must be between 1 and 32"),
 ])

@@ -1,0 +1,172 @@
+"""DeepSeek-V3's MTP layer as a speculative drafter (generation/mtp.py).
+
+A tiny DeepSeek-V3 checkpoint with a random MTP layer (``model.layers.3.*``: enorm, hnorm,
+eh_proj, a full MoE decoder layer, shared_head) beside its three layers:
+
+* greedy answers with ``speculative="mtp"`` are the plain answers token for token (the guesses are
+  verified as rows of the decode step), with guesses drafted;
+* the drafter's guesses are the ones transformers' own ``MtpLayer`` gives, computed independently
+  (the unmodified transformers model's final hidden states, the layer's weights read straight from
+  the safetensors file, the whole sequence re-run without a cache), wherever the reference's top-1
+  margin exceeds 1e-4 x max|logits|;
+* a model without an MTP layer is refused with one line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ktransformers import load_model
+from ktransformers.errors import ConfigError
+from ktransformers.generation import Generator, SamplingParams
+from ktransformers.util.tiny_models import write_tiny_model
+
+from .test_invariance import _NoText
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def mtp_dir(tmp_path_factory) -> Path:
+    """A tiny DeepSeek-V3 folder whose checkpoint holds an MTP layer after its 3 decoder layers."""
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path_factory.mktemp("v3-mtp")
+    write_tiny_model("deepseek_v3", d, seed=4, num_hidden_layers=4)  # layer 3: the MTP layer's decoder layer
+    sd = load_file(d / "model.safetensors")
+    g = torch.Generator().manual_seed(5)
+    H = int(sd["model.embed_tokens.weight"].shape[1])
+    p = "model.layers.3."
+    sd[p + "enorm.weight"] = 1.0 + 0.2 * torch.randn(H, generator=g)
+    sd[p + "hnorm.weight"] = 1.0 + 0.2 * torch.randn(H, generator=g)
+    sd[p + "eh_proj.weight"] = 0.05 * torch.randn(H, 2 * H, generator=g)
+    sd[p + "shared_head.norm.weight"] = 1.0 + 0.2 * torch.randn(H, generator=g)
+    sd[p + "shared_head.head.weight"] = sd["lm_head.weight"].clone()
+    sd[p + "embed_tokens.weight"] = sd["model.embed_tokens.weight"].clone()
+    save_file(sd, d / "model.safetensors")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["num_hidden_layers"] = 3
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.fixture(scope="module")
+def model(mtp_dir):
+    return load_model(mtp_dir, model_path=mtp_dir)
+
+
+def _prompt(seed=3, n=20):
+    run = [int(i) for i in np.random.default_rng(seed).integers(3, 300, n)]
+    return run * 2 + run[: n // 2]
+
+
+@pytest.mark.parametrize("draft_max", [1, 4])
+def test_mtp_greedy_is_the_plain_answer(model, draft_max):
+    prompt = _prompt()
+    params = SamplingParams(max_new_tokens=32)
+    _, want, _ = Generator(model, _NoText()).generate(prompt, params)
+    g = Generator(model, _NoText(), speculative="mtp", draft_max=draft_max)
+    _, got, _ = g.generate(prompt, params)
+    assert got == want
+    st = g.last_stats
+    assert st.drafted_tokens > 0 and st.generated_tokens == len(want)
+    # with a repetition penalty too (the verify samples each row with the history before it)
+    params = SamplingParams(max_new_tokens=24, repetition_penalty=1.3)
+    _, want, _ = Generator(model, _NoText()).generate(prompt, params)
+    _, got, _ = g.generate(prompt, params)
+    assert got == want
+
+
+def _reference_layer(mtp_dir, config):
+    """transformers' MtpLayer with the checkpoint's tensors read by safetensors itself."""
+    from safetensors.torch import load_file
+    from transformers.modeling_layers import MtpLayer
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
+
+    cfg = config.get_mtp_config()
+    cfg._attn_implementation = "eager"
+    layer = MtpLayer(cfg, DeepseekV3DecoderLayer, DeepseekV3RMSNorm, 0)
+    sd = load_file(mtp_dir / "model.safetensors")
+    p = "model.layers.3."
+    E = int(config.n_routed_experts)
+    state = {"enorm.weight": sd[p + "enorm.weight"], "hnorm.weight": sd[p + "hnorm.weight"],
+             "eh_proj.weight": sd[p + "eh_proj.weight"], "post_norm.weight": sd[p + "shared_head.norm.weight"]}
+    ex = p + "mlp.experts."
+    state["mtp_block.mlp.experts.gate_up_proj"] = torch.stack(
+        [torch.cat([sd[f"{ex}{e}.gate_proj.weight"], sd[f"{ex}{e}.up_proj.weight"]]) for e in range(E)])
+    state["mtp_block.mlp.experts.down_proj"] = torch.stack([sd[f"{ex}{e}.down_proj.weight"] for e in range(E)])
+    for k, v in sd.items():
+        if k.startswith(p) and not k.startswith(ex) and "shared_head" not in k and "enorm" not in k \
+                and "hnorm" not in k and "eh_proj" not in k and "embed_tokens" not in k:
+            state["mtp_block." + k[len(p):]] = v
+    layer.load_state_dict(state, strict=True)
+    return layer.eval()
+
+
+def _reference_drafts(hf, layer, tokens: list[int], k: int):
+    """(guesses, top-1 margins) for the text ``tokens`` (the last one pending), no cache anywhere."""
+    m = len(tokens)
+    with torch.no_grad():
+        h = hf(torch.tensor([tokens[:m - 1]]), output_hidden_states=True).hidden_states[-1][0]  # [m - 1, H]
+        inputs = list(tokens[1:])
+        out, margins = [], []
+        for _ in range(k):
+            T = len(inputs)
+            emb = hf.model.embed_tokens(torch.tensor([inputs]))
+            pos = torch.arange(1, T + 1)[None]
+            keep = torch.arange(T)[None, :] <= torch.arange(T)[:, None]
+            mask = torch.zeros(T, T).masked_fill_(~keep, torch.finfo(torch.float32).min)[None, None]
+            hn = layer(emb, h[None], position_embeddings=hf.model.rotary_emb(emb, pos), attention_mask=mask,
+                       position_ids=pos, cache=None)[0]
+            logits = hf.lm_head(hn[-1])
+            top2 = logits.topk(2).values
+            margins.append(float((top2[0] - top2[1]) / logits.abs().max()))
+            out.append(int(logits.argmax()))
+            inputs.append(out[-1])
+            h = torch.cat([h, hn[-1:]])
+    return out, margins
+
+
+def test_mtp_guesses_are_transformers_mtp_layers(model, mtp_dir, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from ktransformers.generation.mtp import MTPDrafter
+    from ktransformers.generation.speculative import Policy
+
+    hf = AutoModelForCausalLM.from_pretrained(mtp_dir, dtype=torch.float32).eval()
+    layer = _reference_layer(mtp_dir, hf.config)
+    seen = []
+    own = MTPDrafter.draft
+
+    def draft(self, k):
+        got = own(self, k)
+        seen.append((list(self.tokens), got))
+        return got
+
+    monkeypatch.setattr(MTPDrafter, "draft", draft)
+    monkeypatch.setattr(Policy, "next_k", lambda self: 3)  # guess at every step, however few are kept
+    g = Generator(model, _NoText(), speculative="mtp", draft_max=3)
+    g.generate(_prompt(seed=8), SamplingParams(max_new_tokens=20))
+    compared = 0
+    for tokens, got in seen:
+        if not got:
+            continue
+        want, margins = _reference_drafts(hf, layer, tokens, len(got))
+        for i, (a, b) in enumerate(zip(got, want)):
+            if margins[i] <= 1e-4:
+                break  # a near tie: the chains may part from here on
+            assert a == b, f"after {len(tokens)} tokens, guess {i} is {a}, transformers' MTP layer gives {b}"
+            compared += 1
+    assert compared >= 20, f"only {compared} guesses compared"
+
+
+def test_a_model_without_an_mtp_layer_is_refused(tiny):
+    with pytest.raises(ConfigError, match="no MTP layer"):
+        Generator(tiny("deepseek_v3"), _NoText(), speculative="mtp")
+    with pytest.raises(ConfigError, match="no MTP layer"):
+        Generator(tiny("llama"), _NoText(), speculative="mtp")
