@@ -56,8 +56,13 @@ def parse_speculative(spec: str | None, draft_max: int, flag: str = "--speculati
         raise ConfigError(f"{flag} {spec!r}: choose ngram, mtp or draft:PATH")
     from pathlib import Path
 
-    if not Path(path).exists():
-        raise ConfigError(f"{flag} draft:{path}: no such file or directory")
+    try:
+        found = Path(path).exists()
+    except (OSError, ValueError):  # a NUL byte, a name too long for the file system
+        found = False
+    if not found:
+        shown = path if path.isprintable() else path.encode("unicode_escape").decode("ascii")
+        raise ConfigError(f"{flag} draft:{shown}: no such file or directory")
     return "draft", path
 
 

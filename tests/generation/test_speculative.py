@@ -8,6 +8,8 @@ the request's distribution (a chi-square test on the accept / reject rule).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -289,3 +291,38 @@ def test_local_chat_with_a_draft_model_gives_the_plain_answer(tiny_model_dir):
     assert bad.returncode == 2 and "choose ngram, mtp or draft:PATH" in bad.stderr
     bad = run_chat("--model_path", d, "--prompt", "Hi", "--speculative", "mtp")  # a llama has no MTP layer
     assert bad.returncode == 2 and "--speculative mtp: llama models have no MTP layer" in bad.stderr
+
+
+def test_fuzz_speculative_values_are_a_drafter_or_one_line_errors(tmp_path):
+    """Any ``--speculative`` / ``--draft_max`` value is a drafter (ngram, mtp, draft:an existing
+    path) or one ``ConfigError`` line naming the flag; never another exception."""
+    pytest.importorskip("hypothesis")
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from ktransformers.generation.speculative import parse_speculative
+    from tests.fuzzing import fuzz_settings
+
+    path = tmp_path / "draft.gguf"
+    path.write_bytes(b"GGUF")
+    values = st.one_of(st.none(), st.text(max_size=30), st.sampled_from(["ngram", "mtp", "draft:", f"draft:{path}"]),
+                       st.text(max_size=12).map(lambda t: "draft:" + t), st.text(max_size=6).map(lambda t: "mtp" + t))
+
+    @fuzz_settings(300, deadline=None, derandomize=True)
+    @given(values, st.integers(-5, 40))
+    def check(spec, draft_max):
+        try:
+            name, got = parse_speculative(spec, draft_max)
+        except ConfigError as e:
+            msg = str(e)
+            assert "\n" not in msg and ("--speculative" in msg or "--draft_max" in msg), msg
+            return
+        assert 1 <= draft_max <= 32
+        if spec is None:
+            assert (name, got) == (None, None)
+        elif spec in ("ngram", "mtp"):
+            assert (name, got) == (spec, None)
+        else:
+            assert name == "draft" and spec == f"draft:{got}" and Path(got).exists()
+
+    check()
