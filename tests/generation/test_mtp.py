@@ -170,3 +170,15 @@ def test_a_model_without_an_mtp_layer_is_refused(tiny):
         Generator(tiny("deepseek_v3"), _NoText(), speculative="mtp")
     with pytest.raises(ConfigError, match="no MTP layer"):
         Generator(tiny("llama"), _NoText(), speculative="mtp")
+
+
+def test_local_chat_with_mtp_gives_the_plain_answer(mtp_dir):
+    from tests.test_local_chat import run_chat
+
+    common = ("--model_path", mtp_dir, "--prompt", "abc abc abc abc abc", "--max_new_tokens", 24, "--stats",
+              "--cpu_infer", 1, "--temperature", 0)
+    plain = run_chat(*common)
+    spec = run_chat(*common, "--speculative", "mtp", "--draft_max", 3)
+    assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout
+    assert "drafted " in spec.stderr, spec.stderr
