@@ -44,8 +44,11 @@ def _prompt(n=12, seed=0):
 
 
 def _generic(model, tok, pos, cache):
-    return model(input_ids=torch.tensor([[tok]]), cache=cache, position_ids=torch.tensor([[pos]]),
-                 use_cache=True, logits_to_keep=1).logits[0, -1].float()
+    """The model's own forward: a loaded model's ``forward`` answers such a call with the lean step
+    itself (generation/hf_generate.py)."""
+    own = model.__dict__.get("_kt_lean_forward") or model
+    return own(input_ids=torch.tensor([[tok]]), cache=cache, position_ids=torch.tensor([[pos]]),
+               use_cache=True, logits_to_keep=1).logits[0, -1].float()
 
 
 @pytest.mark.parametrize("arch", LEAN_ARCHS)
