@@ -150,12 +150,14 @@ class MTPDrafter:
         if any(j not in self.hidden for j in todo):
             self.broken = True  # a step not taken by the decode step (no hidden rows): plain decoding from here
             return []
+        if k <= 0:
+            return []  # no guess asked (the policy pauses): the positions are read in one call later
         h = None
         if todo:
             rows = torch.stack([self.hidden.pop(j) for j in todo])
             h = self._layer([self.tokens[j + 1] for j in todo], rows, todo[0])[-1:]
             self.done = m - 1
-        if k <= 0 or h is None:
+        if h is None:
             return []
         out = []
         while True:
