@@ -66,8 +66,9 @@ def _parts(content, param: str, images=None) -> list[dict]:
                                     f"{json_type_name(text.get('value'))}", param=param)
         elif text is None:  # other types: content_text names them
             raise APIError(400, f"'{param}[{j}].text' is required: a string or {{\"value\": string}}", param=param)
-    if images is not None and _has_images(content):
-        content_text(content, param, images.collector())  # each picture decoded and checked now
+    collector = images.collector() if images is not None else None
+    if collector is not None and _has_images(content):
+        content_text(content, param, collector)  # each picture decoded and checked now
         out = []
         for p in content:
             if isinstance(p, dict) and p.get("type") in IMAGE_PART_KINDS:
@@ -78,7 +79,7 @@ def _parts(content, param: str, images=None) -> list[dict]:
             else:
                 out.append({"type": "text", "text": {"value": content_text([p], param), "annotations": []}})
         return out
-    text = content_text(content, param)
+    text = content_text(content, param, collector)
     return [{"type": "text", "text": {"value": text, "annotations": []}}]
 
 

@@ -60,6 +60,9 @@ def content_text(content: Any, param: str = "messages", images=None) -> str:
                     out.append(images.add_part(p, f"{param}[{j}]"))
                 except ImageError as e:
                     raise APIError(400, str(e), param=param) from None
+            elif kind == "image_file" and images is not None:
+                raise APIError(400, f"'{param}[{j}]': content part type 'image_file' is not supported: this server "
+                                    f"stores no files; send an image_url part with a data: URL", param=param)
             elif kind in ("image_url", "image_file", "input_image", "input_audio", "image"):
                 raise APIError(400, f"content part type '{kind}' is not supported: this model takes text only",
                                param=param)

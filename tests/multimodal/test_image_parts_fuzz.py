@@ -49,6 +49,14 @@ def test_responses_item_keeps_text_and_pictures_in_order():
         normalize_items([{"role": "user", "content": [{"type": "input_image", "image_url": URL}]}])
 
 
+def test_thread_image_file_part_is_refused_by_name():
+    from ktransformers.server.assistants_api import _parts as thread_parts
+
+    with pytest.raises(APIError, match=r"'content\[0\]': content part type 'image_file' is not supported: this "
+                                       r"server stores no files; send an image_url part"):
+        thread_parts([{"type": "image_file", "image_file": {"file_id": "file-1"}}], "content", _Support())
+
+
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
@@ -59,7 +67,7 @@ _values = st.one_of(st.none(), st.integers(), st.text(max_size=12), st.just(URL)
                     st.just("data:text/plain;base64,aGk="), st.lists(st.integers(), max_size=2),
                     st.fixed_dictionaries({"url": st.one_of(st.just(URL), st.text(max_size=8), st.none())}))
 _parts = st.lists(st.one_of(
-    st.fixed_dictionaries({"type": st.sampled_from(["input_image", "image_url"])},
+    st.fixed_dictionaries({"type": st.sampled_from(["input_image", "image_url", "image_file"])},
                           optional={"image_url": _values, "file_id": _values, "detail": _values}),
     st.fixed_dictionaries({"type": st.sampled_from(["input_text", "text"]), "text": _values}),
     st.dictionaries(st.sampled_from(["type", "text", "image_url"]), _values, max_size=3),
