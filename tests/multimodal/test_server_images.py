@@ -152,6 +152,22 @@ def test_responses_input_image_and_continuation(vl_server, expected, reference):
     assert (r2.usage.input_tokens, r2.output_text) == want[:2]
 
 
+def test_conversation_items_keep_the_picture(vl_server, expected):
+    """A conversation created with an ``input_image`` item: a response in it reads the picture."""
+    import openai
+
+    _, text, _ = expected
+    client = openai.OpenAI(base_url=vl_server + "/v1", api_key="unused", max_retries=0, timeout=60)
+    conv = client.conversations.create(items=[{"type": "message", "role": "user", "content": [
+        {"type": "input_image", "image_url": _data_url(_png(photo_like()))}, {"type": "input_text", "text": QUESTION}]}])
+    items = client.conversations.items.list(conv.id).data
+    assert [p.type for p in items[0].content] == ["input_image", "input_text"]
+    # no new input: the conversation's items alone are the prompt
+    r = client.responses.create(model="tiny-vl", temperature=0, max_output_tokens=MAX_TOKENS, conversation=conv.id,
+                                input=[])
+    assert r.output_text == text
+
+
 @pytest.mark.parametrize("part, why", [
     ({"type": "input_image", "image_url": "https://example.com/cat.png"},
      r"input\[0\]\.content\[0\]\.image_url: remote URLs are not fetched"),
