@@ -33,12 +33,11 @@ shared expert and its sigmoid gate as grouped kernel calls) where its router is 
 softmax-top-k one and its experts are on the CPU kernels; otherwise the block is called as a
 module on the step's rows.
 
-DeepSeek-V2 / V3 (and the ``deepseek_v3`` configs of Kimi-K2 / Moonlight) are served over
-transformers' caches (``step``, ``step_rows``; not the page pool, whose MLA pages hold the latent:
-the generic step): the attention is ``_MLA`` (query and ``kv_a`` in one kernel call, the norms in
-C++, RoPE by ``operators/mla.py``, the latent written through the cache layer's own ``update``
-in the layout the model's attention keeps, the absorbed attention per row in torch, ``o_proj`` on
-the kernels), the MoE block ``_MoE`` with the DeepSeek routers (gate.py's functions, per row),
+DeepSeek-V2 / V3 (and the ``deepseek_v3`` configs of Kimi-K2 / Moonlight) are served on every
+route: the attention is ``_MLA`` (query and ``kv_a`` in one kernel call, the norms in C++, RoPE by
+``operators/mla.py``, the latent written through the cache layer's own ``update`` in the layout the
+model's attention keeps -- or into the page pool's latent / rope-key slots -- and read back per
+row, the absorbed attention per row in torch, ``o_proj`` on the kernels), the MoE block ``_MoE`` with the DeepSeek routers (gate.py's functions, per row),
 the routed experts' ``MoEKernel`` and the shared experts added; the dense first layers as any MLP.
 ``DecodeStep.build`` returns ``None`` for anything else (linear attention, GLM's routers: the
 generic forward), and ``accepts`` / ``accepts_rows`` are checked on every call.
@@ -679,9 +678,18 @@ class DecodeStep:
 
     def pages_of(self, pool) -> list | None:
         """Per layer the (keys, values) addresses of ``pool``'s fp32 CPU ``[slots, kv heads, d]``
-        pages, or None when the pool holds another layout (latent pages: the generic step)."""
+        pages (MLA: its ``[slots, kv_lora_rank]`` latent and ``[slots, rope]`` rope-key tensors), or
+        None when the pool holds another layout (the generic step)."""
         if self.mla:
-            return None
+            got = []
+            for lay in self.layers:
+                lat, rk = pool.tensors.get(f"layers.{lay.idx}.latent"), pool.tensors.get(f"layers.{lay.idx}.rope_key")
+                if lat is None or rk is None or any(
+                        t.dtype is not torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or t.dim() != 2
+                        for t in (lat, rk)) or lat.shape[1] != lay.mla.C or rk.shape[1] != lay.mla.rope:
+                    return None
+                got.append((lat, rk))
+            return got
         mine = pool.__dict__.setdefault("_kt_step_pages", {})  # kept on the pool: it lives as long
         got = mine.get(id(self))                                  # as the addresses it holds
         if got is None:
@@ -972,6 +980,29 @@ class DecodeStep:
 
         return kv
 
+    def _latent_pages(self, tokens: list[int], positions: list[int], tables: list[list[int]], pool) -> torch.Tensor:
+        """``step_pages`` of an MLA model: row r's latent written into its slot of the page pool's
+        latent / rope-key tensors, then read back with the row's earlier slots (by its block table)."""
+        stores = self.pages_of(pool)
+        ps = int(pool.page_size)
+        reads = []
+        for t, p in zip(tables, positions):
+            pages = torch.tensor(t, dtype=torch.int64)
+            slots = (pages[:, None] * ps + torch.arange(ps)[None, :]).reshape(-1)
+            if slots.numel() < p + 1:
+                raise ValueError(f"block table of {len(t)} pages holds no slot for position {p}")
+            reads.append(slots[:p + 1])
+
+        def kv(idx, r, c_kv, k_pe):
+            lat, rk = stores[idx]
+            slot = int(reads[r][-1])
+            lat[slot].copy_(c_kv.reshape(-1))
+            rk[slot].copy_(k_pe.reshape(-1))
+            return lat.index_select(0, reads[r]), rk.index_select(0, reads[r])
+
+        with self._lock:
+            return self._rows(tokens, positions, kv)
+
     def _latent_rows(self, tokens: list[int], pos: int, cache):
         """``step_rows`` of an MLA model: each row's latent written and attended in order."""
         n = len(tokens)
@@ -994,6 +1025,8 @@ class DecodeStep:
         """Logits ``[N, vocab]`` of ``tokens[r]`` at ``positions[r]`` appended to the sequence whose
         block table (new page included) is ``tables[r]`` in ``pool``; its K/V rows are written into
         the pages.  ``pages_of(pool)`` must have been checked."""
+        if self.mla:
+            return self._latent_pages(tokens, positions, tables, pool)
         ptrs = self.pages_of(pool)
         offsets = [0]
         for t in tables:

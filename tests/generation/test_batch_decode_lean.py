@@ -18,7 +18,7 @@ from ktransformers.generation.decode_step import decode_step_for
 from ktransformers.generation.paged import BatchRunner
 
 TOL = 1e-5
-LEAN_ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "gemma3_text"]
+LEAN_ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "gemma3_text", "deepseek_v2", "deepseek_v3"]
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +139,7 @@ def test_gemma_window_layers_past_the_window(models, one_torch_thread):
     assert worst <= TOL, f"gemma3: {worst:.2e}"
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "deepseek_v3"])
 def test_sequences_sharing_prefix_pages(arch, models, one_torch_thread):
     model = models(arch)
     lean, generic, count = _twins(model, page_size=4)
@@ -172,13 +172,13 @@ def test_env_switch_and_unserved_models(models, monkeypatch, one_torch_thread):
     monkeypatch.setenv("KT_LEAN_DECODE", "0")
     assert BatchRunner(models("llama"), page_size=4, num_pages=8).lean_decode is False
     monkeypatch.delenv("KT_LEAN_DECODE")
-    # MLA keeps latent pages: the generic step serves them (the decode step serves its caches only)
-    ds = models("deepseek_v2")
-    runner = BatchRunner(ds, page_size=4, num_pages=16)
-    assert decode_step_for(ds) is not None and decode_step_for(ds).pages_of(runner.pool) is None
+    # a family the decode step does not serve: the generic step
+    mx = models("mixtral")
+    runner = BatchRunner(mx, page_size=4, num_pages=16)
+    assert decode_step_for(mx) is None
     runner.begin(0)
     runner.step([(0, _prompt(5, 0))])
-    assert runner.step([(0, [7])]).shape == (1, ds.config.vocab_size)
+    assert runner.step([(0, [7])]).shape == (1, mx.config.vocab_size)
 
 
 def test_rows_above_the_prefill_threshold_take_the_generic_step(models, one_torch_thread, monkeypatch):
