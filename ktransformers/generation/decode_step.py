@@ -37,8 +37,9 @@ DeepSeek-V2 / V3 (and the ``deepseek_v3`` configs of Kimi-K2 / Moonlight) are se
 route: the attention is ``_MLA`` (query and ``kv_a`` in one kernel call, the norms in C++, RoPE by
 ``operators/mla.py``, the latent written through the cache layer's own ``update`` in the layout the
 model's attention keeps -- or into the page pool's latent / rope-key slots -- and read back per
-row, the absorbed attention per row in torch, ``o_proj`` on the kernels), the MoE block ``_MoE`` with the DeepSeek routers (gate.py's functions, per row),
-the routed experts' ``MoEKernel`` and the shared experts added; the dense first layers as any MLP.
+row, the absorbed attention per row in torch, ``o_proj`` on the kernels), the MoE block ``_MoE``
+with the DeepSeek routers (gate.py's functions, per row), the routed experts' ``MoEKernel`` and
+the shared experts added; the dense first layers as any MLP.
 ``DecodeStep.build`` returns ``None`` for anything else (linear attention, GLM's routers: the
 generic forward), and ``accepts`` / ``accepts_rows`` are checked on every call.
 """
@@ -234,7 +235,8 @@ class _MoE:
         self.shared = self.shared_down = None
         ds = mods.get("shared_experts")
         if ds is not None:  # DeepSeek: ungated shared experts, added to the routed output
-            if self.deepseek is None or act not in GLU or not all(hasattr(ds, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            if self.deepseek is None or act not in GLU or not all(
+                    hasattr(ds, n) for n in ("gate_proj", "up_proj", "down_proj")):
                 raise Unsupported(f"shared experts {type(ds).__name__}")
             self.shared = _Proj([ds.gate_proj, ds.up_proj], glu=GLU[act])
             self.shared_down = _Proj([ds.down_proj])
