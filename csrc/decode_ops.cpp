@@ -6,6 +6,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -79,6 +80,36 @@ void rope(uintptr_t x, int rows, int d, uintptr_t cos, uintptr_t sin) {
       v[i + h] = b * c[i + h] + a * s[i + h];
     }
   }
+}
+
+// Rotary embedding of a prompt's q or k: x [T tokens][H heads][d] read with strides (st, sh)
+// floats (a transposed [1, H, T, d] view), out [T][H][d] contiguous, token t rotated with row t of
+// cos / sin [T][d].  The same arithmetic as rope() above and as transformers' rotate-half
+// apply_rotary_pos_emb (a product each, then a sum; this file is built without FMA contraction),
+// so the bits equal torch's; one pass over the tensor where torch makes six.
+void rope_prompt(CPUInfer& ci, uintptr_t x, int T, int H, int d, int64_t st, int64_t sh, uintptr_t cos, uintptr_t sin,
+                 uintptr_t out) {
+  if (T <= 0 || H <= 0 || d <= 0 || d % 2) throw std::invalid_argument("rope_prompt: need T, H > 0 and an even d");
+  const float* src = ptr<const float>(x);
+  const float* c = ptr<const float>(cos);
+  const float* s = ptr<const float>(sin);
+  float* o = ptr<float>(out);
+  const int h = d / 2, per = 16;
+  ci.pool().parallel_for((T + per - 1) / per, [&](int task, int) {
+    for (int t = task * per; t < std::min(T, (task + 1) * per); ++t) {
+      const float* ct = c + static_cast<size_t>(t) * d;
+      const float* sn = s + static_cast<size_t>(t) * d;
+      for (int j = 0; j < H; ++j) {
+        const float* v = src + t * st + j * sh;
+        float* w = o + (static_cast<size_t>(t) * H + j) * d;
+        for (int i = 0; i < h; ++i) {
+          const float a = v[i], b = v[i + h];
+          w[i] = a * ct[i] + (-b) * sn[i];
+          w[i + h] = b * ct[i + h] + a * sn[i + h];
+        }
+      }
+    }
+  });
 }
 
 // Decode attention (attend_rows below): keys in chunks of kChunk at absolute positions, each chunk
@@ -433,6 +464,8 @@ void register_decode_ops(py::module_& m) {
   d.def("residual_norm", &residual_norm, py::arg("x"), py::arg("a"), py::arg("wa"), py::arg("eps_a"), py::arg("w"),
         py::arg("eps"), py::arg("out"), py::arg("rows"), py::arg("n"));
   d.def("rope", &rope, py::arg("x"), py::arg("rows"), py::arg("d"), py::arg("cos"), py::arg("sin"));
+  d.def("rope_prompt", &rope_prompt, py::arg("cpu_infer"), py::arg("x"), py::arg("T"), py::arg("H"), py::arg("d"),
+        py::arg("st"), py::arg("sh"), py::arg("cos"), py::arg("sin"), py::arg("out"));
   d.def("attend_rows", &attend_rows, py::arg("cpu_infer"), py::arg("qkv"), py::arg("rows"), py::arg("hq"),
         py::arg("hkv"), py::arg("d"), py::arg("qk_w"), py::arg("qk_eps"), py::arg("cos"), py::arg("sin"),
         py::arg("keys"), py::arg("values"), py::arg("tok_stride"), py::arg("head_stride"), py::arg("page_size"),

@@ -101,4 +101,24 @@ def flash_attention_paged(pool: CPUInfer, q: torch.Tensor, keys: torch.Tensor, v
     return out
 
 
-__all__ = ["flash_attention", "flash_attention_paged", "flash_attention_supported"]
+def rope_prompt(pool: CPUInfer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary embedding of a prompt's q or k: ``x [1, H, T, D]`` (fp32 CPU, contiguous
+    last dim, any head / token strides: transformers' transposed view) with ``cos`` / ``sin [1, T, D]``
+    -> ``[1, H, T, D]``, a view of fresh ``[1, T, H, D]`` storage.  Bit for bit transformers'
+    ``x * cos + rotate_half(x) * sin`` (a product each, then a sum), in one pass on the pool."""
+    if x.dim() != 4 or x.shape[0] != 1 or cos.shape != (1, x.shape[2], x.shape[3]) or sin.shape != cos.shape:
+        raise ValueError(f"rope_prompt: need x [1, H, T, D] and cos, sin [1, T, D], got {tuple(x.shape)}, "
+                         f"{tuple(cos.shape)}, {tuple(sin.shape)}")
+    _, H, T, D = x.shape
+    for name, t in (("x", x), ("cos", cos), ("sin", sin)):
+        if t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1:
+            raise ValueError(f"rope_prompt: {name} must be float32 on the CPU with a contiguous last dim")
+    if D % 2 or not (cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError(f"rope_prompt: D {D} must be even and cos, sin contiguous")
+    out = torch.empty(1, T, H, D, dtype=torch.float32)
+    _ext.decode_ops.rope_prompt(pool._c, x.data_ptr(), T, H, D, x.stride(2), x.stride(1), cos.data_ptr(),
+                                sin.data_ptr(), out.data_ptr())
+    return out.transpose(1, 2)
+
+
+__all__ = ["flash_attention", "flash_attention_paged", "flash_attention_supported", "rope_prompt"]

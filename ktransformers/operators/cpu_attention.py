@@ -29,7 +29,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from ..kernels.attention import flash_attention, flash_attention_supported, same_kv_strides
+from ..kernels.attention import flash_attention, flash_attention_supported, rope_prompt, same_kv_strides
 from .cpu_threads import kernel_pool
 
 NAME = "kt_sdpa"
@@ -162,6 +162,68 @@ def _branches_on_name(cls) -> bool:
     return _branches[key]
 
 
+# --------------------------------------------------------------------------- prompt RoPE
+# transformers' attention modules rotate q and k with their modeling module's
+# ``apply_rotary_pos_emb``: six torch passes over q (~7 ms a layer for a 512-token prompt of
+# Qwen3-30B-A3B on 2 cores).  Where that function is the standard rotate-half one, it is answered
+# by the one-pass kernel (kernels.attention.rope_prompt) for fp32 CPU prompts without autograd:
+# the same bits (checked in tests/operators/test_prompt_rope.py), so every route and the
+# unmodified model still agree; anything else goes to the original function.
+_ROPE_LINES = ("q_embed = (q * cos) + (rotate_half(q) * sin)", "k_embed = (k * cos) + (rotate_half(k) * sin)")
+_HALF_LINES = ("x1 = x[..., : x.shape[-1] // 2]", "x2 = x[..., x.shape[-1] // 2 :]", "torch.cat((-x2, x1), dim=-1)")
+
+
+def _standard_rope(mod) -> bool:
+    """Whether ``mod.apply_rotary_pos_emb`` is the standard rotate-half function (by its source)."""
+    fn, half = getattr(mod, "apply_rotary_pos_emb", None), getattr(mod, "rotate_half", None)
+    if not callable(fn) or not callable(half):
+        return False
+    try:
+        src, hsrc = inspect.getsource(fn), inspect.getsource(half)
+        params = list(inspect.signature(fn).parameters)
+    except (OSError, TypeError, ValueError):
+        return False
+    return (params == ["q", "k", "cos", "sin", "unsqueeze_dim"] and all(line in src for line in _ROPE_LINES)
+            and "unsqueeze(unsqueeze_dim)" in src and all(line in hsrc for line in _HALF_LINES))
+
+
+def _fast_rope(original):
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if (unsqueeze_dim == 1 and q.dim() == 4 and k.dim() == 4 and q.shape[0] == 1 and k.shape[0] == 1
+                and q.shape[2] == k.shape[2] and q.shape[3] == k.shape[3]
+                and cos.shape == (1, q.shape[2], q.shape[3]) and sin.shape == cos.shape
+                and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1
+                        for t in (q, k, cos, sin))
+                and cos.is_contiguous() and sin.is_contiguous() and q.shape[3] % 2 == 0
+                and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, cos, sin)))
+                and os.environ.get("KT_PROMPT_ROPE", "1") != "0"):
+            pool = kernel_pool()
+            return rope_prompt(pool, q, cos, sin), rope_prompt(pool, k, cos, sin)
+        return original(q, k, cos, sin, unsqueeze_dim)
+
+    apply_rotary_pos_emb.__wrapped__ = original
+    apply_rotary_pos_emb.__doc__ = original.__doc__
+    apply_rotary_pos_emb._kt_prompt_rope = True
+    return apply_rotary_pos_emb
+
+
+def use_prompt_rope(model) -> int:
+    """Answer the standard rotate-half ``apply_rotary_pos_emb`` of the modeling modules of
+    ``model``'s transformers classes with the one-pass kernel (idempotent).  Returns how many
+    modules were switched."""
+    n = 0
+    for name in sorted({type(m).__module__ for m in model.modules()}):
+        mod = sys.modules.get(name)
+        if mod is None or not name.startswith("transformers.models."):
+            continue
+        fn = getattr(mod, "apply_rotary_pos_emb", None)
+        if getattr(fn, "_kt_prompt_rope", False) or not _standard_rope(mod):
+            continue
+        mod.apply_rotary_pos_emb = _fast_rope(fn)
+        n += 1
+    return n
+
+
 AttentionInterface.register(NAME, kt_sdpa_attention)
 AttentionMaskInterface.register(NAME, sdpa_mask)
 
@@ -185,4 +247,4 @@ def use_cpu_attention(model) -> bool:
     return changed
 
 
-__all__ = ["NAME", "flash_eligible", "flash_mode", "kt_sdpa_attention", "use_cpu_attention"]
+__all__ = ["NAME", "flash_eligible", "flash_mode", "kt_sdpa_attention", "use_cpu_attention", "use_prompt_rope"]

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..errors import KTError, RuleError, WeightError
 from ..operators.base import BaseInjectedModule, move_to
-from ..operators.cpu_attention import use_cpu_attention
+from ..operators.cpu_attention import use_cpu_attention, use_prompt_rope
 from ..operators.cpu_norm import use_fast_norms
 from ..operators.cpu_threads import install_prefill_threads
 from ..util.peft_adapter import apply_adapter
@@ -204,6 +204,7 @@ def inject(
     install_device_hooks(model, plan)
     install_prefill_threads(model)
     use_cpu_attention(model)
+    use_prompt_rope(model)
     use_fast_norms(model)
     model.kt_plan = plan
     model.kt_load_report = report
