@@ -192,3 +192,40 @@ def test_unserved_cache_states_take_the_generic_forward(root):
         assert step.step(5, len(ids) + 1, cache) is not None
         assert step.step(5, len(ids) + 2, cache) is None  # the cache is full
     assert not step.accepts(cache)  # outside inference mode (autograd may be recording)
+
+
+FIX = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "deepseek2-tiny"
+
+
+@pytest.mark.skipif(not (FIX / "hf" / "config.json").is_file(), reason=f"fixture {FIX} not present")
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_K_M"])
+def test_llama_cpp_gguf_decoded_by_the_step_matches_llama_cpp(quant):
+    """The deepseek2-tiny fixture's llama.cpp GGUFs (DeepSeek-V3 architecture: q_lora, interleaved
+    RoPE, grouped sigmoid router with correction bias, dense first layer; kv_b_proj rebuilt from
+    attn_k_b / attn_v_b; embeddings read in place), the shipped -cpu rules: the first 8 tokens read
+    by the prompt forward, every later one by the decode step; its logits against llama.cpp's on
+    the same tokens, to the fixture's bar (mean |diff| <= 0.05, median per-position max <= 0.2; the
+    kernels quantise activations to int8 as llama.cpp does)."""
+    import json
+
+    import numpy as np
+
+    model = ktransformers.load_model(FIX / f"{quant}.gguf", model_path=FIX / "hf",
+                                     rules=RULES / "DeepSeek-V3-Chat-cpu.yaml")
+    step = DecodeStep.build(model)
+    assert step is not None and step.mla and all(lay.moe is not None for lay in step.layers[1:])
+    assert step.embed_rows is not None  # the GGUF embedding rows read in place
+    ids = json.loads((FIX / "tokens.json").read_text())["token_ids"]
+    g = Generator(model, _NoText())
+    with torch.inference_mode():
+        cache = g.new_cache(len(ids))
+        rows = [g.prefill(ids[:8], cache)[0]]
+        for pos in range(8, len(ids)):
+            assert step.accepts(cache)
+            rows.append(step.step(ids[pos], pos, cache)[0].clone())
+    got = torch.stack(rows).numpy()
+    ref = np.load(FIX / f"{quant}.logits.npy")[7:]
+    d = np.abs(got - ref)
+    mean_abs, med_pos_max = float(d.mean()), float(np.median(d.max(axis=1)))
+    print(f"{quant}: mean abs {mean_abs:.4f}, median per-position max {med_pos_max:.4f}, max {d.max():.4f}")
+    assert mean_abs <= 0.05 and med_pos_max <= 0.2, (quant, mean_abs, med_pos_max)
