@@ -81,12 +81,13 @@ class PagePool:
 
 
 class _Seq:
-    __slots__ = ("cache", "pages", "length")
+    __slots__ = ("cache", "pages", "length", "rope_delta")
 
     def __init__(self, cache):
         self.cache = cache
         self.pages: list[int] = []
         self.length = 0
+        self.rope_delta = 0  # M-RoPE shift of the text after a prompt with images
 
 
 def _module_device(model) -> torch.device:
@@ -175,9 +176,11 @@ class BatchRunner:
         return None
 
     # ---- the step ----------------------------------------------------------------------
-    def step(self, chunks: list[tuple[int, list[int]]], prompt=()) -> torch.Tensor:
+    def step(self, chunks: list[tuple[int, list[int]]], prompt=(), images=None) -> torch.Tensor:
         """``BatchRunner.step``'s contract; ``prompt`` changes nothing here (every chunk is one call
-        of the model's forward)."""
+        of the model's forward).  ``images``: ``{seq_id: VisionInputs}`` of whole prompts with
+        pictures (multimodal/prompt.py), read by the model's forward with them."""
+        images = images or {}
         need = sum(self.pages_needed(sid, len(ids)) for sid, ids in chunks)
         if need > self.pool.free_count() and self.pool.on_pressure is not None:
             self.pool.on_pressure(need - self.pool.free_count())
@@ -191,7 +194,16 @@ class BatchRunner:
                     seq.pages.append(self.pool.alloc())
                 x = torch.tensor([ids], dtype=torch.long, device=self.device)
                 pos = torch.arange(seq.length, seq.length + len(ids), device=self.device).unsqueeze(0)
-                out = self.model(input_ids=x, cache=seq.cache, position_ids=pos, use_cache=True, logits_to_keep=1)
+                kwargs = {}
+                if sid in images:
+                    if seq.length:
+                        raise KTError(f"sequence {sid}: a prompt with images is read whole, from its first token")
+                    kwargs, seq.rope_delta = images[sid].batch_kwargs(self.model, x)
+                    pos = kwargs.pop("position_ids")
+                elif seq.rope_delta:
+                    pos = torch.cat([pos[None], (pos + seq.rope_delta)[None].expand(3, 1, -1)])
+                out = self.model(input_ids=x, cache=seq.cache, position_ids=pos, use_cache=True, logits_to_keep=1,
+                                 **kwargs)
                 seq.length += len(ids)
                 rows.append(out.logits[0, -1].float())
         return torch.stack(rows)

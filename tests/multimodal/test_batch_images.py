@@ -52,8 +52,8 @@ def _reference(hf, prompt) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def _engine(model, tok, support, *, num_pages=64, page_size=16, chunk_size=16, prefix_cache=None):
-    runner = runner_class()(model, page_size=page_size, num_pages=num_pages)
+def _engine(model, tok, support, *, num_pages=64, page_size=16, chunk_size=16, prefix_cache=None, runner=None):
+    runner = (runner or runner_class())(model, page_size=page_size, num_pages=num_pages)
     if prefix_cache is not None:
         prefix_cache = prefix_cache(runner.pool)
     engine = BatchEngine(Generator(model, tok), tok, runner, model_name="tiny-vl", max_context=4096, max_batch_size=4,
@@ -80,7 +80,12 @@ def _serve(engine, prompts, delays=None):
     return asyncio.run(main())
 
 
-def test_pictures_and_text_together_equal_each_alone(vl):
+@pytest.mark.parametrize("runner", ["paged", "reference"])
+def test_pictures_and_text_together_equal_each_alone(vl, runner):
+    """On the paged runner and on the reference runner (one cache per request, the oracle and the
+    fallback)."""
+    from ktransformers.server.reference_runner import BatchRunner as ReferenceRunner
+
     tok, support, hf, model = vl
     prompts = [_prompt(tok, support, "What is in the picture?", [photo_like()]),
                _prompt(tok, support, "Tell me a story about the sea and the sky", []),
@@ -88,7 +93,7 @@ def test_pictures_and_text_together_equal_each_alone(vl):
                _prompt(tok, support, "Describe it", [photo_like(seed=3)])]
     want = [_reference(hf, p) for p in prompts]
     assert len({tuple(w) for w in want}) == len(want)
-    engine = _engine(model, tok, support)
+    engine = _engine(model, tok, support, runner=ReferenceRunner if runner == "reference" else None)
     got = _serve(engine, prompts, delays=[0.0, 0.0, 0.3, 0.6])
     assert [g for g, _ in got] == want
     assert engine.counts["completed"] == 4 and engine.runner.pool.used_count() == 0
