@@ -176,10 +176,6 @@ class Generator:
         check_drafter(speculative, draft_max, draft_model)
         if draft_model is not None:
             check_same_vocabulary(model, draft_model)
-        if speculative == "mtp":  # the model's own MTP layer (generation/mtp.py): read now, one error if none
-            from .mtp import load_mtp_layer
-
-            load_mtp_layer(model)
         self.speculative = speculative
         self.draft_max = int(draft_max)
         self.draft_model = draft_model
@@ -194,6 +190,13 @@ class Generator:
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.keep_special_ids: frozenset[int] = frozenset()  # special tokens the streamed text keeps
         self._lock = threading.Lock()
+        if speculative == "mtp":  # the model's own MTP layer (generation/mtp.py): loaded now, one error if none
+            from .mtp import load_mtp_layer, mtp_runner
+
+            load_mtp_layer(model)
+            step = self._decode_step()
+            if step is not None:  # (without the step there is no verify: plain decoding)
+                mtp_runner(model, step)
 
     def keep_special_tokens(self, texts) -> None:
         """Keep these special tokens in the streamed text (tool-call markers, harmony channels that

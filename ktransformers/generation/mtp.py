@@ -10,21 +10,26 @@ a full decoder layer (MLA + MoE) and ``shared_head.norm``; its ``shared_head.hea
     h'_j = shared_head.norm(layer(eh_proj(cat(enorm(emb(t_{j+1})), hnorm(h_j))), position j + 1))
     logits = lm_head(h'_j)   -> a guess for t_{j+2}
 
-with ``h_j`` the model's final hidden state (after its final norm) at position ``j``.  The layer keeps
-its own latent cache: one entry per position whose ``h_j`` the model computed (the prompt's from
-the prefill, the answer's from each decode step's rows, ``DecodeStep.last_hidden``).  A draft of
-``k`` tokens chains the layer: the first guess from the model's last hidden state and the pending
-token, each next one from the layer's own ``h'`` and the previous guess.  The guessed entries are
-dropped before the next draft.
+with ``h_j`` the model's final hidden state (after its final norm) at position ``j``.
+
+The layer is injected with the model's own rules (its attention ``KDeepseekV2Attention``, its
+experts on ``KExpertsCPU``, its linears ``eh_proj`` included on ``KLinearCPU``; weights read from the
+model's weight source, ``model.kt_weights``) and run by the decode step's own layer code
+(decode_step.py: ``_Layer`` -- the MLA and MoE of the step on the kernels -- the norms in C++, the
+model's embedding rows and ``lm_head``).  It keeps its own latent cache: one entry per position
+whose ``h_j`` the model computed (the prompt's from the prefill, the answer's from each decode
+step's rows, ``DecodeStep.last_hidden``).  A draft of ``k`` tokens chains the layer: the first guess
+from the model's last hidden state and the pending token, each next one from the layer's own
+``h'`` and the previous guess.  The guessed entries are dropped before the next draft.
 
 The drafted tokens are only guesses: the model verifies them as rows of its decode step
 (``DecodeStep.step_rows``), so greedy answers are the plain ones token for token whatever the
-layer guesses.  The layer runs as transformers' modules in fp32 on the CPU (weights read from the
-model's weight source, ``model.kt_weights``): a real DeepSeek-V3 MTP layer (one MoE layer, ~11 B
-parameters) takes ~45 GB this way; the tiny models of the tests take kilobytes.
+layer guesses.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 
@@ -34,53 +39,132 @@ from ..errors import ConfigError
 MTP_MODEL_TYPES = ("deepseek_v3",)
 
 
-#: MtpLayer tensor -> checkpoint tensor (after ``model.layers.{n}.``); ``mtp_block.X`` is ``X``
-NAMES = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
-         "post_norm.weight": "shared_head.norm.weight"}
-
-
 def load_mtp_layer(model):
-    """The model's MTP layer as transformers' ``MtpLayer`` (fp32, CPU), built once per model; a
-    one-line ``ConfigError`` when the model has none."""
+    """The model's MTP layer, injected with the model's own rules and loaded from its weights
+    (``model.layers.{n}`` of a one-layer copy of the model), built once per model; a one-line
+    ``ConfigError`` when the model has none."""
     got = model.__dict__.get("_kt_mtp_layer")
     if got is not None:
-        return got
-    from transformers.modeling_layers import MtpLayer
+        return got[1]
+    from torch import nn
+
+    from ..optimize.inject import build_model, inject
 
     config = model.config.get_text_config()
     if getattr(config, "model_type", None) not in MTP_MODEL_TYPES:
         raise ConfigError(f"--speculative mtp: {getattr(config, 'model_type', None)} models have no MTP layer the "
                           f"drafter runs (DeepSeek-V3 / R1 checkpoints do)")
-    src = getattr(model, "kt_weights", None)
+    src, plan = getattr(model, "kt_weights", None), getattr(model, "kt_plan", None)
     n = int(config.num_hidden_layers)
     prefix = f"model.layers.{n}."
-    if src is None or not src.has(prefix + "eh_proj.weight"):
+    if src is None or plan is None or not src.has(prefix + "eh_proj.weight"):
         raise ConfigError(f"--speculative mtp: the weights have no MTP layer ({prefix}eh_proj.weight not found; "
                           f"a GGUF or a checkpoint saved without layer {n} has none)")
-    backbone = model.get_decoder()
-    layer_cls = type(backbone.layers[-1])
-    norm_cls = type(backbone.layers[-1].input_layernorm)
-    cfg = config.get_mtp_config() if hasattr(config, "get_mtp_config") else config
-    cfg._attn_implementation = "eager"  # the drafter passes its own causal mask
+    cfg = copy.deepcopy(model.config)
+    cfg.num_hidden_layers = n + 1
+    one = build_model(cfg)  # on the meta device: only layer n is kept, injected and loaded
+    layer = one.model.layers[n]
+    norm_cls, H, eps = type(layer.input_layernorm), int(config.hidden_size), float(config.rms_norm_eps)
     with torch.device("meta"):
-        layer = MtpLayer(cfg, layer_cls, norm_cls, 0, use_post_norm=True)
-    names = NAMES
-    state = {}
-    for name, p in list(layer.state_dict(keep_vars=True).items()):
-        ckpt = prefix + (names[name] if name in names else name.removeprefix("mtp_block."))
-        if not name.startswith("mtp_block.") and name not in names:
-            raise ConfigError(f"--speculative mtp: MTP layer tensor {name} has no checkpoint name")
-        if not src.has(ckpt):
-            raise ConfigError(f"--speculative mtp: {ckpt} not found in the weights")
-        t = src.tensor(ckpt, dtype=torch.float32)
-        if tuple(t.shape) != tuple(p.shape):
-            raise ConfigError(f"--speculative mtp: {ckpt} is {tuple(t.shape)}, the layer needs {tuple(p.shape)}")
-        state[name] = t
-    layer = layer.to_empty(device="cpu")
-    layer.load_state_dict(state, strict=True)
-    layer.eval()
-    model.__dict__["_kt_mtp_layer"] = layer
+        layer.enorm, layer.hnorm = norm_cls(H, eps=eps), norm_cls(H, eps=eps)
+        layer.eh_proj = nn.Linear(2 * H, H, bias=False)
+        layer.shared_head = nn.Module()
+        layer.shared_head.norm = norm_cls(H, eps=eps)
+    one.model.layers = nn.ModuleDict({str(n): layer})
+    one.model.embed_tokens = one.model.norm = one.lm_head = None  # the model's own
+    inject(one, plan.rules, src, allow_unmatched=True)
+    layer = one.model.layers[str(n)]
+    model.__dict__["_kt_mtp_layer"] = (one, layer)
     return layer
+
+
+class _MTPLayer:
+    """The injected MTP layer run by the decode step's code over ``T`` rows (see the module
+    docstring), with its latent cache: entry ``j`` is position ``j + 1``'s."""
+
+    def __init__(self, model, step):
+        from .decode_step import Unsupported, _Layer, _norm_weight, _Proj
+
+        layer = load_mtp_layer(model)
+        n = int(model.config.get_text_config().num_hidden_layers)
+        try:
+            self.lay = _Layer(layer, n, model.config.get_text_config(), False)
+            self.eh = _Proj([layer.eh_proj])
+        except Unsupported as e:
+            raise ConfigError(f"--speculative mtp: the MTP layer is not on the decode step's kernels ({e})") from None
+        if self.lay.mla is None:
+            raise ConfigError("--speculative mtp: the MTP layer's attention is not MLA")
+        self.enorm, self.hnorm = _norm_weight(layer.enorm, False), _norm_weight(layer.hnorm, False)
+        self.post = _norm_weight(layer.shared_head.norm, False)
+        self.step, self.ops, self.H = step, step._ops, step.hidden
+        m = self.lay.mla
+        self.lat, self.rk = torch.zeros(256, m.C), torch.zeros(256, m.rope)
+
+    def _room(self, entries: int) -> None:
+        if entries > self.lat.shape[0]:
+            cap = max(entries, 2 * self.lat.shape[0])
+            lat, rk = torch.zeros(cap, self.lat.shape[1]), torch.zeros(cap, self.rk.shape[1])
+            lat[: self.lat.shape[0]].copy_(self.lat)
+            rk[: self.rk.shape[0]].copy_(self.rk)
+            self.lat, self.rk = lat, rk
+
+    def __call__(self, tokens: list[int], hidden: torch.Tensor, first: int) -> torch.Tensor:
+        """The layer's normed outputs ``[T, H]`` for inputs ``tokens`` (the tokens after positions
+        ``first ..``) and the model's hidden rows ``hidden [T, H]`` of those positions; entries
+        ``first ..`` of the cache written (those after them are dropped)."""
+        T, H, ops, step, lay = len(tokens), self.H, self.ops, self.step, self.lay
+        self._room(first + T)
+        hidden = hidden.float().contiguous()
+        with step._lock:  # the step's buffers (embedding rows, the attention's)
+            x = torch.empty(T, H)
+            step._embed(tokens, x)
+            cat = torch.empty(T, 2 * H)
+            xp, hp, cp = x.data_ptr(), hidden.data_ptr(), cat.data_ptr()
+            for r in range(T):
+                ops.rms_norm(xp + 4 * r * H, self.enorm[2], cp + 8 * r * H, 1, H, 0, self.enorm[1])
+                ops.rms_norm(hp + 4 * r * H, self.hnorm[2], cp + 4 * (2 * r + 1) * H, 1, H, 0, self.hnorm[1])
+            x0 = self.eh.rows(T, cat, torch.empty(T, H))
+            h1 = torch.empty(T, H)
+            ops.rms_norm(x0.data_ptr(), lay.in_norm[2], h1.data_ptr(), T, H, 0, lay.in_norm[1])
+            pe = [step.rotary(x0[:1][None], torch.tensor([[first + 1 + r]], dtype=torch.long)) for r in range(T)]
+            lat, rk = self.lat, self.rk
+
+            def kv(idx, r, c_kv, k_pe):
+                e = first + r
+                lat[e].copy_(c_kv.reshape(-1))
+                rk[e].copy_(k_pe.reshape(-1))
+                return lat[: e + 1], rk[: e + 1]
+
+            a = torch.empty(T, H)
+            lay.mla(T, h1, pe, kv, a, step.mla_bufs, ops)
+            h2 = torch.empty(T, H)
+            ops.residual_norm(x0.data_ptr(), a.data_ptr(), 0, 0.0, lay.pre_mlp_norm[2], lay.pre_mlp_norm[1],
+                              h2.data_ptr(), T, H)
+            if lay.moe is not None:
+                m = lay.moe(T, h2)
+            elif lay.mlp_module is None:
+                m = lay.down.rows(T, lay.gate_up.rows(T, h2, torch.empty(T, lay.gate_up.out_features)),
+                                  torch.empty(T, H))
+            else:
+                m = lay.mlp_module(h2.view(1, T, H))
+                m = (m[0] if isinstance(m, tuple) else m).reshape(T, H).float().contiguous()
+            out = torch.empty(T, H)
+            ops.residual_norm(x0.data_ptr(), m.data_ptr(), 0, 0.0, self.post[2], self.post[1], out.data_ptr(), T, H)
+            return out
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The model's ``lm_head`` of one normed row ``h [1, H]`` (on the kernels)."""
+        with self.step._lock:
+            return self.step.head.rows(1, h.contiguous(), torch.empty(1, self.step.head.out_features))
+
+
+def mtp_runner(model, step) -> _MTPLayer:
+    """The model's MTP layer on ``step``'s kernels, built once per model (``ConfigError`` when the
+    model has no MTP layer or the layer is not on the kernels)."""
+    run = model.__dict__.get("_kt_mtp_run")
+    if run is None or run.step is not step:
+        run = model.__dict__["_kt_mtp_run"] = _MTPLayer(model, step)
+    return run
 
 
 class MTPDrafter:
@@ -90,20 +174,15 @@ class MTPDrafter:
     ``prompt_hidden``: the model's final hidden states of the prompt ``[n, hidden]`` (the prefill's)."""
 
     def __init__(self, model, step, prompt_hidden: torch.Tensor):
-        from transformers import DynamicCache
-
-        self.layer = load_mtp_layer(model)
+        self.layer = mtp_runner(model, step)
         self.step = step
         step.keep_hidden = True
-        self.embed = model.get_input_embeddings()
-        self.head = model.get_output_embeddings()
-        self.rotary = model.get_decoder().rotary_emb
+        step.last_hidden = None  # rows of an earlier request
         self.tokens: list[int] = []
         self.hidden: dict[int, torch.Tensor] = {}  # position -> the model's final hidden row, not yet in the layer
         for j, row in enumerate(prompt_hidden.float()):
             self.hidden[j] = row
-        self.cache = DynamicCache()
-        self.done = 0            # positions whose entry in the layer's cache is the model's (not a guess)
+        self.done = 0            # cache entries that are the model's (not guesses)
         self.broken = False
 
     def extend(self, tokens) -> None:
@@ -111,22 +190,6 @@ class MTPDrafter:
 
     def append(self, token: int) -> None:
         self.tokens.append(int(token))
-
-    def _layer(self, tokens: list[int], hidden: torch.Tensor, first: int) -> torch.Tensor:
-        """The layer over inputs ``tokens`` (the tokens after positions ``first ..``) and the hidden
-        rows ``hidden [T, H]`` of those positions: its normed outputs ``[T, H]`` (cache extended)."""
-        T = len(tokens)
-        emb = self.embed(torch.tensor([tokens], dtype=torch.long)).float()
-        pos = torch.arange(first + 1, first + 1 + T).unsqueeze(0)
-        pe = self.rotary(emb, pos)
-        past = self.cache.get_seq_length()
-        mask = None
-        if T > 1:  # causal over the layer's cache (the entries before ``first``) and these rows
-            keep = torch.arange(past + T)[None, :] <= (past + torch.arange(T))[:, None]
-            mask = torch.zeros(T, past + T).masked_fill_(~keep, torch.finfo(torch.float32).min)[None, None]
-        out = self.layer(emb, hidden[None].float(), position_embeddings=pe, attention_mask=mask, position_ids=pos,
-                         cache=self.cache)
-        return (out[0] if isinstance(out, tuple) else out)[0]
 
     def draft(self, k: int) -> list[int]:
         if self.broken:
@@ -136,33 +199,25 @@ class MTPDrafter:
 
     def _draft(self, k: int) -> list[int]:
         m = len(self.tokens)
-        last = getattr(self.step, "last_hidden", None)
+        last = self.step.last_hidden
         if last is not None:  # the rows the model's latest step computed (those kept: positions <= m - 2)
             positions, rows = last
             for p, row in zip(positions, rows):
                 if self.done <= p <= m - 2:
                     self.hidden[p] = row.clone()
             self.step.last_hidden = None
-        extra = self.cache.get_seq_length() - self.done
-        if extra > 0:
-            self.cache.crop(-extra)  # the guessed entries of the last draft
         todo = list(range(self.done, m - 1))
         if any(j not in self.hidden for j in todo):
             self.broken = True  # a step not taken by the decode step (no hidden rows): plain decoding from here
             return []
-        if k <= 0:
+        if k <= 0 or not todo:
             return []  # no guess asked (the policy pauses): the positions are read in one call later
-        h = None
-        if todo:
-            rows = torch.stack([self.hidden.pop(j) for j in todo])
-            h = self._layer([self.tokens[j + 1] for j in todo], rows, todo[0])[-1:]
-            self.done = m - 1
-        if h is None:
-            return []
+        rows = torch.stack([self.hidden.pop(j) for j in todo])
+        h = self.layer([self.tokens[j + 1] for j in todo], rows, todo[0])[-1:]
+        self.done = m - 1
         out = []
         while True:
-            guess = int(self.head(h[None]).reshape(-1).float().argmax())
-            out.append(guess)
+            out.append(int(self.layer.logits(h).argmax()))
             if len(out) >= k:
                 return out
-            h = self._layer([guess], h, m - 2 + len(out))[-1:]
+            h = self.layer([out[-1]], h, m - 2 + len(out))

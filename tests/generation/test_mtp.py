@@ -71,6 +71,8 @@ def test_mtp_greedy_is_the_plain_answer(model, draft_max):
     params = SamplingParams(max_new_tokens=32)
     _, want, _ = Generator(model, _NoText()).generate(prompt, params)
     g = Generator(model, _NoText(), speculative="mtp", draft_max=draft_max)
+    run = model.__dict__["_kt_mtp_run"]  # the MTP layer on the step's kernels: MLA and the MoE block
+    assert run.lay.mla is not None and run.lay.moe is not None and run.lay.moe.deepseek is not None
     _, got, _ = g.generate(prompt, params)
     assert got == want
     st = g.last_stats
