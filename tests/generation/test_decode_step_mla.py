@@ -12,7 +12,11 @@ Tolerances:
   in C++ here, in torch there);
 * against the unmodified transformers model, teacher-forced on the step's own greedy tokens: within
   1e-4 x max|logits| (the bar of tests/operators/test_mla_attention.py), and the greedy tokens equal
-  transformers' own wherever its top-1 margin exceeds that.
+  transformers' own wherever its top-1 margin exceeds that;
+* the deepseek2-tiny fixture's llama.cpp GGUFs (when present) decoded by the step against
+  llama.cpp's logits: the fixture's bar (mean |diff| <= 0.05, median per-position max <= 0.2).
+The page pool's MLA rows: tests/generation/test_batch_decode_lean.py; speculative verify:
+tests/generation/test_speculative.py; routes: tests/generation/test_route_invariance.py.
 """
 
 from __future__ import annotations
