@@ -210,7 +210,7 @@ def rules_for_backend(path: str, backend: str | None):
     if not backend or backend == "llamafile":
         return None
     from ktransformers.optimize_rules import default_rule_file
-    from ktransformers.util.loading import load_config
+    from ktransformers.loading import load_config
     from ktransformers.weights import open_weights
 
     text = Path(default_rule_file(load_config(None, open_weights(path)), cuda=False)).read_text()

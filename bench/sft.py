@@ -130,7 +130,7 @@ def build(contender: str, path: Path, rank: int, gguf: str | None, dtype):
 
     from ktransformers.sft import torch_experts  # noqa: F401 - the torch operator's registration
     from ktransformers.sft.adapter import expert_modules, wrap_linears
-    from ktransformers.util.loading import load_model
+    from ktransformers.loading import load_model
 
     if contender == "torch":
         rules = (SFT_RULES / "Qwen3Moe-sft-torch-cpu.yaml").read_text()

@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     only = set(args.only.split(","))
     torch.set_num_threads(args.threads)
     from ktransformers.generation import Generator
-    from ktransformers.util.loading import load_for_generation
+    from ktransformers.loading import load_for_generation
 
     model_path = Path(args.gguf) if args.gguf else gemma_path()
     print(machine_line())

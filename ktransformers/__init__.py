@@ -17,9 +17,9 @@ from .errors import ConfigError, KTError, RuleError, WeightError
 # torch and transformers load lazily, so a CLI's --help or a bad flag answers at once
 _LAZY = {
     "build_model": "optimize", "explain_plan": "optimize", "format_explanation": "optimize",
-    "inject": "util.loading", "optimize_and_load_gguf": "optimize", "plan_model": "optimize",
-    "load_config": "util.loading", "load_model": "util.loading", "open_weights": "weights",
-    "load": "util.loading", "load_tokenizer": "util.loading",
+    "inject": "loading", "optimize_and_load_gguf": "optimize", "plan_model": "optimize",
+    "load_config": "loading", "load_model": "loading", "open_weights": "weights",
+    "load": "loading", "load_tokenizer": "loading",
 }
 
 

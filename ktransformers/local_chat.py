@@ -95,8 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_tokenizer(model_path, source):
-    """The tokenizer for ``model_path`` / ``source`` (see :func:`ktransformers.util.loading.load_tokenizer`)."""
-    from .util.loading import load_tokenizer as load
+    """The tokenizer for ``model_path`` / ``source`` (see :func:`ktransformers.loading.load_tokenizer`)."""
+    from .loading import load_tokenizer as load
 
     return load(model_path, source)
 
@@ -170,7 +170,7 @@ def load(args, log=print, progress=None, started: float | None = None):
 
     from .generation import Generator
     from .optimize_rules import architecture
-    from .util.loading import load_draft_model, load_for_generation
+    from .loading import load_draft_model, load_for_generation
 
     device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
     if not device.startswith("cuda") and args.use_cuda_graph:

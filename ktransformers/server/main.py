@@ -206,7 +206,7 @@ def planned_context(settings: Settings, config) -> int:
 def build_engine(settings: Settings):
     """Load the model, tokenizer and Generator named by ``settings`` into an :class:`Engine`."""
     from ..generation import Generator
-    from ..util.loading import load_for_generation
+    from ..loading import load_for_generation
     from .engine import Engine
 
     from ..operators.cpu_threads import use_threads
@@ -250,7 +250,7 @@ def build_engine(settings: Settings):
                         "at a time (--backend_type ktransformers)", e)
     max_context = settings.cache_lens or max_pos
     from ..generation.speculative import parse_speculative
-    from ..util.loading import load_draft_model
+    from ..loading import load_draft_model
 
     generator = Generator(model, tokenizer, chunk_size=settings.prefill_chunk, max_cache_len=max_context,
                           speculative=parse_speculative(settings.speculative, settings.draft_max)[0],

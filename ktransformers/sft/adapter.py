@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..optimize.inject import build_model, inject
-from ..util.loading import load_config, load_tokenizer
+from ..loading import load_config, load_tokenizer
 from ..util.peft_adapter import (  # noqa: F401 - public here too
     ADAPTER_CONFIG, ADAPTER_WEIGHTS, PREFIX, apply_adapter, expert_modules, read_adapter, wrap_linears,
 )

@@ -131,7 +131,7 @@ def _is_linear(m: nn.Module) -> bool:
 def load_training_model(cfg, log=print) -> TrainModel:
     """Load ``cfg``'s model with its training rules, freeze it, add LoRA (seeded by ``cfg.seed``)."""
     from ..operators.registry import operators
-    from ..util.loading import load_config, load_model, load_tokenizer
+    from ..loading import load_config, load_model, load_tokenizer
     from ..weights import open_weights
 
     model_path = cfg.resolve("model_name_or_path")

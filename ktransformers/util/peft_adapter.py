@@ -1,7 +1,7 @@
 """LoRA adapters in PEFT's format, for inference: read an adapter folder, apply it onto an injected model.
 
 Below the rule engine: ``optimize.inject(..., lora=folder)`` and the load sequence
-(``util.loading``) apply / check adapters through this module, and fine-tuning (``sft.adapter``:
+(``loading``) apply / check adapters through this module, and fine-tuning (``sft.adapter``:
 saving, merging; ``sft.model``: training) builds on it.  The file layout is described in
 ``sft/adapter.py``.
 

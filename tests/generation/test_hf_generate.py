@@ -183,7 +183,7 @@ def test_inject_entry_point_installs_it(tiny_model_dir):
     import ktransformers
     from ktransformers.optimize import inject as bare_inject
     from ktransformers.optimize_rules import default_rule_file
-    from ktransformers.util.loading import load_config
+    from ktransformers.loading import load_config
 
     d = tiny_model_dir("llama")
     rules = default_rule_file(load_config(d, None), cuda=False)

@@ -11,7 +11,7 @@ import torch
 from ktransformers import load_model
 from ktransformers.operators.cpu_experts import KExpertsCPU
 from ktransformers.optimize_rules import default_rule_file
-from ktransformers.util.loading import load_config
+from ktransformers.loading import load_config
 
 
 @pytest.mark.parametrize("backend", ["AMXInt8", "AMXInt4"])

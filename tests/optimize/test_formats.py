@@ -19,7 +19,7 @@ from ktransformers.optimize.explain import explain_plan, format_label
 from ktransformers.optimize.inject import ModelWeights, build_model, inject
 from ktransformers.optimize.plan import plan_model
 from ktransformers.optimize_rules import default_rule_file
-from ktransformers.util.loading import check_memory_plan, load_config
+from ktransformers.loading import check_memory_plan, load_config
 from ktransformers.util.tiny_models import write_tiny_model
 from ktransformers.weights import open_weights
 from ktransformers.weights.ggml_types import BY_NAME

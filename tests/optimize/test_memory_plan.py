@@ -15,10 +15,10 @@ from ktransformers.optimize.explain import explain_plan
 from ktransformers.optimize.inject import build_model
 from ktransformers.optimize.plan import plan_model
 from ktransformers.optimize_rules import default_rule_file
-from ktransformers.util.loading import check_memory_plan, load_config
+from ktransformers.loading import check_memory_plan, load_config
 from ktransformers.weights import open_weights
 
-loading = importlib.import_module("ktransformers.util.loading")
+loading = importlib.import_module("ktransformers.loading.pipeline")
 
 
 @pytest.fixture(scope="module")

@@ -75,7 +75,7 @@ def test_expert_adapter_applies_with_the_default_rules_like_peft(tiny):
     """``load_model(dir, lora=)``, default (CPU) rules: KTransformersExperts on KExpertsCPU carries
     the expert LoRA beside the kernel; prompt (many tokens per expert) and single-token calls match
     PEFT's model."""
-    from ktransformers.util.loading import load_model
+    from ktransformers.loading import load_model
 
     model_dir, both, _ = tiny
     ref = peft_model(model_dir, both)
@@ -102,7 +102,7 @@ def test_server_load_sequence_greedy_tokens_match_peft(tiny):
     from ktransformers.generation.decode_step import decode_step_for
     from ktransformers.generation.paged import BatchRunner
     from ktransformers.generation.sampling import SamplingParams
-    from ktransformers.util.loading import load_for_generation
+    from ktransformers.loading import load_for_generation
 
     model_dir, both, experts_only = tiny
     ids = prompt(12, seed=5)
@@ -130,7 +130,7 @@ def test_server_load_sequence_greedy_tokens_match_peft(tiny):
 
 def test_torch_expert_op_applies_the_adapter(tiny, tmp_path):
     """KExpertsTorch (the prefill op of many rule files, any device) applies the same LoRA."""
-    from ktransformers.util.loading import load_model
+    from ktransformers.loading import load_model
 
     model_dir, both, _ = tiny
     rules = (RULES_DIR / "Qwen3Moe-cpu.yaml").read_text().replace("generate_op: KExpertsCPU", "generate_op: KExpertsTorch")
@@ -144,7 +144,7 @@ def test_torch_expert_op_applies_the_adapter(tiny, tmp_path):
 
 
 def test_int4_backend_refuses_expert_lora_in_one_line(tiny, tmp_path):
-    from ktransformers.util.loading import load_model
+    from ktransformers.loading import load_model
 
     model_dir, _, experts_only = tiny
     rules = (RULES_DIR / "Qwen3Moe-cpu.yaml").read_text().replace("backend: llamafile", "backend: AMXInt4")
@@ -156,7 +156,7 @@ def test_int4_backend_refuses_expert_lora_in_one_line(tiny, tmp_path):
 
 
 def test_rslora_scale_follows_the_adapter(tiny, tmp_path):
-    from ktransformers.util.loading import load_model
+    from ktransformers.loading import load_model
 
     model_dir, _, _ = tiny
     ad = write_peft_adapter(model_dir, tmp_path / "rs", use_rslora=True, r=8, alpha=4, seed=4)
@@ -209,7 +209,7 @@ def test_reference_sft_rules_load_unmodified_and_apply_the_adapter(tiny, tmp_pat
     from ktransformers.kernels import isa_tier
     from ktransformers.optimize.explain import alias_lines
     from ktransformers.optimize.rules import parse_rules
-    from ktransformers.util.loading import load_model
+    from ktransformers.loading import load_model
 
     model_dir, both, _ = tiny
     text = REFERENCE_SFT_RULES.replace("BACKEND", backend)
@@ -260,7 +260,7 @@ def test_training_on_the_reference_sft_rules_names_the_operator_to_use(tmp_path,
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
 def test_expert_adapter_on_other_moe_families_matches_peft(tmp_path, arch):
     """Mixtral (no shared expert) and Qwen2-MoE (a gated shared expert beside the routed ones), default rules."""
-    from ktransformers.util.loading import load_model
+    from ktransformers.loading import load_model
     from ktransformers.util.tiny_models import write_tiny_model
 
     write_tiny_model(arch, tmp_path / "m", seed=0)

@@ -47,7 +47,7 @@ def test_attention_adapter_on_the_cpu_kernel_rules_matches_peft(attn_run):
     """Shipped inference rules: the q/k/v/o linears are KTransformersLinear on the CPU kernels;
     PEFT's LoRA layer wraps them through the loader's ``lora=``."""
     from ktransformers.operators.linear import KTransformersLinear
-    from ktransformers.util.loading import load_for_generation
+    from ktransformers.loading import load_for_generation
 
     _, model_dir, out = attn_run
     ids = torch.randint(0, 300, (1, 16))
@@ -98,7 +98,7 @@ def test_server_settings_take_lora_path(attn_run, tmp_path):
 def test_expert_adapter_trained_here_applies_on_the_inference_rules(tmp_path):
     """An adapter this project trained with expert LoRA applies through the shipped inference rules
     (KTransformersExperts on the CPU kernels) as PEFT applies it to the unmodified model."""
-    from ktransformers.util.loading import load_model
+    from ktransformers.loading import load_model
 
     model_dir = write_trainable_tiny_model(tmp_path / "m")
     out = tmp_path / "o"
@@ -115,7 +115,7 @@ def test_expert_adapter_on_experts_no_operator_carries_is_refused(tmp_path):
     """Experts kept as the transformers module cannot carry expert LoRA: one line that says what to
     use instead."""
     from ktransformers.sft.adapter import apply_adapter
-    from ktransformers.util.loading import load_model
+    from ktransformers.loading import load_model
 
     model_dir = write_trainable_tiny_model(tmp_path / "m")
     out = tmp_path / "o"
@@ -188,7 +188,7 @@ def test_shipped_training_rules_need_the_kernel_operator_or_train(tmp_path, caps
     losses = losses_of(tmp_path / "o")
     assert losses[-1] < losses[0]
     ids = torch.randint(0, 300, (1, 16))
-    from ktransformers.util.loading import load_model
+    from ktransformers.loading import load_model
 
     got = load_model(model_dir, rules=RULES_DIR / "sft" / "Qwen3Moe-sft-cpu.yaml", lora=tmp_path / "o")
     with torch.no_grad():

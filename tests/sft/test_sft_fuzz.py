@@ -131,7 +131,7 @@ def test_fuzz_expert_adapter_named_error_or_applied(tmp_path_factory, expert_ada
     import torch
     from safetensors.torch import save_file
 
-    from ktransformers.util.loading import load_model
+    from ktransformers.loading import load_model
 
     model_dir, (cfg0, sd0) = expert_adapter
     cfg, sd = copy.deepcopy(cfg0), dict(sd0)

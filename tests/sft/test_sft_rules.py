@@ -95,7 +95,7 @@ def test_deepseek_v3_trains_end_to_end_and_peft_loads_the_adapter(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from ktransformers.operators.registry import operators
-    from ktransformers.util.loading import load_for_generation
+    from ktransformers.loading import load_for_generation
 
     if KERNEL_OPERATOR not in operators():
         pytest.skip(f"{KERNEL_OPERATOR} is not in this build")

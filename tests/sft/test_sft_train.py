@@ -67,7 +67,7 @@ def _peft_reference(model_dir, adapter, ids):
 
 
 def test_adapter_loads_with_peft_into_the_unmodified_model(run):
-    from ktransformers.util.loading import load_model
+    from ktransformers.loading import load_model
 
     _, model_dir, out, rules = run
     cfg = json.loads((out / ADAPTER_CONFIG).read_text())

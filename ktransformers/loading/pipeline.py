@@ -1,4 +1,5 @@
-"""From paths to a ready model: config, weights, default rules, injection — no model hub."""
+"""The load pipeline: from paths to a ready model (weights header, config, rules, plan, memory check,
+tokenizer, injection, weights) -- no model hub."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from ..optimize.inject import build_model, check_transfer_maps
 from ..optimize.plan import check_devices_available, plan_model
 from ..optimize_rules import default_rule_file
 from ..weights import WeightSource, open_weights
-from ..weights.model_config import load_config, weights_folder  # noqa: F401 - load_config is public here too
-from .peft_adapter import read_adapter
+from ..weights.model_config import load_config  # noqa: F401 - load_config is public here too
+from ..util.peft_adapter import read_adapter
+from .tokenizer import load_tokenizer
 
 
 def inject(model, rules, weights, **kwargs):
@@ -98,7 +100,7 @@ def load(weights, model_path: str | os.PathLike | None = None, rules=None, *, de
     tokenizer and chat template from the GGUF and the shipped rules for its architecture, through
     the load sequence of local_chat and the server (:func:`load_for_generation`: plan and memory
     checked before any weight is read).  ``chat_template``: a Jinja file or template name replacing
-    the model's own (see :mod:`.chat_templates`)."""
+    the model's own (see :mod:`ktransformers.util.chat_templates`)."""
     loaded = load_for_generation(weights, model_path, rules, device=device, device_map=device_map, lora=lora,
                                  chat_template=chat_template, progress=progress)
     return loaded.model, loaded.tokenizer
@@ -121,47 +123,6 @@ class LoadedModel:
     seconds: float
     #: seconds per load phase, in order (what local_chat reports; the weights may be mapped, not read)
     phases: dict = field(default_factory=dict)
-
-
-def _has_tokenizer_files(folder: Path) -> bool:
-    return folder.is_dir() and any((folder / f).is_file() for f in
-                                   ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"))
-
-
-def load_tokenizer(model_path: str | os.PathLike | None, source, chat_template: str | None = None):
-    """The tokenizer from ``model_path`` when it has one, else the weights' folder, else the GGUF metadata.
-
-    A GGUF chat template fills in for a tokenizer folder without one; ``chat_template`` (a Jinja
-    file or a template name, see :mod:`.chat_templates`) replaces the model's own."""
-    folder = Path(model_path) if model_path else weights_folder(source)
-    if folder is not None and _has_tokenizer_files(folder):
-        from transformers import AutoTokenizer
-
-        try:
-            tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"{folder}: cannot load its tokenizer: {str(e).splitlines()[0]}") from None
-        tok.kt_template_origin = f"{folder} (tokenizer_config.json)"
-    else:
-        get = getattr(source, "tokenizer", None)
-        tok = get() if callable(get) else None
-        if tok is None:
-            where = f"{model_path} has no tokenizer files and " if model_path else ""
-            raise ConfigError(f"{where}{source.path} carries no tokenizer; pass --model_path with a tokenizer")
-    if not getattr(tok, "chat_template", None):  # GGUF files usually carry the template
-        tpl = (getattr(source, "metadata", None) or {}).get("tokenizer.chat_template")
-        if isinstance(tpl, str) and tpl.strip():
-            tok.chat_template = tpl
-            tok.kt_template_origin = f"{source.path} (tokenizer.chat_template)"
-    if not hasattr(tok, "kt_template_origin"):
-        tok.kt_template_origin = f"{source.path} (tokenizer.chat_template)"
-    from .chat_templates import use_chat_template
-
-    use_chat_template(tok, chat_template, getattr(source, "metadata", None))
-    from .heap import release_free_heap
-
-    release_free_heap()  # what parsing a large vocabulary freed (~200 MB for a 262k-token BPE)
-    return tok
 
 
 def load_for_generation(
@@ -199,7 +160,7 @@ def load_for_generation(
 
     say = log or (lambda msg: None)
     t0 = time.perf_counter()
-    from .chat_templates import precheck_chat_template
+    from ..util.chat_templates import precheck_chat_template
 
     precheck_chat_template(chat_template)  # a bad file fails before anything is read
     if model_path and Path(model_path).is_file():

@@ -10,7 +10,7 @@ import pytest
 # by module name: the package re-exports a function called ``inject`` over its submodule's name
 inject_mod = importlib.import_module("ktransformers.optimize.inject")
 plan_mod = importlib.import_module("ktransformers.optimize.plan")
-loading = importlib.import_module("ktransformers.util.loading")
+loading = importlib.import_module("ktransformers.loading.pipeline")
 
 
 @pytest.fixture
