@@ -40,8 +40,16 @@ model's attention keeps -- or into the page pool's latent / rope-key slots -- an
 row, the absorbed attention per row in torch, ``o_proj`` on the kernels), the MoE block ``_MoE``
 with the DeepSeek routers (gate.py's functions, per row), the routed experts' ``MoEKernel`` and
 the shared experts added; the dense first layers as any MLP.
-``DecodeStep.build`` returns ``None`` for anything else (linear attention, GLM's routers: the
-generic forward), and ``accepts`` / ``accepts_rows`` are checked on every call.
+
+GLM-4-MoE (GLM-4.5 / 4.6 / 4.7) is served on every route: its GQA attention as the Llama family's
+with the q/k/v biases added after the kernel call and, where ``partial_rotary_factor`` leaves part
+of each head unrotated, the q/k norm and the RoPE of the rotated part done before the attention
+kernel (``_Layer.rope_rows``: the kernel's own norm per row, transformers' rotate-half arithmetic
+in torch), the kernel then given identity tables; its sigmoid group-limited router is DeepSeek-V3's
+(gate.py's functions, per row), with the shared experts and dense first layers as DeepSeek's.
+``DecodeStep.build`` returns ``None`` for anything else (linear attention, a rotary width that
+does not split a head in rotate-half pairs: the generic forward), and ``accepts`` /
+``accepts_rows`` are checked on every call.
 """
 
 from __future__ import annotations
@@ -58,7 +66,7 @@ log = logging.getLogger("ktransformers.decode")
 
 #: config.model_type -> (Gemma-style norms and sandwich layers?)
 FAMILIES = {"gemma3_text": True, "llama": False, "mistral": False, "qwen2": False, "qwen3": False,
-            "qwen3_moe": False, "qwen2_moe": False, "deepseek_v2": False, "deepseek_v3": False}
+            "qwen3_moe": False, "qwen2_moe": False, "deepseek_v2": False, "deepseek_v3": False, "glm4_moe": False}
 #: config activation name -> the kernels' gated activation
 GLU = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -156,11 +164,12 @@ SOFTMAX_TOPK_ROUTERS = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter")
 
 
 #: DeepSeek routers (transformers' own, or ``KMoEGate`` over one): routed in the step by gate.py's functions
-DEEPSEEK_ROUTERS = ("DeepseekV2TopkRouter", "DeepseekV3TopkRouter")
+#: (GLM-4-MoE's is DeepSeek-V3's: sigmoid, correction bias, group-limited top-k, the same ops in the same order)
+DEEPSEEK_ROUTERS = ("DeepseekV2TopkRouter", "DeepseekV3TopkRouter", "Glm4MoeTopkRouter")
 
 
 def _deepseek_router(router) -> dict | None:
-    """The routing parameters of a DeepSeek-V2/V3 router (``KMoEGate`` or transformers' own), else None."""
+    """The routing parameters of a DeepSeek-V2/V3 or GLM-4-MoE router (``KMoEGate`` or transformers' own), else None."""
     if router is None:
         return None
     orig = router.orig_module if type(router).__name__ == "KMoEGate" else router
@@ -431,6 +440,19 @@ class _MLA:
         self.o.rows(n, o, a)
 
 
+_IDENTITY: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _identity_rope(n: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos = 1, sin = 0 tables ``[n, d]`` (RoPE that changes nothing), kept and grown per ``d``."""
+    got = _IDENTITY.get(d)
+    if got is None or got[0].shape[0] < n:
+        with torch.inference_mode(False):
+            rows = max(n, 2 * got[0].shape[0] if got is not None else 64)
+            got = _IDENTITY[d] = (torch.ones(rows, d), torch.zeros(rows, d))
+    return got[0][:n], got[1][:n]
+
+
 class _Layer:
     def __init__(self, layer, idx: int, config, gemma: bool):
         attn = layer.self_attn
@@ -474,6 +496,7 @@ class _Layer:
         else:
             self.qk_norm = None
         self.qk_ptr, self.qk_eps = (self.qk_norm[2], self.qk_norm[1]) if self.qk_norm is not None else (0, 0.0)
+        self.rot = self.d  # the rotary width (partial_rotary: set by ``partial_rotary``)
         self.gemma = gemma
         if gemma:
             self.post_attn_norm = _norm_weight(layer.post_attention_layernorm, True)
@@ -482,6 +505,39 @@ class _Layer:
         else:
             self.pre_mlp_norm = _norm_weight(layer.post_attention_layernorm, False)
         self._mlp(layer, idx, config)
+
+    def partial_rotary(self, rot: int) -> None:
+        """Rotate only the first ``rot`` of each head's ``d`` values (GLM-4-MoE's
+        ``partial_rotary_factor``): the q/k norm and that RoPE run before the attention kernel
+        (``rope_rows``), which is then given identity tables (its RoPE leaves every value as it is)."""
+        if rot == self.d:
+            return
+        if not 2 <= rot < self.d or rot % 2:
+            raise Unsupported(f"layer {self.idx}: rotary width {rot} of a head of {self.d}")
+        self.rot = rot
+        self.pre_qk = (self.qk_ptr, self.qk_eps)
+        self.qk_ptr, self.qk_eps = 0, 0.0
+
+    def rope_rows(self, n: int, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ops) -> tuple[int, int]:
+        """The cos / sin addresses the attention kernel takes for the rows ``q [n, (hq + 2 hkv) d]``
+        with ``cos`` / ``sin [n, rotary width]``.  Partial rotary: each row's q/k heads normed here (the
+        kernel's own per-head norm, one call per row) and their first ``rot`` values rotated in torch
+        with transformers' arithmetic (``q * cos + rotate_half(q) * sin``: elementwise, so a row's bits
+        never depend on the rows beside it); the identity tables returned."""
+        if self.rot == self.d:
+            return cos.data_ptr(), sin.data_ptr()
+        heads, d, W = self.hq + self.hkv, self.d, self.qkv.out_features
+        w, eps = self.pre_qk
+        if w:
+            qp = q.data_ptr()
+            for r in range(n):
+                ops.rms_norm(qp + 4 * r * W, w, qp + 4 * r * W, heads, d, d, eps)
+        x = q[:, :heads * d].view(n, heads, d)[..., :self.rot]
+        c, s = cos[:, None, :], sin[:, None, :]
+        half = self.rot // 2
+        x.copy_(x * c + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s)
+        ones, zeros = _identity_rope(n, d)
+        return ones.data_ptr(), zeros.data_ptr()
 
     def _mlp(self, layer, idx: int, config) -> None:
         mlp = layer.mlp
@@ -593,8 +649,9 @@ class DecodeStep:
         self._rope_width = {}
         for lt in ([] if self.mla else self.layer_types):  # MLA: the rotary tables of the rope part, per row
             cos = self._rope(*probe, lt)[0]
-            if any(cos.shape[-1] != lay.d for lay in self.layers if lay.layer_type == lt):
-                raise Unsupported(f"{lt}: rotary width {cos.shape[-1]} is not the head_dim (partial rotary)")
+            for lay in self.layers:
+                if lay.layer_type == lt:
+                    lay.partial_rotary(int(cos.shape[-1]))  # Unsupported unless an even width <= head_dim
             self._rope_width[lt] = int(cos.shape[-1])
         # cos / sin of N positions in one call give each row the bits of its own call when nothing
         # couples the rows: a static rope type (a dynamic one rescales by the batch's longest
@@ -922,7 +979,7 @@ class DecodeStep:
 
             def keys_of(lay, q, cos, sin, out):
                 cl, kp, vp, lp, cap, sliding = plan[lay.idx]
-                qw, cw, ow = 4 * lay.qkv.out_features, 4 * self._rope_width[lay.layer_type], 4 * lay.hq * lay.d
+                qw, cw, ow = 4 * lay.qkv.out_features, 4 * lay.d, 4 * lay.hq * lay.d  # tables: d wide (rope_rows)
                 for r in range(n):
                     p = pos + r
                     if sliding:
@@ -1080,9 +1137,9 @@ class DecodeStep:
                 lay.mla(n, h, pe, attend, a, self.mla_bufs, ops)
             else:
                 q = lay.qkv.rows(n, h, self.qkv.rows(n, lay.qkv.out_features))
-                cos, sin = rope[lay.layer_type]
+                cos, sin = lay.rope_rows(n, q, *rope[lay.layer_type], ops)
                 o_att = self.att.rows(n, lay.hq * lay.d)
-                attend(lay, q.data_ptr(), cos.data_ptr(), sin.data_ptr(), o_att.data_ptr())
+                attend(lay, q.data_ptr(), cos, sin, o_att.data_ptr())
                 lay.o.rows(n, o_att, a)
             if lay.gemma:
                 ops.residual_norm(xp, ap, lay.post_attn_norm[2], lay.post_attn_norm[1], lay.pre_mlp_norm[2],

@@ -108,13 +108,15 @@ def test_gemma_routes_past_the_sliding_window(gemma):
     _check_routes(gemma, prompt, steps=4, chunk=100, others=others, page_size=16)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "qwen2_moe", "gemma3_text"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "qwen2_moe", "gemma3_text", "glm4_moe"])
 def test_tiny_families_routes_give_the_same_bits(tiny, arch):
     _flash_or_skip()
     # head_dim 64: the prompt flash kernel's smallest head; gemma3's window past the request, and
     # qwen2_moe's shared expert 64 wide (scope: torch's activations over a prompt's rows of a width
-    # that is not a multiple of 32 put a row's tail lanes through the scalar function, by its place)
-    extra = {"gemma3_text": {"sliding_window": 64}, "qwen2_moe": {"shared_expert_intermediate_size": 64}}
+    # that is not a multiple of 32 put a row's tail lanes through the scalar function, by its place;
+    # GLM-4-MoE's router sigmoid over 32 experts for the same reason)
+    extra = {"gemma3_text": {"sliding_window": 64}, "qwen2_moe": {"shared_expert_intermediate_size": 64},
+             "glm4_moe": {"n_routed_experts": 32}}
     model = tiny(arch, head_dim=64, **extra.get(arch, {}))
     rng = np.random.default_rng(7)
     prompt = [int(i) for i in rng.integers(3, 250, 30)]

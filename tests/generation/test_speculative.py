@@ -25,10 +25,12 @@ from .test_invariance import _NoText
 
 # a sliding window shorter than the prompt: the verify rows roll the window, and undo restores it;
 # DeepSeek MLA (V2: no q_lora, complex RoPE, softmax router; V3: q_lora, interleaved RoPE, sigmoid
-# grouped router) keeps its own head sizes (head_dim is its rope width there)
+# grouped router) keeps its own head sizes (head_dim is its rope width there); GLM-4-MoE rotates half
+# of each head (32 of 64: the cos / sin of several rows in one call) with q/k norms and biases
 H64 = {"head_dim": 64}
 FAMILIES = [("llama", H64), ("qwen3_moe", H64), ("qwen2_moe", {**H64, "shared_expert_intermediate_size": 64}),
-            ("gemma3_text", {**H64, "sliding_window": 8}), ("deepseek_v2", {}), ("deepseek_v3", {})]
+            ("gemma3_text", {**H64, "sliding_window": 8}), ("deepseek_v2", {}), ("deepseek_v3", {}),
+            ("glm4_moe", H64)]
 
 
 @pytest.mark.parametrize("arch,extra", FAMILIES, ids=[f[0] for f in FAMILIES])

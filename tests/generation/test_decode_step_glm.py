@@ -1,0 +1,172 @@
+"""The one decode step on GLM-4-MoE (generation/decode_step.py: GQA with partial rotary, attention
+biases and optional q/k norms; the sigmoid, group-limited router of DeepSeek-V3 in ``_MoE`` with the
+shared experts; the dense first layers) against the model's own forward and the unmodified
+transformers model.
+
+Tiny random GLM-4-MoE models loaded through the shipped Glm4Moe-cpu rules (F32 weights on the CPU
+kernels): GLM-4.5-like (q/k norms, attention biases, half the head rotated, two router groups) and
+GLM-4.5-Air-like (no q/k norms, one router group), plus a full-rotary one (the kernel's own RoPE).
+
+Tolerances:
+* the step against the model's own forward on the same cache (the injected ``KMoEBlock``, the
+  model's attention on the CPU linears): within 1e-5 x max|logits| every step, static and dynamic
+  caches, and the cache entries the step writes within 1e-5 of the forward's;
+* against the unmodified transformers model, teacher-forced on the step's own greedy tokens: within
+  1e-4 x max|logits|, and the greedy tokens equal transformers' own wherever its top-1 margin exceeds
+  that.
+Speculative verify rows: tests/generation/test_speculative.py; MTP: tests/generation/test_mtp.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import ktransformers
+from ktransformers.generation import Generator, SamplingParams
+from ktransformers.generation.decode_step import DecodeStep, decode_step_for
+from ktransformers.util.tiny_models import write_tiny_model
+
+from .test_invariance import _NoText
+
+RULES = Path(ktransformers.__file__).parent / "optimize_rules"
+CASES = {
+    "glm45": {},
+    "air": dict(use_qk_norm=False, n_group=1, topk_group=1),
+    "full_rotary": dict(partial_rotary_factor=1.0, attention_bias=False),
+}
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+_MODELS: dict[str, tuple] = {}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("glm_step")
+
+
+def pair(case: str, root: Path):
+    """(unmodified transformers model, injected model) of a case, built once per session."""
+    if case not in _MODELS:
+        d = root / case
+        hf = write_tiny_model("glm4_moe", d, seed=3, **CASES[case])
+        _MODELS[case] = (hf, ktransformers.load_model(d, model_path=d, rules=RULES / "Glm4Moe-cpu.yaml"))
+    return _MODELS[case]
+
+
+def _prompt(n=12, seed=0):
+    return [int(i) for i in torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed))]
+
+
+def _own(model, tok, pos, cache):
+    """The model's own forward (not the step answering under it, generation/hf_generate.py)."""
+    own = model.__dict__.get("_kt_lean_forward") or model
+    return own(input_ids=torch.tensor([[tok]]), cache=cache, position_ids=torch.tensor([[pos]]),
+               use_cache=True, logits_to_keep=1).logits[0, -1].float()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_step_serves_glm4_moe(case, root):
+    _, model = pair(case, root)
+    step = DecodeStep.build(model)
+    assert step is not None and not step.mla
+    cfg = model.config
+    rot = int(cfg.head_dim * cfg.rope_parameters.get("partial_rotary_factor", 1.0))
+    for i, lay in enumerate(step.layers):
+        assert lay.rot == rot and lay.d == cfg.head_dim
+        assert (lay.qkv.bias is not None) == bool(cfg.attention_bias)
+        assert (lay.qk_norm is not None) == bool(cfg.use_qk_norm)
+        if i < cfg.first_k_dense_replace:  # the dense first layers: gate/up + down on the kernels
+            assert lay.gate_up is not None and lay.moe is None
+        else:  # router, routed experts and shared experts in the step, not the block's forward
+            assert lay.moe is not None and lay.mlp_module is None
+            assert lay.moe.deepseek is not None and lay.moe.deepseek["bias"] is not None
+            assert lay.moe.shared is not None
+            assert lay.moe.deepseek["n_group"] == cfg.n_group
+
+
+@pytest.mark.parametrize("kind", ["static", "dynamic"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_step_equals_the_models_own_forward(case, kind, root):
+    from transformers import DynamicCache
+
+    _, model = pair(case, root)
+    step = decode_step_for(model)
+    g = Generator(model, _NoText())
+    ids = _prompt()
+    worst = 0.0
+
+    def cache():
+        return g.new_cache(48) if kind == "static" else DynamicCache(config=model.config)
+
+    with torch.inference_mode():
+        ca, cb = cache(), cache()
+        tok = int(g.prefill(ids, ca).argmax())
+        g.prefill(ids, cb)
+        for pos in range(len(ids), len(ids) + 20):
+            want = _own(model, tok, pos, ca)
+            assert step.accepts(cb)
+            got = step.step(tok, pos, cb)[0]
+            worst = max(worst, (got - want).abs().max().item() / want.abs().max().item())
+            tok = int(want.argmax())
+        n = len(ids) + 20
+        for la, lb in zip(ca.layers, cb.layers):  # keys (partially roped) and values as the attention writes them
+            for a, b in ((la.keys, lb.keys), (la.values, lb.values)):
+                a, b = a[:, :, :n], b[:, :, :n]
+                assert a.shape == b.shape
+                assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * a.abs().max().item())
+    assert worst <= 1e-5, f"{case}/{kind}: the step is off the model's own forward by {worst:.2e} x max|logits|"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_tokens_and_logits_match_transformers(case, root):
+    hf, model = pair(case, root)
+    g = Generator(model, _NoText())
+    g.eos_ids = set()
+    ids = _prompt(8, seed=1)
+    steps = 16
+    step = decode_step_for(model)
+    rows = []
+    with torch.inference_mode():
+        cache = g.new_cache(len(ids) + steps + 1)
+        logits = g.prefill(ids, cache)[0]
+        toks = []
+        for i in range(steps):
+            toks.append(int(logits.argmax()))
+            assert step.accepts(cache)
+            logits = step.step(toks[-1], len(ids) + i, cache)[0]
+            rows.append(logits.clone())
+    _, got, _ = g.generate(ids, SamplingParams(max_new_tokens=steps))
+    assert got == toks  # the Generator decodes through the same step
+    seq = torch.tensor([ids + toks])
+    with torch.no_grad():
+        ref = hf(seq).logits[0].float()
+    tol = 1e-4 * ref.abs().max().item()
+    for i, row in enumerate(rows):  # teacher-forced on the step's tokens: every step's logits
+        diff = (row - ref[len(ids) + i]).abs().max().item()
+        assert diff <= tol, f"{case}: step {i} off transformers by {diff:.3g} (tolerance {tol:.3g})"
+    want = hf.generate(torch.tensor([ids]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                       pad_token_id=0)[0, len(ids):].tolist()
+    top2 = ref[len(ids) - 1:-1].topk(2, dim=-1).values
+    for i in range(steps):
+        if top2[i, 0] - top2[i, 1] <= tol:
+            break  # a near tie: the continuations may part from here on
+        assert got[i] == want[i], f"{case}: greedy token {i} is {got[i]}, transformers gives {want[i]}"
+    assert i >= steps // 2, f"{case}: only {i} clear steps; the check would be vacuous"
+
+
+def test_a_rotary_width_the_step_cannot_split_takes_the_generic_forward(root):
+    """A rotary width with no rotate-half split of the head (odd, none, wider than the head) is
+    refused by name: ``build`` returns None and the model's own forward decodes."""
+    from ktransformers.generation.decode_step import Unsupported, _Layer
+
+    _, model = pair("glm45", root)
+    lay = _Layer(model.model.layers[0], 0, model.config, False)
+    for rot in (7, 0, 18):
+        with pytest.raises(Unsupported, match="rotary width"):
+            lay.partial_rotary(rot)
+    lay.partial_rotary(lay.d)  # full width: the kernel's own RoPE
+    assert lay.rot == lay.d and lay.qk_ptr != 0
