@@ -134,7 +134,8 @@ def test_inject_refuses_unmatched_rule_unless_allowed(tiny_model_dir):
 
 
 def test_device_map_parsing_and_rewrite():
-    from ktransformers.optimize.device_map import map_device, parse_device_map, remap_rules_text
+    from ktransformers.optimize.device_map import DEVICE_KEYS, map_device, map_rules, parse_device_map
+    from ktransformers.optimize.rules import load_rules
 
     m = parse_device_map("cuda=cpu, cuda:1=cuda:0")
     assert m == {"cuda": "cpu", "cuda:1": "cuda:0"}
@@ -142,13 +143,63 @@ def test_device_map_parsing_and_rewrite():
     for bad in ("cuda", "cuda=", "gpu=cpu"):
         with pytest.raises(ConfigError, match="--device_map"):
             parse_device_map(bad)
-    text = (RULES / "Qwen3Moe.yaml").read_text()
-    out = remap_rules_text(text, {"cuda": "cpu"})
-    rules_only = "\n".join(ln for ln in out.splitlines() if not ln.lstrip().startswith("#"))
-    assert "cuda" not in rules_only and "device: cpu" in rules_only
-    assert out.count("\n") == text.count("\n")  # the file's line numbers still hold
+    rules = load_rules(RULES / "Qwen3Moe.yaml")
+    before = [(r.device, dict(r.kwargs)) for r in rules]
+    out = map_rules(rules, {"cuda": "cpu"})
+    assert [(r.device, r.kwargs) for r in rules] == before  # the parsed rules are not modified
+
+    def devices(r):
+        return [r.device] + [v for k, v in r.kwargs.items() if k in DEVICE_KEYS] \
+            + list((r.kwargs.get("transfer_map") or {}).values())
+
+    assert any("cuda" in str(d) for r in rules for d in devices(r))
+    assert not any("cuda" in str(d) for r in out for d in devices(r)) and any(r.device == "cpu" for r in out)
+    # each rule keeps its file, line and keys: later errors still name the file's own lines
+    assert [(r.source, r.index, r.line, r.key_lines) for r in out] == \
+        [(r.source, r.index, r.line, r.key_lines) for r in rules]
 
 
+def test_device_map_rechecks_each_op_on_its_new_device(tmp_path):
+    """A mapped rule is checked as if the file named the new device: an op that cannot run there is
+    refused with the very error (file, line, key) the file naming that device gets."""
+    from ktransformers.optimize.device_map import load_rules_mapped
+    from ktransformers.optimize.rules import load_rules
+
+    text = ("- match: {name: '^lm_head$'}\n  replace:\n    class: KTransformersLinear\n"
+            "    device: cpu\n    kwargs:\n      generate_op: KLinearCPU\n")
+    f, written = tmp_path / "r.yaml", tmp_path / "w" / "r.yaml"
+    f.write_text(text)
+    written.parent.mkdir()
+    written.write_text(text.replace("device: cpu", "device: cuda"))
+    with pytest.raises(RuleError) as want:
+        load_rules(written)
+    with pytest.raises(RuleError) as got:
+        load_rules_mapped(f, "cpu=cuda")
+    assert str(got.value) == str(want.value).replace(str(written), str(f))
+    assert ":6: rule #0 (replace.kwargs.generate_op): KLinearCPU runs only on cpu" in str(got.value)
+    assert load_rules_mapped(f, "cuda=cpu")[0].device == "cpu"
+
+
+@pytest.mark.parametrize("path", sorted(p for p in RULES.rglob("*.yaml") if "cuda" in p.read_text()),
+                         ids=lambda p: p.name)
+def test_device_map_on_parsed_rules_matches_the_file_written_for_cpu(path, tmp_path):
+    """Mapping the parsed rules of a shipped GPU file gives the rules of that file with every device it
+    names written as cpu (an independent reference: the text edited line by line, then parsed)."""
+    import re
+
+    from ktransformers.optimize.device_map import load_rules_mapped
+    from ktransformers.optimize.rules import load_rules
+
+    key = r"^(\s*(?:-\s*)?(?:device|generate_device|prefill_device|out_device|\d+)\s*:\s*)(['\"]?)cuda(?::\d+)?\2"
+    text = "\n".join(re.sub(key, r"\1\2cpu\2", ln) for ln in path.read_text().split("\n"))
+    ref = tmp_path / path.name
+    ref.write_text(text)
+    got, want = load_rules_mapped(path, "cuda=cpu"), load_rules(ref)
+
+    def seen(r):
+        return (r.index, r.line, r.key_lines, r.device, r.kwargs, r.replace_class, r.match_class, r.recursive)
+
+    assert [seen(r) for r in got] == [seen(r) for r in want]
 def test_gpu_rule_file_with_device_map_matches_cpu_rules(tiny_model_dir, one_torch_thread):
     """The shipped CUDA rule file, remapped with cuda=cpu, generates what its -cpu twin does."""
     from transformers import AutoTokenizer

@@ -1,24 +1,24 @@
 """``--device_map cuda=cpu``: run a rule file written for other devices (e.g. a GPU file on a CPU-only
-machine) by rewriting every device it names while the rules are parsed.
+machine) by rewriting every device its parsed rules name.
 
 A map is ``FROM=TO[,FROM=TO...]``.  ``FROM`` without an index (``cuda``) stands for every device of
 that type (``cuda``, ``cuda:0``, ``cuda:1`` ...); with one (``cuda:1``) only that device, and an
-indexed entry wins over a bare one.  Devices are rewritten in ``replace.device``, the device kwargs
-(``device``, ``generate_device``, ``prefill_device``, ``out_device``) and ``transfer_map`` values,
-in the YAML text itself, so every later check and error still names the file's own lines.
+indexed entry wins over a bare one.  :func:`map_rules` takes the :class:`~.rules.Rule` objects the
+file was parsed into and gives new ones with their devices rewritten in ``replace.device``, the
+device kwargs (``device``, ``generate_device``, ``prefill_device``, ``out_device``) and
+``transfer_map`` values; the rules keep their file, lines and keys, so every later check and error
+still names the file's own lines, and the phase check the parser made is made again on the new
+devices (an op the new device cannot run is refused by its line).
 """
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+from dataclasses import replace
 
 import torch
-import yaml
 
-from ..errors import ConfigError, RuleError
-from . import safe_yaml
-from .rules import RULE_DEVICE_TYPES
+from ..errors import ConfigError
+from .rules import RULE_DEVICE_TYPES, Rule, check_rule_phases, load_rules
 
 DEVICE_KEYS = ("device", "generate_device", "prefill_device", "out_device")
 
@@ -61,62 +61,35 @@ def map_device(value: str, device_map: dict[str, str]) -> str:
     return value
 
 
-def remap_rules_text(text: str, device_map: dict[str, str]) -> str:
-    """The rule file's text with its devices rewritten; every line stays where it was."""
-    if not device_map:
-        return text
-    try:
-        root = safe_yaml.compose(text, "<device map>")
-    except RuleError:
-        return text  # the rule parser reports it with its file and line
-    edits: list[tuple[int, int, str]] = []
-
-    def scalar(node) -> None:
-        if isinstance(node, yaml.ScalarNode) and node.tag == "tag:yaml.org,2002:str":
-            new = map_device(node.value, device_map)
-            if new != node.value:
-                edits.append((node.start_mark.index, node.end_mark.index, new))
-
-    def walk(node, parent_key: str | None = None) -> None:
-        if isinstance(node, yaml.MappingNode):
-            for k, v in node.value:
-                key = k.value if isinstance(k, yaml.ScalarNode) else None
-                if key in DEVICE_KEYS:
-                    scalar(v)
-                elif key == "transfer_map" and isinstance(v, yaml.MappingNode):
-                    for _, dv in v.value:
-                        scalar(dv)
-                else:
-                    walk(v, key)
-        elif isinstance(node, yaml.SequenceNode):
-            for item in node.value:
-                walk(item, parent_key)
-
-    if root is not None:
-        walk(root)
-    for start, end, new in sorted(edits, reverse=True):
-        quoted = text[start] in "'\""
-        text = text[:start] + (f'"{new}"' if quoted else new) + text[end:]
-    return text
-
-
-def load_rules_mapped(rules, device_map: dict[str, str] | str | None = None):
-    """Parsed, validated rules (as :func:`ktransformers.optimize.rules.load_rules`) after the device map."""
-    from .rules import load_rules, parse_rules
-
+def map_rules(rules: list[Rule], device_map: dict[str, str] | str | None) -> list[Rule]:
+    """``rules`` with their devices rewritten by ``device_map`` (new :class:`Rule` objects where a device
+    changed, the same objects elsewhere; the input is not modified)."""
     if isinstance(device_map, str):
         device_map = parse_device_map(device_map)
     if not device_map:
-        return load_rules(rules)
-    if isinstance(rules, (str, os.PathLike)) and (
-        isinstance(rules, os.PathLike) or ("\n" not in rules and rules.strip().endswith((".yaml", ".yml")))
-    ):
-        path = Path(rules)
-        if not path.is_file():
-            raise RuleError(f"{path}: rule file not found")
-        return parse_rules(remap_rules_text(safe_yaml.read_text(path), device_map), str(path))
-    if isinstance(rules, str):
-        return parse_rules(remap_rules_text(rules, device_map), "<string>")
-    if isinstance(rules, (list, tuple)) and not any(hasattr(r, "key_lines") for r in rules):
-        return parse_rules(remap_rules_text(yaml.safe_dump(list(rules), sort_keys=False), device_map), "<rules>")
-    raise RuleError("a device map applies to a rule file, YAML text or rule dicts, not to parsed rules")
+        return list(rules)
+    out = []
+    for rule in rules:
+        kwargs = {k: _map_kwarg(k, v, device_map) for k, v in rule.kwargs.items()}
+        device = map_device(rule.device, device_map)
+        if device == rule.device and kwargs == rule.kwargs:
+            out.append(rule)
+            continue
+        mapped = replace(rule, device=device, kwargs=kwargs, key_lines=dict(rule.key_lines),
+                         aliases=list(rule.aliases))
+        check_rule_phases(mapped)
+        out.append(mapped)
+    return out
+
+
+def _map_kwarg(key: str, value, device_map: dict[str, str]):
+    if key in DEVICE_KEYS:
+        return map_device(value, device_map)
+    if key == "transfer_map" and isinstance(value, dict):
+        return {layer: map_device(dev, device_map) for layer, dev in value.items()}
+    return value
+
+
+def load_rules_mapped(rules, device_map: dict[str, str] | str | None = None) -> list[Rule]:
+    """Parsed, validated rules (any input :func:`~.rules.load_rules` takes, parsed once) after the device map."""
+    return map_rules(load_rules(rules), device_map)

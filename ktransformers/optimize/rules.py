@@ -91,7 +91,8 @@ class Rule:
 
 
 def load_rules(rules) -> list[Rule]:
-    """Rules from a path, a YAML string, a list of dicts, or already-parsed rules."""
+    """Rules from a path, a YAML string, a list of dicts, or already-parsed rules: the one place the
+    input forms are told apart (already-parsed rules are returned as they are, not parsed again)."""
     if isinstance(rules, (list, tuple)) and all(isinstance(r, Rule) for r in rules):
         return list(rules)
     if isinstance(rules, (list, tuple)):
@@ -314,10 +315,7 @@ def _check_kwargs(cls, rtext: str, kwargs: dict, klines: dict[str, int], source:
                 raise fail(key, f"'default' keeps the module as it is and takes only devices "
                                 f"({', '.join(allowed)})")
             _check_device(value, lambda m: fail(key, m))
-        try:
-            decide_phases(None, kwargs, device)
-        except PhaseError as e:
-            raise fail(e.key, str(e)) from None
+        _check_phases(None, kwargs, device, fail)
         return
     spec = cls.accepted_kwargs() if hasattr(cls, "accepted_kwargs") else None
     if spec is None:
@@ -333,10 +331,31 @@ def _check_kwargs(cls, rtext: str, kwargs: dict, klines: dict[str, int], source:
             names = " or ".join("null" if t is type(None) else t.__name__ for t in types)
             raise fail(key, f"must be {names}, not {_shown(value)}")
         _check_kwarg_value(key, value, lambda m: fail(key, m))
+    _check_phases(cls, kwargs, device, fail)
+
+
+def _check_phases(cls, kwargs: dict, device: str | None, fail) -> None:
+    """The phase decision a rule's devices and kwargs lead to (``operators/phases.py``): the ops
+    exist, each accepts its device (``Op.check_device``) and its kwargs."""
     try:
         decide_phases(cls, kwargs, device)
     except PhaseError as e:
         raise fail(e.key, str(e)) from None
+
+
+def check_rule_phases(rule: Rule) -> None:
+    """The parser's phase check again, for a rule whose devices changed after parsing (a device map):
+    an op the new device cannot run is refused as it would be had the file named that device."""
+    cls = rule.replace_class
+    if not rule.kwargs or (cls is not None and (cls.accepted_kwargs() if hasattr(cls, "accepted_kwargs")
+                                                 else None) is None):
+        return  # the parser decides phases only for a rule with kwargs of an operator that declares them
+
+    def fail(key: str, msg: str) -> RuleError:
+        return RuleError(f"{rule.source}:{rule.key_lines.get(f'replace.kwargs.{key}', 0)}: rule #{rule.index} "
+                         f"(replace.kwargs.{safe_yaml.printable(str(key))}): {msg}")
+
+    _check_phases(cls, rule.kwargs, rule.device, fail)
 
 
 def _check_kwarg_value(key: str, value, fail) -> None:
