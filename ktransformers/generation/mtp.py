@@ -1,10 +1,11 @@
-"""DeepSeek-V3's multi-token-prediction (MTP) layer as a speculative drafter.
+"""The multi-token-prediction (MTP) layer of DeepSeek-V3 and GLM-4-MoE as a speculative drafter.
 
-A DeepSeek-V3 / R1 checkpoint carries, after its ``num_hidden_layers`` decoder layers, a
-next-token-prediction layer (``model.layers.{num_hidden_layers}.*``): ``enorm`` / ``hnorm`` (RMSNorms
-of the next token's embedding and of the model's hidden state), ``eh_proj`` ([hidden, 2 hidden]),
-a full decoder layer (MLA + MoE) and ``shared_head.norm``; its ``shared_head.head`` and
-``embed_tokens`` are the model's own (not read).  Computed as transformers' ``MtpLayer``
+A DeepSeek-V3 / R1 or GLM-4.5 / 4.6 / 4.7 checkpoint carries, after its ``num_hidden_layers``
+decoder layers, a next-token-prediction layer (``model.layers.{num_hidden_layers}.*``): ``enorm`` /
+``hnorm`` (RMSNorms of the next token's embedding and of the model's hidden state), ``eh_proj``
+([hidden, 2 hidden]), a full decoder layer (DeepSeek: MLA + MoE; GLM: GQA with partial rotary +
+MoE) and ``shared_head.norm``; its ``shared_head.head`` and ``embed_tokens`` are the model's own
+(not read).  Computed as transformers' ``MtpLayer``
 (modeling_layers.py) computes it:
 
     h'_j = shared_head.norm(layer(eh_proj(cat(enorm(emb(t_{j+1})), hnorm(h_j))), position j + 1))
@@ -12,12 +13,13 @@ a full decoder layer (MLA + MoE) and ``shared_head.norm``; its ``shared_head.hea
 
 with ``h_j`` the model's final hidden state (after its final norm) at position ``j``.
 
-The layer is injected with the model's own rules (its attention ``KDeepseekV2Attention``, its
-experts on ``KExpertsCPU``, its linears ``eh_proj`` included on ``KLinearCPU``; weights read from the
-model's weight source, ``model.kt_weights``) and run by the decode step's own layer code
-(decode_step.py: ``_Layer`` -- the MLA and MoE of the step on the kernels -- the norms in C++, the
-model's embedding rows and ``lm_head``).  It keeps its own latent cache: one entry per position
-whose ``h_j`` the model computed (the prompt's from the prefill, the answer's from each decode
+The layer is injected with the model's own rules (DeepSeek's attention ``KDeepseekV2Attention``,
+the experts on ``KExpertsCPU``, the linears ``eh_proj`` included on ``KLinearCPU``; weights read from
+the model's weight source, ``model.kt_weights``) and run by the decode step's own layer code
+(decode_step.py: ``_Layer`` -- the MLA or GQA attention and the MoE of the step on the kernels --
+the norms in C++, the model's embedding rows and ``lm_head``).  It keeps its own cache (MLA: the
+latent and rope key; GQA: keys and values, read by ``decode_ops.attend_rows`` as a cache layer):
+one entry per position whose ``h_j`` the model computed (the prompt's from the prefill, the answer's from each decode
 step's rows, ``DecodeStep.last_hidden``).  A draft of ``k`` tokens chains the layer: the first guess
 from the model's last hidden state and the pending token, each next one from the layer's own
 ``h'`` and the previous guess.  The guessed entries are dropped before the next draft.
@@ -35,8 +37,8 @@ import torch
 
 from ..errors import ConfigError
 
-#: model types whose checkpoints carry DeepSeek-V3's MTP layer (``model.layers.{num_hidden_layers}``)
-MTP_MODEL_TYPES = ("deepseek_v3",)
+#: model types whose checkpoints carry an MTP layer (``model.layers.{num_hidden_layers}``) the drafter runs
+MTP_MODEL_TYPES = ("deepseek_v3", "glm4_moe")
 
 
 def load_mtp_layer(model):
@@ -53,13 +55,13 @@ def load_mtp_layer(model):
     config = model.config.get_text_config()
     if getattr(config, "model_type", None) not in MTP_MODEL_TYPES:
         raise ConfigError(f"--speculative mtp: {getattr(config, 'model_type', None)} models have no MTP layer the "
-                          f"drafter runs (DeepSeek-V3 / R1 checkpoints do)")
+                          f"drafter runs (DeepSeek-V3 / R1 and GLM-4.5 / 4.6 / 4.7 checkpoints do)")
     src, plan = getattr(model, "kt_weights", None), getattr(model, "kt_plan", None)
     n = int(config.num_hidden_layers)
     prefix = f"model.layers.{n}."
     if src is None or plan is None or not src.has(prefix + "eh_proj.weight"):
         raise ConfigError(f"--speculative mtp: the weights have no MTP layer ({prefix}eh_proj.weight not found; "
-                          f"a GGUF or a checkpoint saved without layer {n} has none)")
+                          f"GGUFs' MTP tensors are not read; a checkpoint saved without layer {n} has none)")
     cfg = copy.deepcopy(model.config)
     cfg.num_hidden_layers = n + 1
     one = build_model(cfg)  # on the meta device: only layer n is kept, injected and loaded
@@ -80,7 +82,7 @@ def load_mtp_layer(model):
 
 class _MTPLayer:
     """The injected MTP layer run by the decode step's code over ``T`` rows (see the module
-    docstring), with its latent cache: entry ``j`` is position ``j + 1``'s."""
+    docstring), with its cache: entry ``j`` is position ``j + 1``'s."""
 
     def __init__(self, model, step):
         from .decode_step import Unsupported, _Layer, _norm_weight, _Proj
@@ -92,21 +94,62 @@ class _MTPLayer:
             self.eh = _Proj([layer.eh_proj])
         except Unsupported as e:
             raise ConfigError(f"--speculative mtp: the MTP layer is not on the decode step's kernels ({e})") from None
-        if self.lay.mla is None:
-            raise ConfigError("--speculative mtp: the MTP layer's attention is not MLA")
+        lay = self.lay
+        if (lay.mla is None) != (not step.mla):
+            raise ConfigError("--speculative mtp: the MTP layer's attention is not the model's kind (MLA / GQA)")
+        if lay.mla is None:
+            if lay.window:
+                raise ConfigError("--speculative mtp: the MTP layer has a sliding window")
+            try:
+                lay.partial_rotary(step._rope_width[lay.layer_type])
+            except (KeyError, Unsupported) as e:
+                raise ConfigError(f"--speculative mtp: the MTP layer's rotary ({e})") from None
         self.enorm, self.hnorm = _norm_weight(layer.enorm, False), _norm_weight(layer.hnorm, False)
         self.post = _norm_weight(layer.shared_head.norm, False)
         self.step, self.ops, self.H = step, step._ops, step.hidden
-        m = self.lay.mla
-        self.lat, self.rk = torch.zeros(256, m.C), torch.zeros(256, m.rope)
+        if lay.mla is not None:
+            m = lay.mla
+            self.lat, self.rk = torch.zeros(256, m.C), torch.zeros(256, m.rope)
+        else:  # keys / values [1, kv heads, entries, d], as a static cache layer holds them
+            self.lat, self.rk = torch.zeros(1, lay.hkv, 256, lay.d), torch.zeros(1, lay.hkv, 256, lay.d)
+        self._at = torch.zeros(2, dtype=torch.int64)  # a row's position and first position (attend_rows)
 
     def _room(self, entries: int) -> None:
-        if entries > self.lat.shape[0]:
-            cap = max(entries, 2 * self.lat.shape[0])
-            lat, rk = torch.zeros(cap, self.lat.shape[1]), torch.zeros(cap, self.rk.shape[1])
-            lat[: self.lat.shape[0]].copy_(self.lat)
-            rk[: self.rk.shape[0]].copy_(self.rk)
-            self.lat, self.rk = lat, rk
+        axis = 0 if self.lay.mla is not None else 2
+        have = self.lat.shape[axis]
+        if entries > have:
+            cap = max(entries, 2 * have)
+            grown = []
+            for t in (self.lat, self.rk):
+                shape = list(t.shape)
+                shape[axis] = cap
+                g = torch.zeros(shape)
+                g.narrow(axis, 0, have).copy_(t)
+                grown.append(g)
+            self.lat, self.rk = grown
+
+    def _gqa(self, T: int, h1: torch.Tensor, first: int, a: torch.Tensor) -> None:
+        """The GQA attention of the rows ``h1`` at positions ``first + 1 ..`` into ``a``: q/k/v on the
+        kernels, RoPE (partial: ``_Layer.rope_rows``), then each row's keys / values written into
+        entry ``first + r`` and its query over entries ``0 .. first + r`` (positions 1 ..), one
+        ``attend_rows`` call per row, in order."""
+        lay, step, ops = self.lay, self.step, self.ops
+        q = lay.qkv.rows(T, h1, torch.empty(T, lay.qkv.out_features))
+        cos, sin = step._rope(h1[:1][None], torch.arange(first + 1, first + 1 + T)[None], lay.layer_type)
+        cos, sin = cos.reshape(T, -1).float().contiguous(), sin.reshape(T, -1).float().contiguous()
+        cp, sp = lay.rope_rows(T, q, cos, sin, ops)
+        o = torch.empty(T, lay.hq * lay.d)
+        cap, at = self.lat.shape[2], self._at
+        qw, cw, ow = 4 * lay.qkv.out_features, 4 * lay.d, 4 * lay.hq * lay.d
+        from .decode_step import _NO_ROWS
+
+        for r in range(T):
+            at[0], at[1] = first + 1 + r, 1
+            ops.attend_rows(step._cpuinfer, q.data_ptr() + r * qw, 1, lay.hq, lay.hkv, lay.d, lay.qk_ptr,
+                            lay.qk_eps, cp + r * cw, sp + r * cw, self.lat.data_ptr(), self.rk.data_ptr(), lay.d,
+                            cap * lay.d, 0, _NO_ROWS.data_ptr(), _NO_ROWS.data_ptr(), at.data_ptr(),
+                            at.data_ptr() + 8, 0, cap, 0, lay.scaling, o.data_ptr() + r * ow)
+        lay.o.rows(T, o, a)
 
     def __call__(self, tokens: list[int], hidden: torch.Tensor, first: int) -> torch.Tensor:
         """The layer's normed outputs ``[T, H]`` for inputs ``tokens`` (the tokens after positions
@@ -126,17 +169,20 @@ class _MTPLayer:
             x0 = self.eh.rows(T, cat, torch.empty(T, H))
             h1 = torch.empty(T, H)
             ops.rms_norm(x0.data_ptr(), lay.in_norm[2], h1.data_ptr(), T, H, 0, lay.in_norm[1])
-            pe = [step.rotary(x0[:1][None], torch.tensor([[first + 1 + r]], dtype=torch.long)) for r in range(T)]
-            lat, rk = self.lat, self.rk
-
-            def kv(idx, r, c_kv, k_pe):
-                e = first + r
-                lat[e].copy_(c_kv.reshape(-1))
-                rk[e].copy_(k_pe.reshape(-1))
-                return lat[: e + 1], rk[: e + 1]
-
             a = torch.empty(T, H)
-            lay.mla(T, h1, pe, kv, a, step.mla_bufs, ops)
+            if lay.mla is None:
+                self._gqa(T, h1, first, a)
+            else:
+                pe = [step.rotary(x0[:1][None], torch.tensor([[first + 1 + r]], dtype=torch.long)) for r in range(T)]
+                lat, rk = self.lat, self.rk
+
+                def kv(idx, r, c_kv, k_pe):
+                    e = first + r
+                    lat[e].copy_(c_kv.reshape(-1))
+                    rk[e].copy_(k_pe.reshape(-1))
+                    return lat[: e + 1], rk[: e + 1]
+
+                lay.mla(T, h1, pe, kv, a, step.mla_bufs, ops)
             h2 = torch.empty(T, H)
             ops.residual_norm(x0.data_ptr(), a.data_ptr(), 0, 0.0, lay.pre_mlp_norm[2], lay.pre_mlp_norm[1],
                               h2.data_ptr(), T, H)

@@ -1,7 +1,8 @@
-"""DeepSeek-V3's MTP layer as a speculative drafter (generation/mtp.py).
+"""The MTP layer of DeepSeek-V3 and GLM-4-MoE as a speculative drafter (generation/mtp.py).
 
-A tiny DeepSeek-V3 checkpoint with a random MTP layer (``model.layers.3.*``: enorm, hnorm,
-eh_proj, a full MoE decoder layer, shared_head) beside its three layers:
+A tiny DeepSeek-V3 and a tiny GLM-4-MoE checkpoint (MLA; GQA with partial rotary, q/k norms and
+biases), each with a random MTP layer (``model.layers.3.*``: enorm, hnorm, eh_proj, a full MoE
+decoder layer, shared_head) beside its three layers:
 
 * greedy answers with ``speculative="mtp"`` are the plain answers token for token (the guesses are
   verified as rows of the decode step), with guesses drafted;
@@ -31,13 +32,18 @@ from .test_invariance import _NoText
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
+@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe"])
+def family(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def mtp_dir(tmp_path_factory) -> Path:
-    """A tiny DeepSeek-V3 folder whose checkpoint holds an MTP layer after its 3 decoder layers."""
+def mtp_dir(tmp_path_factory, family) -> Path:
+    """A tiny folder of ``family`` whose checkpoint holds an MTP layer after its 3 decoder layers."""
     from safetensors.torch import load_file, save_file
 
-    d = tmp_path_factory.mktemp("v3-mtp")
-    write_tiny_model("deepseek_v3", d, seed=4, num_hidden_layers=4)  # layer 3: the MTP layer's decoder layer
+    d = tmp_path_factory.mktemp(f"{family}-mtp")
+    write_tiny_model(family, d, seed=4, num_hidden_layers=4)  # layer 3: the MTP layer's decoder layer
     sd = load_file(d / "model.safetensors")
     g = torch.Generator().manual_seed(5)
     H = int(sd["model.embed_tokens.weight"].shape[1])
@@ -71,8 +77,9 @@ def test_mtp_greedy_is_the_plain_answer(model, draft_max):
     params = SamplingParams(max_new_tokens=32)
     _, want, _ = Generator(model, _NoText()).generate(prompt, params)
     g = Generator(model, _NoText(), speculative="mtp", draft_max=draft_max)
-    run = model.__dict__["_kt_mtp_run"]  # the MTP layer on the step's kernels: MLA and the MoE block
-    assert run.lay.mla is not None and run.lay.moe is not None and run.lay.moe.deepseek is not None
+    run = model.__dict__["_kt_mtp_run"]  # the MTP layer on the step's kernels: MLA / GQA and the MoE block
+    assert (run.lay.mla is not None) == (model.config.model_type == "deepseek_v3")
+    assert run.lay.moe is not None and run.lay.moe.deepseek is not None
     _, got, _ = g.generate(prompt, params)
     assert got == want
     st = g.last_stats
@@ -89,10 +96,13 @@ def _reference_layer(mtp_dir, config):
     from safetensors.torch import load_file
     from transformers.modeling_layers import MtpLayer
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeDecoderLayer, Glm4MoeRMSNorm
 
     cfg = config.get_mtp_config()
     cfg._attn_implementation = "eager"
-    layer = MtpLayer(cfg, DeepseekV3DecoderLayer, DeepseekV3RMSNorm, 0)
+    classes = {"deepseek_v3": (DeepseekV3DecoderLayer, DeepseekV3RMSNorm),
+               "glm4_moe": (Glm4MoeDecoderLayer, Glm4MoeRMSNorm)}[config.model_type]
+    layer = MtpLayer(cfg, *classes, 0)
     sd = load_file(mtp_dir / "model.safetensors")
     p = "model.layers.3."
     E = int(config.n_routed_experts)
