@@ -77,10 +77,11 @@ class ImageCollector:
         return self._add(image_from_path(path, self.support.limits))
 
 
-def image_support(config, tokenizer, folder, limits: ImageLimits = ImageLimits()) -> ImageSupport | None:
-    """The :class:`ImageSupport` of a vision-language model (None for a text model)."""
+def image_support(config, tokenizer, folder, limits: ImageLimits = ImageLimits(), source=None) -> ImageSupport | None:
+    """The :class:`ImageSupport` of a vision-language model (None for a text model); ``source``: the
+    weights, whose mmproj describes the image processor where ``folder`` has none."""
     from .processor import is_vision_language, load_processor
 
     if not is_vision_language(config):
         return None
-    return ImageSupport(load_processor(folder, config, tokenizer), limits)
+    return ImageSupport(load_processor(folder, config, tokenizer, source), limits)

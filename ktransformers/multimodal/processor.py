@@ -40,14 +40,19 @@ def images_only_processor_class(config) -> type:
     return _images_only(getattr(transformers, name))
 
 
-def load_processor(folder, config, tokenizer):
+def load_processor(folder, config, tokenizer, source=None):
     """The processor for ``config`` with the image processor saved in ``folder``
     (``preprocessor_config.json`` or ``processor_config.json``) and the already loaded ``tokenizer``
-    (its chat template is the one in use)."""
+    (its chat template is the one in use).  Without such a folder, a GGUF language model read with
+    its ``mmproj`` (``source``) gives the image processor its metadata describes."""
     from transformers import AutoImageProcessor
 
     folder = Path(folder) if folder else None
     if folder is None or not any((folder / f).is_file() for f in ("preprocessor_config.json", "processor_config.json")):
+        make = getattr(source, "image_processor", None)
+        if callable(make):
+            return images_only_processor_class(config)(image_processor=make(), tokenizer=tokenizer,
+                                                        chat_template=getattr(tokenizer, "chat_template", None))
         raise ConfigError(f"{folder}: a vision-language model needs its image processor's config "
                           f"(preprocessor_config.json or processor_config.json) beside the config")
     try:

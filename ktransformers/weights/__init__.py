@@ -11,14 +11,22 @@ from .source import EXPERT_PROJS, RawTensor, WeightSource
 __all__ = ["EXPERT_PROJS", "RawTensor", "WeightSource", "open_weights"]
 
 
-def open_weights(path: str | os.PathLike) -> WeightSource:
+def open_weights(path: str | os.PathLike, mmproj: str | os.PathLike | None = None) -> WeightSource:
     """Open a weight file or directory: ``*.gguf`` (split shards merged) or ``*.safetensors``.
 
     A directory holding both kinds is ambiguous and is refused with a message that says so.
+    ``mmproj``: llama.cpp's vision-tower GGUF beside a vision-language model's language-model GGUF
+    (read as one image-text model: :mod:`.mmproj`).
     """
     p = Path(path)
     if not p.exists():
         raise WeightError(f"{p}: no such file or directory")
+    if mmproj is not None:
+        from .mmproj import GGUFWithMmproj
+
+        if not (p.suffix == ".gguf" or p.is_dir() and any(p.glob("*.gguf"))):
+            raise WeightError(f"--mmproj {mmproj}: an mmproj goes with a GGUF language model, and {p} is not one")
+        return GGUFWithMmproj(p, mmproj)
     if p.is_file():
         if p.suffix == ".gguf":
             from .gguf_source import GGUFSource

@@ -10,6 +10,9 @@ llama          LlamaConfig, or MixtralConfig when ``llama.expert_count`` > 0
 qwen2 / qwen3  Qwen2Config / Qwen3Config
 qwen2moe       Qwen2MoeConfig
 qwen3moe       Qwen3MoeConfig
+qwen3vlmoe     Qwen3MoeConfig: Qwen3-VL-MoE's language model alone (text positions are equal on the
+               three M-RoPE axes, so plain RoPE gives the same result); with the vision tower of an
+               ``mmproj`` file, ``weights.mmproj`` builds the Qwen3VLMoeConfig
 deepseek2      DeepseekV3Config when ``expert_gating_func`` is 2 (sigmoid) or the file has
                ``exp_probs_b`` tensors, else DeepseekV2Config
 deepseek32     DeepseekV32Config (the deepseek2 keys plus ``attention.indexer.*``; ``expert_gating_func``
@@ -193,7 +196,7 @@ def config_from_metadata(
             cfg = tf.Qwen3Config(**kw)
         else:
             cfg = tf.Qwen2Config(**kw)
-    elif arch in ("qwen2moe", "qwen3moe"):
+    elif arch in ("qwen2moe", "qwen3moe", "qwen3vlmoe"):
         kw.update(
             rope_parameters=_rope_parameters(md, theta),
             num_experts=n_expert,
@@ -298,7 +301,7 @@ def config_from_metadata(
     else:
         raise WeightError(
             f"{where}: GGUF architecture '{arch}' is not supported "
-            "(supported: llama, mixtral-style llama, qwen2, qwen3, qwen2moe, qwen3moe, deepseek2, deepseek32, glm-dsa, gemma3, glm4moe, minimax-m2, "
+            "(supported: llama, mixtral-style llama, qwen2, qwen3, qwen2moe, qwen3moe, qwen3vlmoe, deepseek2, deepseek32, glm-dsa, gemma3, glm4moe, minimax-m2, "
             "gpt-oss, qwen3next, qwen35moe, deepseek4)"
         )
     if isinstance(dtype, str):

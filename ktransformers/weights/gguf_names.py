@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 #: architectures the source and the converter handle (GGUF ``general.architecture`` values)
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "deepseek2", "deepseek32", "glm-dsa", "gemma3",
-                   "glm4moe", "minimax-m2", "gpt-oss", "qwen3next", "qwen35moe", "deepseek4")
+                   "glm4moe", "minimax-m2", "gpt-oss", "qwen3next", "qwen35moe", "deepseek4", "qwen3vlmoe")
 #: DeepSeek MLA architectures (split ``attn_k_b`` / ``attn_v_b``, the ``deepseek2`` metadata keys)
 MLA_ARCHS = ("deepseek2", "deepseek32", "glm-dsa")
 #: MLA with the sparse-attention indexer (``indexer.*`` tensors, ``attention.indexer.*`` keys)
@@ -199,6 +199,8 @@ _BLOCK_TABLES = {
     "qwen3": _COMMON_BLOCK,
     "qwen2moe": _COMMON_BLOCK + _shexp("mlp.shared_expert") + [("ffn_gate_inp_shexp", "mlp.shared_expert_gate")],
     "qwen3moe": _COMMON_BLOCK,
+    # Qwen3-VL-MoE's language model (llama.cpp writes it beside an mmproj file: weights/mmproj.py)
+    "qwen3vlmoe": _COMMON_BLOCK,
     "deepseek2": _COMMON_BLOCK + _MLA_BLOCK + _shexp("mlp.shared_experts"),
     "deepseek32": _COMMON_BLOCK + _MLA_BLOCK + _shexp("mlp.shared_experts") + _INDEXER,
     "glm-dsa": _COMMON_BLOCK + _MLA_BLOCK + _shexp("mlp.shared_experts") + _INDEXER,

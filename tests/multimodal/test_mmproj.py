@@ -1,0 +1,316 @@
+"""Qwen3-VL-MoE from llama.cpp's two GGUFs: the language model (``qwen3vlmoe``) and its ``mmproj``
+(the vision tower), read as one image-text model (``weights/mmproj.py``).
+
+The files are written from the tiny Qwen3-VL-MoE with llama.cpp's names and transforms
+(``vl_gguf.py``; the mmproj matches llama.cpp's own converter's output key for key and tensor for
+tensor, checked below where llama.cpp's sources are at hand).  References: the same folder loaded
+from safetensors through the same rules (F32 files: logits bitwise equal), transformers' unmodified
+model (F16 / Q8_0 mmproj: logits within the stated tolerances of max |logit|; greedy tokens equal).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+
+from ktransformers import load_model
+from ktransformers.errors import WeightError
+from ktransformers.generation.engine import Generator
+from ktransformers.generation.sampling import SamplingParams
+from ktransformers.multimodal.processor import image_prompt, load_processor
+from ktransformers.multimodal.prompt import ImagePrompt
+from ktransformers.weights import open_weights
+
+from .conftest import photo_like
+from .vl_gguf import write_lm_gguf, write_mmproj
+
+#: logits vs transformers', relative to max |logit| (measured, one picture / two): F32 files 5.8e-7 /
+#: 3.9e-7 (the safetensors load's own figures: the same bits), F16 mmproj 3.5e-4 / 3.3e-4, Q8_0
+#: mmproj 7.8e-3 / 8.3e-3 (the vision tower's weights rounded; a blank picture moves them by 0.7)
+TOL = {"f32": 1e-4, "f16": 2e-3, "q8_0": 2e-2}
+LLAMA_CPP = Path(os.environ.get("KT_LLAMA_CPP", "/root/peers/src/llama_cpp_python-0.3.36/vendor/llama.cpp"))
+
+
+@pytest.fixture(scope="module")
+def files(tiny_vl, tmp_path_factory):
+    d = tmp_path_factory.mktemp("vl-gguf")
+    out = {"lm": write_lm_gguf(tiny_vl, d / "lm.gguf")}
+    for q in TOL:
+        out[q] = write_mmproj(tiny_vl, d / f"mmproj-{q}.gguf", q)
+    out["dir"] = d
+    return out
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_vl):
+    tok = AutoTokenizer.from_pretrained(tiny_vl)
+    cfg = AutoConfig.from_pretrained(tiny_vl)
+    processor = load_processor(tiny_vl, cfg, tok)
+    hf = AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32).eval()
+    return tok, processor, hf
+
+
+def _load(files, q="f32", **kw):
+    return load_model(open_weights(files["lm"], mmproj=files[q]), allow_unmatched=False, **kw)
+
+
+def _inputs(tok, processor, images=1):
+    content = [{"type": "image"}] * images + [{"type": "text", "text": "What is in the picture?"}]
+    text = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
+    return image_prompt(processor, text, [photo_like(seed=i) for i in range(images)])
+
+
+def _rel(got, want) -> float:
+    return (got - want).abs().max().item() / want.abs().max().item()
+
+
+def test_config_is_the_folders(files, tiny_vl):
+    """The Qwen3VLMoeConfig built from the two files' metadata is the folder's config.json."""
+    got = open_weights(files["lm"], mmproj=files["f32"]).config().to_dict()
+    want = AutoConfig.from_pretrained(tiny_vl).to_dict()
+    for part in ("vision_config", "text_config"):
+        for k, v in want[part].items():
+            if k in ("dtype", "transformers_version"):
+                continue
+            assert got[part][k] == pytest.approx(v, rel=1e-6) if isinstance(v, float) else got[part][k] == v, (part, k)
+    for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
+              "tie_word_embeddings", "architectures"):
+        assert got[k] == want[k], k
+
+
+def test_vision_tensors_are_the_folders_bitwise(files, tiny_vl):
+    """Every ``model.visual.*`` tensor, the patch convolution put back together from its two halves."""
+    from safetensors.torch import load_file
+
+    src = open_weights(files["lm"], mmproj=files["f32"])
+    sd = load_file(next(Path(tiny_vl).glob("*.safetensors")))
+    visual = {k: v for k, v in sd.items() if k.startswith("model.visual.")}
+    assert sorted(n for n in src.names() if n.startswith("model.visual.")) == sorted(visual)
+    for k, v in visual.items():
+        assert torch.equal(src.tensor(k), v), k
+    src.validate()
+
+
+def test_image_processor_from_the_mmproj(files, ref):
+    """Without a folder, the processor the mmproj describes gives the folder's pixels and tokens."""
+    tok, processor, _ = ref
+    src = open_weights(files["lm"], mmproj=files["f32"])
+    mine = load_processor(None, src.config(), tok, src)
+    a, b = _inputs(tok, processor), _inputs(tok, mine)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_f32_logits_bitwise_equal_the_safetensors_load(files, ref, tiny_vl):
+    tok, processor, hf = ref
+    inputs = _inputs(tok, processor, images=2)
+    model = _load(files)
+    st = load_model(tiny_vl, model_path=tiny_vl, allow_unmatched=False)
+    with torch.no_grad():
+        got, same, want = model(**inputs).logits, st(**inputs).logits, hf(**inputs).logits
+    assert torch.equal(got, same)
+    assert _rel(got, want) < TOL["f32"]
+
+
+@pytest.mark.parametrize("q", ["f16", "q8_0"])
+def test_quantized_mmproj_logits_within_tolerance(files, ref, q):
+    tok, processor, hf = ref
+    inputs = _inputs(tok, processor)
+    with torch.no_grad():
+        got, want = _load(files, q)(**inputs).logits, hf(**inputs).logits
+        blank = hf(**dict(inputs, pixel_values=torch.zeros_like(inputs["pixel_values"]))).logits
+    assert _rel(got, want) < TOL[q]
+    assert _rel(blank, want) > 10 * TOL[q]  # the tolerance is far below what the picture changes
+
+
+def test_generator_greedy_tokens_equal_generate(files, ref):
+    tok, processor, hf = ref
+    inputs = _inputs(tok, processor)
+    n = inputs["input_ids"].shape[1]
+    with torch.no_grad():
+        want = hf.generate(**inputs, max_new_tokens=12, do_sample=False, eos_token_id=None)[0, n:].tolist()
+    _, ids, _ = Generator(_load(files), tok).generate(ImagePrompt.from_processor(inputs),
+                                                      SamplingParams(max_new_tokens=12))
+    assert ids == want
+
+
+def test_split_qkv_reads_as_the_fused(files, tiny_vl):
+    split = write_mmproj(tiny_vl, files["dir"] / "mmproj-split.gguf", split_qkv=True)
+    a = open_weights(files["lm"], mmproj=files["f32"])
+    b = open_weights(files["lm"], mmproj=split)
+    for n in a.names():
+        if ".attn.qkv." in n:
+            assert torch.equal(a.tensor(n), b.tensor(n)), n
+
+
+def test_language_model_alone_is_a_text_model(files, ref):
+    """The ``qwen3vlmoe`` file without its mmproj: Qwen3-MoE's text model (plain RoPE equals M-RoPE on
+    text, whose three position axes are equal): the image-text model's logits on a text prompt."""
+    tok, _, hf = ref
+    src = open_weights(files["lm"])
+    assert type(src.config()).__name__ == "Qwen3MoeConfig"
+    ids = tok.apply_chat_template([{"role": "user", "content": "Hello there"}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        got = load_model(src, allow_unmatched=True)(input_ids=ids).logits
+        want = hf(input_ids=ids).logits
+    assert _rel(got, want) < TOL["f32"]
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+def _one_line(excinfo) -> str:
+    msg = str(excinfo.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_text_only_model_refuses_an_mmproj(files, tiny_vl):
+    text = write_lm_gguf(tiny_vl, files["dir"] / "text.gguf", arch="qwen3moe")
+    with pytest.raises(WeightError) as e:
+        open_weights(text, mmproj=files["f32"])
+    assert "text-only 'qwen3moe' model" in _one_line(e)
+
+
+def test_mmproj_with_safetensors_weights_is_refused(files, tiny_vl):
+    with pytest.raises(WeightError, match="goes with a GGUF language model") as e:
+        open_weights(tiny_vl, mmproj=files["f32"])
+    _one_line(e)
+
+
+def test_language_model_given_as_mmproj_is_refused(files):
+    with pytest.raises(WeightError, match=r"not an mmproj file \(general.architecture is 'qwen3vlmoe'") as e:
+        open_weights(files["lm"], mmproj=files["lm"])
+    _one_line(e)
+
+
+@pytest.mark.parametrize("meta, match", [
+    ({"clip.projector_type": ("str", "gemma3")}, r"projector type 'gemma3' is not read here"),
+    ({"clip.vision.projection_dim": ("u32", 128)},
+     r"projects to width 128 \(clip.vision.projection_dim\) but the language model .* is 64 wide"),
+    ({"clip.vision.is_deepstack_layers": ("boolarr", [True, True])},
+     r"has 2 DeepStack layers .* takes 1 \(qwen3vlmoe.n_deepstack_layers\)"),
+    ({"clip.vision.patch_size": ("u32", 32)}, r"'v.patch_embd.weight' is \[32, 3, 16, 16\]; the metadata says"),
+    ({"clip.vision.image_size": ("u32", 64)}, r"'v.position_embd.weight' is \[64, 32\]; image_size 64"),
+    ({"clip.vision.block_count": None}, r"lacks 'clip.vision.block_count'"),
+    ({"clip.vision.block_count": ("u32", 3)}, r"'clip.vision.is_deepstack_layers' must be 3 booleans"),
+    ({"clip.vision.attention.head_count": ("u32", 3)}, r"'clip.vision.attention.head_count' is 3; it must divide"),
+    ({"clip.vision.image_std": ("f32arr", [0.5, 0.0, 0.5])}, r"'clip.vision.image_std' is .*expected finite positive"),
+    ({"clip.has_vision_encoder": ("bool", False)}, r"has no vision encoder"),
+])
+def test_bad_metadata_is_one_line(files, tiny_vl, meta, match):
+    bad = write_mmproj(tiny_vl, files["dir"] / "bad.gguf", meta=meta)
+    with pytest.raises(WeightError, match=match) as e:
+        open_weights(files["lm"], mmproj=bad)
+    _one_line(e)
+
+
+@pytest.mark.parametrize("drop", ["mm.2.weight", "v.patch_embd.weight.1", "v.deepstack.0.fc1.bias",
+                                  "v.blk.1.attn_qkv.weight"])
+def test_missing_tensor_is_named(files, tiny_vl, drop):
+    bad = write_mmproj(tiny_vl, files["dir"] / "bad.gguf", drop=(drop,))
+    with pytest.raises(WeightError) as e:
+        src = open_weights(files["lm"], mmproj=bad)
+        src.validate()  # a tower that lost its time half reads as a 2D patch: the model's shape differs
+    assert drop.removesuffix(".1") in _one_line(e)
+
+
+def test_missing_file_is_one_line(files):
+    with pytest.raises(WeightError, match=r"--mmproj .*nowhere.gguf: no such file") as e:
+        open_weights(files["lm"], mmproj=files["dir"] / "nowhere.gguf")
+    _one_line(e)
+
+
+# ---- llama.cpp's own converter -----------------------------------------------------------------
+
+_CONVERT = """
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1]); sys.path.insert(1, sys.argv[1] + "/gguf-py")
+import gguf, torch
+import convert_hf_to_gguf as conv
+from conversion import ModelBase, ModelType
+d = Path(sys.argv[2])
+cls = conv.get_model_class(conv.get_model_architecture(ModelBase.load_hparams(d, False), ModelType.MMPROJ), mmproj=True)
+with torch.inference_mode():
+    cls(d, {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                 "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[sys.argv[4]], Path(sys.argv[3])).write()
+"""
+
+
+@pytest.mark.skipif(not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file(), reason="llama.cpp's sources not found")
+@pytest.mark.parametrize("q", ["f32", "f16", "q8_0"])
+def test_llama_cpp_converter_mmproj(files, ref, tiny_vl, q):
+    """``convert_hf_to_gguf.py --mmproj`` on the tiny folder: the same tensors and keys as ``vl_gguf``
+    writes (bar the pixel bounds the release's files lack), and the same logits."""
+    out = files["dir"] / f"mmproj-llama-{q}.gguf"
+    r = subprocess.run([sys.executable, "-c", _CONVERT, str(LLAMA_CPP), str(tiny_vl), str(out), q],
+                       capture_output=True, text=True, timeout=300)
+    if r.returncode:
+        pytest.skip(f"llama.cpp's converter did not run here: {r.stderr.strip().splitlines()[-1:]}")
+    from ktransformers.weights.gguf_source import GGUFSource
+
+    theirs, mine = GGUFSource(out), GGUFSource(files[q])
+    assert {n: (t.shape, t.type.name) for n, t in theirs._tensors.items()} == \
+        {n: (t.shape, t.type.name) for n, t in mine._tensors.items()}
+    for k in mine.metadata:
+        if not k.startswith("general.") and k not in ("clip.vision.image_min_pixels", "clip.vision.image_max_pixels"):
+            assert theirs.metadata.get(k) == mine.metadata.get(k), k
+    tok, processor, _ = ref
+    inputs = _inputs(tok, processor)
+    with torch.no_grad():
+        a = load_model(open_weights(files["lm"], mmproj=out), allow_unmatched=False)(**inputs).logits
+        b = _load(files, q)(**inputs).logits
+    assert torch.equal(a, b)
+
+
+# ---- fuzz ---------------------------------------------------------------------------------------
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from fuzzing import fuzz_settings  # noqa: E402
+
+_KEYS = {
+    "clip.projector_type": ("str", st.sampled_from(["qwen3vl_merger", "qwen2vl_merger", "", "gemma3"])),
+    "clip.vision.projection_dim": ("u32", st.integers(0, 200)),
+    "clip.vision.image_size": ("u32", st.integers(0, 300)),
+    "clip.vision.patch_size": ("u32", st.integers(0, 40)),
+    "clip.vision.embedding_length": ("u32", st.integers(0, 80)),
+    "clip.vision.feed_forward_length": ("u32", st.integers(0, 80)),
+    "clip.vision.block_count": ("u32", st.integers(0, 4)),
+    "clip.vision.attention.head_count": ("u32", st.integers(0, 40)),
+    "clip.vision.spatial_merge_size": ("u32", st.integers(0, 5)),
+    "clip.vision.image_min_pixels": ("u32", st.integers(0, 1 << 20)),
+    "clip.vision.image_max_pixels": ("u32", st.integers(0, 1 << 20)),
+    "clip.vision.image_mean": ("f32arr", st.lists(st.floats(allow_nan=True, width=32), max_size=4)),
+    "clip.vision.image_std": ("f32arr", st.lists(st.floats(allow_nan=True, width=32), max_size=4)),
+    "clip.vision.is_deepstack_layers": ("boolarr", st.lists(st.booleans(), max_size=4)),
+}
+
+
+@fuzz_settings(40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzz_mmproj_metadata(files, tiny_vl, data):
+    """Random values (or no value) for the keys the reader uses: the tower is read and its config
+    builds, or a one-line WeightError names the file."""
+    keys = data.draw(st.lists(st.sampled_from(sorted(_KEYS)), min_size=1, max_size=3, unique=True))
+    meta = {}
+    for k in keys:
+        kind, strat = _KEYS[k]
+        v = data.draw(st.none() | strat)
+        meta[k] = None if v is None or (kind.endswith("arr") and not v) else (kind, v)
+    bad = write_mmproj(tiny_vl, files["dir"] / "fuzz.gguf", meta=meta)
+    try:
+        src = open_weights(files["lm"], mmproj=bad)
+        src.config()
+        src.image_processor()
+    except WeightError as e:
+        assert "\n" not in str(e) and str(bad) in str(e) or "--mmproj" in str(e)
