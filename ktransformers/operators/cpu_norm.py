@@ -2,7 +2,9 @@
 
 transformers' RMSNorm is five torch ops (pow, mean, add, rsqrt, two muls) over the whole input;
 over a prompt's per-head q / k norms (``[T, heads, head_dim]``, a mean over 128 elements per row)
-torch took 7-30 ms a layer at 512 tokens where one C++ pass takes well under one.  Each norm module
+torch took 7-30 ms a layer at 512 tokens where one C++ pass takes well under one.  A prompt's rows
+(64 and more) run on the kernels' pool, a transposed view in its storage order (no copy): each row
+is computed the same way whatever the count or the layout, so its bits are the same.  Each norm module
 of an injected model is probed once with a small random input and switched only if it computes
 ``w * x / rms(x)`` or Gemma's ``(1 + w) * x / rms(x)`` (in fp32, within 1e-5) -- whatever its class
 -- so that a family with another formula keeps its own forward.  The fast path takes
@@ -19,8 +21,10 @@ import types
 import torch
 
 from .. import cpuinfer_ext
+from .cpu_threads import kernel_pool
 
 _rms_norm = cpuinfer_ext.decode_ops.rms_norm
+_rms_norm_pool = cpuinfer_ext.decode_ops.rms_norm_pool
 
 
 def _formula(module) -> str | None:
@@ -57,11 +61,33 @@ def _fast_forward(self, hidden_states):
     w = w.contiguous()
     n = w.numel()
     # rows of any layout (Gemma's q / k norms see [1, heads, T, d] after the transpose): the same C++
-    # pass for a prompt's rows and one token's, so a row's bits do not depend on how many there are
-    x = x.contiguous()
+    # pass for a prompt's rows and one token's, so a row's bits do not depend on how many there are.
+    # A dense permutation with contiguous rows is normed in its storage order, into the same layout.
+    if not _dense_rows(x):
+        x = x.contiguous()
     out = torch.empty_like(x)
-    _rms_norm(x.data_ptr(), w.data_ptr(), out.data_ptr(), x.numel() // n, n, 0, self._kt_norm_eps)
+    if out.stride() != x.stride():
+        x = x.contiguous()
+        out = torch.empty_like(x)
+    rows = x.numel() // n
+    if rows >= _POOL_ROWS:
+        _rms_norm_pool(kernel_pool()._c, x.data_ptr(), w.data_ptr(), out.data_ptr(), rows, n, self._kt_norm_eps)
+    else:
+        _rms_norm(x.data_ptr(), w.data_ptr(), out.data_ptr(), rows, n, 0, self._kt_norm_eps)
     return out
+
+
+#: rows from which a norm runs on the kernels' pool (a prompt's), below on the calling thread
+_POOL_ROWS = 64
+
+
+def _dense_rows(x: torch.Tensor) -> bool:
+    """Whether ``x`` is its storage read in some dimension order, rows of the last dimension
+    contiguous (``[1, T, H, d]`` seen as ``[1, H, T, d]``): then the storage is normed row by row."""
+    if x.stride(-1) != 1:
+        return False
+    order = sorted(range(x.dim() - 1), key=lambda i: -x.stride(i)) + [x.dim() - 1]
+    return x.permute(order).is_contiguous()
 
 
 def use_fast_norms(model) -> int:

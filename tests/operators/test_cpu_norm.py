@@ -57,3 +57,23 @@ def test_injected_model_norms_switched(tiny_model_dir):
     model = load_model(d, model_path=d)
     norms = [m for m in model.modules() if "RMSNorm" in type(m).__name__]
     assert norms and all(getattr(m, "_kt_norm_formula", None) == "w" for m in norms)
+
+
+def test_fast_norm_rows_are_the_same_bits_in_any_layout_and_count():
+    """A prompt's rows (on the pool, >= 64 rows), a transposed view normed in its storage order
+    (Gemma's q / k norms), a strided slice (copied first) and one row at a time: equal bits."""
+    m = Gemma3RMSNorm(256, eps=1e-6)
+    with torch.no_grad():
+        m.weight.copy_(torch.rand(256) - 0.5)
+    assert use_fast_norms(torch.nn.ModuleDict({"n": m})) == 1
+    storage = torch.randn(1, 300, 4, 256)
+    view = storage.transpose(1, 2)  # [1, 4, 300, 256], not contiguous
+    with torch.no_grad():
+        whole = m(storage)
+        seen = m(view)
+        sliced = m(view[:, :, ::3])
+        single = torch.cat([m(storage[:, t:t + 1]) for t in range(300)], dim=1)
+    assert seen.shape == view.shape and seen.stride() == view.stride()  # normed in place of the layout
+    assert torch.equal(seen, whole.transpose(1, 2))
+    assert torch.equal(whole, single)
+    assert torch.equal(sliced, whole.transpose(1, 2)[:, :, ::3])
