@@ -158,9 +158,40 @@ def test_greedy_tokens_and_logits_match_transformers(case, root):
     assert i >= steps // 2, f"{case}: only {i} clear steps; the check would be vacuous"
 
 
-def test_a_rotary_width_the_step_cannot_split_takes_the_generic_forward(root):
-    """A rotary width with no rotate-half split of the head (odd, none, wider than the head) is
-    refused by name: ``build`` returns None and the model's own forward decodes."""
+def test_fuzz_rotary_widths_are_served_or_refused_by_name(root):
+    """Any rotary width is either served (even, 2 .. head_dim: the rotated part roped before the
+    kernel, or the kernel's own RoPE at full width) or refused with one ``Unsupported`` line naming
+    the rotary width (``build`` then returns None and the model's own forward decodes)."""
+    pytest.importorskip("hypothesis")
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from ktransformers.generation.decode_step import Unsupported, _Layer
+    from tests.fuzzing import fuzz_settings
+
+    _, model = pair("glm45", root)
+
+    @fuzz_settings(200, deadline=None, derandomize=True)
+    @given(st.integers(-40, 80))
+    def check(rot):
+        lay = _Layer(model.model.layers[0], 0, model.config, False)
+        d, qk = lay.d, lay.qk_ptr
+        try:
+            lay.partial_rotary(rot)
+        except Unsupported as e:
+            assert "\n" not in str(e) and "rotary width" in str(e), str(e)
+            assert not (rot % 2 == 0 and 2 <= rot <= d)
+            assert lay.rot == d and lay.qk_ptr == qk  # left as it was
+            return
+        assert rot % 2 == 0 and 2 <= rot <= d and lay.rot == rot
+        assert lay.qk_ptr == (qk if rot == d else 0)  # partial: the q/k norm moves before the kernel
+
+    check()
+
+
+def test_a_rotary_width_the_step_cannot_split_takes_the_generic_forward(root, monkeypatch):
+    """A rotary module wider than the head (no rotate-half split of it): ``build`` returns None, so
+    the model's own forward decodes; explicit widths are refused by name."""
     from ktransformers.generation.decode_step import Unsupported, _Layer
 
     _, model = pair("glm45", root)
@@ -170,3 +201,5 @@ def test_a_rotary_width_the_step_cannot_split_takes_the_generic_forward(root):
             lay.partial_rotary(rot)
     lay.partial_rotary(lay.d)  # full width: the kernel's own RoPE
     assert lay.rot == lay.d and lay.qk_ptr != 0
+    monkeypatch.setattr(model.model.rotary_emb, "inv_freq", torch.ones(lay.d))  # cos / sin twice the head wide
+    assert DecodeStep.build(model) is None
