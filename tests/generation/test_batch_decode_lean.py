@@ -18,7 +18,8 @@ from ktransformers.generation.decode_step import decode_step_for
 from ktransformers.generation.paged import BatchRunner
 
 TOL = 1e-5
-LEAN_ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "gemma3_text", "deepseek_v2", "deepseek_v3"]
+LEAN_ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "gemma3_text", "deepseek_v2", "deepseek_v3",
+              "glm4_moe"]
 
 
 @pytest.fixture(scope="module")
