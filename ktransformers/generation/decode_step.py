@@ -441,15 +441,18 @@ class _MLA:
 
 
 _IDENTITY: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+_IDENTITY_ALL: list[tuple[torch.Tensor, torch.Tensor]] = []  # never freed: steps on other threads hold their addresses
 
 
 def _identity_rope(n: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos = 1, sin = 0 tables ``[n, d]`` (RoPE that changes nothing), kept and grown per ``d``."""
+    """cos = 1, sin = 0 tables ``[n, d]`` (RoPE that changes nothing), kept per ``d`` and grown by
+    doubling; a table outgrown stays allocated (a step on another thread may be reading it)."""
     got = _IDENTITY.get(d)
     if got is None or got[0].shape[0] < n:
         with torch.inference_mode(False):
             rows = max(n, 2 * got[0].shape[0] if got is not None else 64)
             got = _IDENTITY[d] = (torch.ones(rows, d), torch.zeros(rows, d))
+            _IDENTITY_ALL.append(got)
     return got[0][:n], got[1][:n]
 
 
