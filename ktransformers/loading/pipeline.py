@@ -1,5 +1,16 @@
-"""The load pipeline: from paths to a ready model (weights header, config, rules, plan, memory check,
-tokenizer, injection, weights) -- no model hub."""
+"""The load pipeline: from paths to a ready model, no model hub.
+
+One sequence, in two halves every load goes through:
+
+* :func:`plan_load`: the weights' header, the config (read once), the rules parsed once (the device
+  map rewrites the parsed rules), the model on the meta device and its plan, made once, with the
+  checks that need no weight (unmatched rules, devices, transfer maps);
+* :func:`load_planned`: that plan applied (``optimize.inject(plan=)``: operators, weights, LoRA).
+
+:func:`load_model` is the two back to back; :func:`load_for_generation` (local_chat, the server,
+``ktransformers.load``, a draft model) puts the memory plan's check, the tokenizer and the
+pre-flight checks between them.  Fine-tuning loads through :func:`load_model`.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +25,7 @@ from ..optimize.device_map import load_rules_mapped, parse_device_map
 from ..generation.hf_generate import use_lean_generate
 from ..optimize.inject import inject as inject_rules
 from ..optimize.inject import build_model, check_transfer_maps
-from ..optimize.plan import check_devices_available, plan_model
+from ..optimize.plan import Plan, check_devices_available, plan_model
 from ..optimize_rules import default_rule_file
 from ..weights import WeightSource, open_weights
 from ..weights.model_config import load_config  # noqa: F401 - load_config is public here too
@@ -56,6 +67,80 @@ def check_memory_plan(model, plan, source, say=lambda msg: None, context: int | 
             f"loads anyway")
 
 
+@dataclass
+class PlannedLoad:
+    """A load up to its plan (:func:`plan_load`), before any weight is read; :func:`load_planned` finishes it."""
+
+    source: WeightSource
+    config: object
+    rules: object  # the rule file (path), text or rules named, or the shipped file chosen
+    rule_list: list  # the rules parsed once, after the device map
+    model: torch.nn.Module  # the transformers model on the meta device
+    plan: Plan  # the one plan of this load
+    device: str  # where modules no rule places go
+
+
+def plan_load(
+    weights,
+    model_path: str | os.PathLike | None = None,
+    rules=None,
+    *,
+    config=None,
+    dtype: torch.dtype | None = None,
+    device: str | None = None,
+    device_map: dict[str, str] | str | None = None,
+    allow_unmatched: bool | None = None,
+    check_config=None,
+    log=None,
+) -> PlannedLoad:
+    """The first half of every load: weights header, config, rules, the model on meta, its plan.
+
+    ``weights`` is a GGUF file/folder, a safetensors file/folder or a ``WeightSource``; ``config``
+    (else read from ``model_path`` / the weights) takes ``dtype`` when given and may be refused by
+    ``check_config(config)``.  ``rules`` defaults to the shipped rule file for the architecture, its
+    GPU variant when ``device`` (default ``cuda:0`` where CUDA is available, else ``cpu``) is a
+    CUDA device or ``device_map`` maps ``cuda`` away; the rules are parsed once and the device map
+    (``{"cuda": "cpu"}`` or ``"cuda=cpu"``) rewrites the parsed rules.  The plan is made once and
+    checked (a rule matching nothing unless ``allow_unmatched``, which defaults to True for the
+    shipped file and False for rules the caller names; devices this machine lacks; transfer maps)
+    before any weight is read.
+    """
+    say = log or (lambda msg: None)
+    say(f"reading {weights} ...")
+    source = weights if isinstance(weights, WeightSource) else open_weights(weights)
+    if config is None:
+        config = load_config(model_path, source)
+    if dtype is not None:
+        config.dtype = dtype
+    if check_config is not None:
+        check_config(config)
+    dmap = parse_device_map(device_map) if isinstance(device_map, str) else (device_map or {})
+    device = device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    if rules is None:
+        rules = default_rule_file(config, cuda=device.startswith("cuda") or _cuda_after_map(dmap))
+        if allow_unmatched is None:
+            allow_unmatched = True
+    elif allow_unmatched is None:
+        allow_unmatched = False
+    rule_list = load_rules_mapped(rules, dmap)
+    model = build_model(config, dtype)
+    plan = plan_model(model, rule_list, device)
+    unmatched = plan.unmatched_rules()
+    if unmatched and not allow_unmatched:
+        r = unmatched[0]
+        raise RuleError(f"{r.where()}: matches no module of {type(model).__name__} ({r.describe_match()})")
+    check_devices_available(plan)
+    check_transfer_maps(plan)
+    return PlannedLoad(source, config, rules, rule_list, model, plan, device)
+
+
+def load_planned(planned: PlannedLoad, *, progress: bool = False, lora=None) -> torch.nn.Module:
+    """The second half of every load: the plan of ``planned`` applied (operators built, weights read
+    onto their devices, ``lora``'s adapter applied), ``generate()`` on the lean decode step."""
+    return inject(planned.model, planned.rule_list, planned.source, default_device=planned.device,
+                  allow_unmatched=True, progress=progress, lora=lora, plan=planned.plan)
+
+
 def load_model(
     weights,
     model_path: str | os.PathLike | None = None,
@@ -73,24 +158,15 @@ def load_model(
 
     ``weights`` is a GGUF file/folder, a safetensors file/folder (its ``config.json`` is used when
     ``model_path`` is not given) or a ``WeightSource``.  ``rules`` defaults to the shipped rule
-    file for the architecture (the CPU variant when there is no CUDA device).  ``device`` is
-    where modules no rule places go; ``device_map`` (``{"cuda": "cpu"}`` or ``"cuda=cpu"``)
-    rewrites the devices the rules name (see :mod:`.device_map`); ``lora`` a LoRA adapter folder
-    (PEFT format) applied after loading.
+    file for the architecture (the CPU variant unless ``device`` is a CUDA device, which it is by
+    default where CUDA is available).  ``device`` is where modules no rule places go;
+    ``device_map`` (``{"cuda": "cpu"}`` or ``"cuda=cpu"``) rewrites the devices the rules name (see
+    :mod:`ktransformers.optimize.device_map`); ``lora`` a LoRA adapter folder (PEFT format)
+    applied after loading.  :func:`plan_load` then :func:`load_planned`.
     """
-    source = weights if isinstance(weights, WeightSource) else open_weights(weights)
-    if config is None:
-        config = load_config(model_path, source)
-    if dtype is not None:
-        config.dtype = dtype
-    dmap = parse_device_map(device_map) if isinstance(device_map, str) else (device_map or {})
-    if rules is None:
-        rules = default_rule_file(config, cuda=None if not dmap else _cuda_after_map(dmap))
-    device = device or ("cuda:0" if torch.cuda.is_available() else "cpu")
-    rule_list = load_rules_mapped(rules, dmap)
-    model = build_model(config, dtype)
-    return inject(model, rule_list, source, default_device=device, allow_unmatched=allow_unmatched,
-                  progress=progress, lora=lora)
+    planned = plan_load(weights, model_path, rules, config=config, dtype=dtype, device=device,
+                        device_map=device_map, allow_unmatched=allow_unmatched)
+    return load_planned(planned, progress=progress, lora=lora)
 
 
 def load(weights, model_path: str | os.PathLike | None = None, rules=None, *, device: str | None = None,
@@ -106,9 +182,9 @@ def load(weights, model_path: str | os.PathLike | None = None, rules=None, *, de
     return loaded.model, loaded.tokenizer
 
 
-def _cuda_after_map(dmap: dict[str, str]) -> bool | None:
+def _cuda_after_map(dmap: dict[str, str]) -> bool:
     """With ``cuda`` mapped away, the default rules need not be the CPU variant: the GPU file runs."""
-    return True if any(k.startswith("cuda") for k in dmap) else None
+    return any(k.startswith("cuda") for k in dmap)
 
 
 @dataclass
@@ -141,9 +217,10 @@ def load_for_generation(
     lora=None,
     chat_template: str | None = None,
 ) -> LoadedModel:
-    """The one load sequence of ``local_chat`` and the server: weights header, config (read once),
-    rules parsed and the plan checked on the meta model *before* any weight or the tokenizer is
-    read, then the tokenizer, then the weights.  ``log(msg)`` hears each step as it starts;
+    """The load of ``local_chat``, the server and ``ktransformers.load``: :func:`plan_load` (weights
+    header, config read once, rules parsed once, the plan made once and checked on the meta model),
+    the memory plan's check, all *before* any weight or the tokenizer is read, then the tokenizer,
+    then :func:`load_planned` (the weights).  ``log(msg)`` hears each step as it starts;
     ``check_config(config)`` may refuse the config (e.g. a mode for another architecture).
     Before the weights load, the chat template must compile and, with ``check_tensors``, no
     tensor may hold NaN/Inf (``weights.gguf_checks.preflight``): a server refuses to start
@@ -165,31 +242,11 @@ def load_for_generation(
     precheck_chat_template(chat_template)  # a bad file fails before anything is read
     if model_path and Path(model_path).is_file():
         model_path = str(Path(model_path).parent)
-    say(f"reading {weights} ...")
-    source = open_weights(weights)
-    config = load_config(model_path, source)
-    if check_config is not None:
-        check_config(config)
+    planned = plan_load(weights, model_path, rules, device=device, device_map=device_map,
+                        allow_unmatched=allow_unmatched, check_config=check_config, log=say)
+    source, config, model, plan = planned.source, planned.config, planned.model, planned.plan
     if callable(context):  # the server's context is the model's own limit unless --cache_lens names one
         context = context(config)
-    dmap = parse_device_map(device_map) if isinstance(device_map, str) else (device_map or {})
-    device = device or ("cuda:0" if torch.cuda.is_available() else "cpu")
-    if rules is None:
-        cuda = device.startswith("cuda") or (bool(dmap) and _cuda_after_map(dmap))
-        rules = default_rule_file(config, cuda=bool(cuda))
-        if allow_unmatched is None:
-            allow_unmatched = True
-    elif allow_unmatched is None:
-        allow_unmatched = False
-    rule_list = load_rules_mapped(rules, dmap)
-    model = build_model(config)
-    plan = plan_model(model, rule_list, device)
-    unmatched = plan.unmatched_rules()
-    if unmatched and not allow_unmatched:
-        r = unmatched[0]
-        raise RuleError(f"{r.where()}: matches no module of {type(model).__name__} ({r.describe_match()})")
-    check_devices_available(plan)
-    check_transfer_maps(plan)
     check_memory_plan(model, plan, source, say, context)
     t_plan = time.perf_counter()
     say("building the tokenizer ...")
@@ -202,8 +259,7 @@ def load_for_generation(
     say(f"loading {n} tensors onto {', '.join(sorted(str(d) for d in plan.devices()))} ...")
     if lora is not None:
         read_adapter(lora)  # a bad adapter fails before the weights load
-    inject(model, rule_list, source, default_device=device, allow_unmatched=True, progress=progress, lora=lora,
-           plan=plan)
+    load_planned(planned, progress=progress, lora=lora)
     gen_cfg = Path(model_path) / "generation_config.json" if model_path else None
     if gen_cfg is not None and gen_cfg.is_file():
         from transformers import GenerationConfig
@@ -211,7 +267,7 @@ def load_for_generation(
         model.generation_config = GenerationConfig.from_pretrained(str(model_path), local_files_only=True)
     t_end = time.perf_counter()
     phases = {"header and plan": t_plan - t0, "tokenizer": t_tok - t_plan, "weights": t_end - t_tok}
-    return LoadedModel(model, tokenizer, source, config, rules, t_end - t0, phases)
+    return LoadedModel(model, tokenizer, source, config, planned.rules, t_end - t0, phases)
 
 
 def load_draft_model(spec: str | None, draft_max: int, tokenizer, *, device=None, device_map=None, log=None):

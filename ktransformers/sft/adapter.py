@@ -21,8 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..optimize.inject import build_model, inject
-from ..loading import load_config, load_tokenizer
+from ..loading import load_model, load_tokenizer
 from ..util.peft_adapter import (  # noqa: F401 - public here too
     ADAPTER_CONFIG, ADAPTER_WEIGHTS, PREFIX, apply_adapter, expert_modules, read_adapter, wrap_linears,
 )
@@ -76,10 +75,7 @@ def merge_adapter(weights, model_path, adapter: str | Path, export_dir: str | Pa
     from peft import PeftModel
 
     source = open_weights(weights)
-    config = load_config(model_path, source)
-    if dtype is not None:
-        config.dtype = dtype
-    model = inject(build_model(config, dtype), [], source, allow_unmatched=True)
+    model = load_model(source, model_path, [], device="cpu", dtype=dtype)  # no rules: the plain modules
     for h in getattr(model, "kt_hook_handles", []):
         h.remove()
     read_adapter(adapter)  # one-line errors before PEFT sees the folder

@@ -1,5 +1,8 @@
-"""A load makes its plan once: the load pipeline checks the plan on the meta model before any
-weight is read, and the injection applies that same plan (it is not built a second time)."""
+"""A load parses its rules once and makes its plan once: the load pipeline (``loading/pipeline.py``:
+``plan_load`` then ``load_planned``) checks the plan on the meta model before any weight is read, and
+the injection applies that same plan.  Every entry point -- ``load_model``, ``ktransformers.load``,
+``load_for_generation`` (local_chat, the server), the server's ``build_engine``, fine-tuning's adapter
+merge -- goes through it; the spies count the calls."""
 
 from __future__ import annotations
 
@@ -10,34 +13,98 @@ import pytest
 # by module name: the package re-exports a function called ``inject`` over its submodule's name
 inject_mod = importlib.import_module("ktransformers.optimize.inject")
 plan_mod = importlib.import_module("ktransformers.optimize.plan")
+rules_mod = importlib.import_module("ktransformers.optimize.rules")
 loading = importlib.import_module("ktransformers.loading.pipeline")
 
 
 @pytest.fixture
-def plans(monkeypatch):
-    made = []
-    real = plan_mod.plan_model
+def calls(monkeypatch):
+    """Counts of ``plan_model``, ``parse_rules`` and the pipeline's two halves during a test."""
+    made = {"plan_model": 0, "parse_rules": 0, "plan_load": 0, "load_planned": 0}
 
-    def counting(*a, **k):
-        made.append(1)
-        return real(*a, **k)
+    def spy(name, real):
+        def counting(*a, **k):
+            made[name] += 1
+            return real(*a, **k)
 
-    for mod in (plan_mod, inject_mod, loading):
-        monkeypatch.setattr(mod, "plan_model", counting)
+        return counting
+
+    plan = spy("plan_model", plan_mod.plan_model)
+    for mod in (plan_mod, inject_mod, loading):  # wherever a caller finds it by name
+        monkeypatch.setattr(mod, "plan_model", plan)
+    monkeypatch.setattr(rules_mod, "parse_rules", spy("parse_rules", rules_mod.parse_rules))
+    for name in ("plan_load", "load_planned"):
+        monkeypatch.setattr(loading, name, spy(name, getattr(loading, name)))
     return made
 
 
-def test_load_model_plans_once(tiny_model_dir, plans):
+def _once(calls):
+    assert calls == {"plan_model": 1, "parse_rules": 1, "plan_load": 1, "load_planned": 1}, calls
+
+
+def test_load_model_parses_and_plans_once(tiny_model_dir, calls):
     d = tiny_model_dir("qwen3_moe")
-    loading.load_model(d, model_path=d)
-    assert len(plans) == 1
+    model = loading.load_model(d, model_path=d)
+    _once(calls)
+    assert model.kt_plan is not None
 
 
-def test_load_for_generation_plans_once(tiny_model_dir, plans):
+def test_load_model_with_a_device_map_parses_and_plans_once(tiny_model_dir, calls):
+    from ktransformers.optimize_rules import RULES_DIR
+
+    d = tiny_model_dir("qwen3_moe")
+    model = loading.load_model(d, rules=RULES_DIR / "Qwen3Moe.yaml", device="cpu", device_map="cuda=cpu")
+    _once(calls)
+    assert {str(x) for x in model.kt_plan.devices()} == {"cpu"}
+    assert model.kt_plan.rules[0].source.endswith("Qwen3Moe.yaml")  # the file's own lines, not re-serialised
+
+
+def test_load_for_generation_parses_and_plans_once(tiny_model_dir, calls):
     d = tiny_model_dir("qwen3_moe")
     loaded = loading.load_for_generation(d, model_path=d)
-    assert len(plans) == 1
+    _once(calls)
     assert loaded.model.kt_plan is not None
+
+
+def test_top_level_load_parses_and_plans_once(tiny_model_dir, calls):
+    import ktransformers
+
+    d = tiny_model_dir("qwen3_moe")
+    model, tok = ktransformers.load(d)
+    _once(calls)
+    assert tok is not None
+
+
+def test_server_start_up_parses_and_plans_once(tiny_model_dir, calls):
+    from ktransformers.server.main import build_engine, parse_settings
+
+    d = tiny_model_dir("qwen3_moe")
+    build_engine(parse_settings(["--model_path", str(d), "--backend_type", "ktransformers", "--cache_lens", "256"]))
+    _once(calls)
+
+
+def test_parsed_rules_are_not_parsed_again(tiny_model_dir, calls):
+    from ktransformers.optimize.rules import load_rules
+    from ktransformers.optimize_rules import RULES_DIR
+
+    rules = load_rules(RULES_DIR / "Qwen3Moe-cpu.yaml")
+    d = tiny_model_dir("qwen3_moe")
+    model = loading.load_model(d, rules=rules, device="cpu")
+    assert calls["parse_rules"] == 1 and calls["plan_model"] == 1
+    assert model.kt_plan.rules == rules
+
+
+def test_adapter_merge_loads_through_the_pipeline(tiny_model_dir, calls, tmp_path):
+    """``sft``'s merge reads the base weights through ``load_model`` (no rules: the plain modules), then
+    the adapter (here a folder that is not one: refused after the load)."""
+    from ktransformers.errors import KTError
+    from ktransformers.sft import adapter
+
+    d = tiny_model_dir("qwen3_moe")
+    with pytest.raises(KTError):
+        adapter.merge_adapter(d, d, tmp_path / "no-adapter", tmp_path / "out")
+    # an empty rule list is nothing to parse
+    assert calls == {"plan_model": 1, "parse_rules": 0, "plan_load": 1, "load_planned": 1}, calls
 
 
 def test_a_plan_of_another_model_is_refused(tiny_model_dir):
