@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--model_path", help="folder with config.json / tokenizer / generation_config.json (optional when the GGUF "
                            "carries config and tokenizer; also used as the weights when --gguf_path is absent)")
     a("--gguf_path", help="weights: a .gguf file, a folder of GGUF shards, or safetensors file/folder")
+    a("--mmproj", metavar="PATH", help="llama.cpp's vision-tower GGUF (mmproj-*.gguf) of the --gguf_path "
+                                       "vision-language model (Qwen3-VL-MoE): pictures through /image")
     a("--optimize_config_path", help="YAML rule file (default: the shipped rule file for the architecture)")
     a("--lora_path", help="LoRA adapter folder (PEFT format, e.g. from python -m ktransformers.sft) applied "
                           "to the model")
@@ -118,12 +120,14 @@ def default_sampling(args, model):
 
 
 def _check_args(args) -> None:
-    for flag in ("model_path", "gguf_path", "optimize_config_path", "prompt_file", "lora_path"):
+    for flag in ("model_path", "gguf_path", "mmproj", "optimize_config_path", "prompt_file", "lora_path"):
         v = getattr(args, flag)
         if v is not None and not Path(v).exists():
             raise ConfigError(f"--{flag} {v}: no such file or directory")
     if not args.gguf_path and not args.model_path:
         raise ConfigError("no weights: pass --gguf_path (a .gguf file or folder) or --model_path with safetensors")
+    if args.mmproj and not args.gguf_path:
+        raise ConfigError(f"--mmproj {args.mmproj}: goes with --gguf_path, the language model's GGUF")
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max_new_tokens must be at least 1 (got {args.max_new_tokens})")
     if args.chunk_size < 1:
@@ -183,7 +187,10 @@ def load(args, log=print, progress=None, started: float | None = None):
         if args.mode == "long_context" and arch != "LlamaForCausalLM":
             raise ConfigError(f"--mode long_context is only supported for LlamaForCausalLM, not {arch}")
 
-    loaded = load_for_generation(args.gguf_path or args.model_path, args.model_path, args.optimize_config_path,
+    from .weights.mmproj import open_weights_arg
+
+    loaded = load_for_generation(open_weights_arg(args.gguf_path or args.model_path, args.mmproj),
+                                 args.model_path, args.optimize_config_path,
                                  device=device, device_map=args.device_map, progress=True,
                                  log=progress, check_config=check_config, check_tensors=args.check_tensors,
                                  lora=args.lora_path, chat_template=args.chat_template)
@@ -204,7 +211,7 @@ def load(args, log=print, progress=None, started: float | None = None):
 
     # what /image needs: the model's processor (None: a text model); the user's own files are readable
     gen.images = image_support(model.config, tokenizer, args.model_path or weights_folder(loaded.source),
-                               ImageLimits(allow_local_files=True))
+                               ImageLimits(allow_local_files=True), source=loaded.source)
     return model, tokenizer, gen
 
 

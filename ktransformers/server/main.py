@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model_path", "--model_dir", dest="model_path",
                    help="folder with config.json + tokenizer (+ safetensors weights)")
     g.add_argument("--gguf_path", help="GGUF weights: a .gguf file or a folder of (split) .gguf files")
+    g.add_argument("--mmproj", metavar="PATH", help="llama.cpp's vision-tower GGUF (mmproj-*.gguf) of the "
+                                                    "--gguf_path vision-language model (Qwen3-VL-MoE)")
     g.add_argument("--optimize_config_path", help="YAML rule file (default: the shipped rules for the architecture)")
     g.add_argument("--lora_path", help="LoRA adapter folder (PEFT format, e.g. from python -m ktransformers.sft)")
     g.add_argument("--chat_template", metavar="NAME|FILE",
@@ -213,7 +215,10 @@ def build_engine(settings: Settings):
 
     use_threads(settings.cpu_infer)
     t0 = time.perf_counter()
-    loaded = load_for_generation(settings.gguf_path or settings.model_path, settings.model_path,
+    from ..weights.mmproj import open_weights_arg
+
+    loaded = load_for_generation(open_weights_arg(settings.gguf_path or settings.model_path, settings.mmproj),
+                                 settings.model_path,
                                  settings.optimize_config_path, device=settings.device,
                                  device_map=settings.device_map, allow_unmatched=True, log=log.info,
                                  check_tensors=settings.check_tensors, lora=settings.lora_path,
@@ -224,7 +229,7 @@ def build_engine(settings: Settings):
     from ..weights.model_config import weights_folder
 
     images = image_support(model.config, tokenizer, settings.model_path or weights_folder(source),
-                           settings.image_limits())
+                           settings.image_limits(), source=source)
     if not getattr(tokenizer, "chat_template", None):
         from ..util.chat_templates import ADD_TEMPLATE_HINT
 

@@ -32,6 +32,7 @@ class Settings:
     port: int = 10002
     model_path: str | None = None
     gguf_path: str | None = None
+    mmproj: str | None = None  # llama.cpp's vision-tower GGUF beside a vision-language gguf_path
     optimize_config_path: str | None = None
     lora_path: str | None = None  # LoRA adapter folder (PEFT format) applied to the model
     chat_template: str | None = None  # a Jinja file or template name replacing the model's own
@@ -194,6 +195,10 @@ class Settings:
             raise ConfigError(f"--model_path {self.model_path}: no such file or directory")
         if self.gguf_path and not Path(self.gguf_path).exists():
             raise ConfigError(f"--gguf_path {self.gguf_path}: no such file or directory")
+        if self.mmproj and not self.gguf_path:
+            raise ConfigError(f"--mmproj {self.mmproj}: goes with --gguf_path, the language model's GGUF")
+        if self.mmproj and not Path(self.mmproj).is_file():
+            raise ConfigError(f"--mmproj {self.mmproj}: no such file")
         if self.optimize_config_path and not Path(self.optimize_config_path).is_file():
             raise ConfigError(f"--optimize_config_path {self.optimize_config_path}: no such file")
         if self.lora_path and not Path(self.lora_path).is_dir():

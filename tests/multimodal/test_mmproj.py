@@ -28,6 +28,7 @@ from ktransformers.multimodal.prompt import ImagePrompt
 from ktransformers.weights import open_weights
 
 from .conftest import photo_like
+from .test_local_chat_image import QUESTION, expected  # noqa: F401 - the fixture, for local_chat's answer
 from .vl_gguf import write_lm_gguf, write_mmproj
 
 #: logits vs transformers', relative to max |logit| (measured, one picture / two): F32 files 5.8e-7 /
@@ -226,6 +227,70 @@ def test_missing_file_is_one_line(files):
     with pytest.raises(WeightError, match=r"--mmproj .*nowhere.gguf: no such file") as e:
         open_weights(files["lm"], mmproj=files["dir"] / "nowhere.gguf")
     _one_line(e)
+
+
+# ---- local_chat and the server -----------------------------------------------------------------
+
+def test_local_chat_gguf_with_mmproj(files, tmp_path, expected):
+    """``--gguf_path lm.gguf --mmproj mmproj.gguf``, no folder: config, tokenizer, chat template and
+    image processor from the two files; ``/image`` gives transformers' greedy answer."""
+    from test_local_chat import STATS_RE, _spawn
+
+    n_prompt, answer = expected
+    pic = tmp_path / "pic.png"
+    photo_like().save(pic, format="PNG")
+    pexpect, child = _spawn("--gguf_path", files["lm"], "--mmproj", files["f32"], "--max_new_tokens", 6,
+                            "--cpu_infer", 1)
+    try:
+        child.expect_exact("Chat: ")
+        child.sendline(f"/image {pic}")
+        child.expect_exact("pic.png: 90x60 attached to your next message (1 waiting)")
+        child.expect_exact("Chat: ")
+        child.sendline(QUESTION)
+        child.expect_exact(answer)
+        child.expect(STATS_RE)
+        assert int(child.match.group(1)) == n_prompt
+        child.expect_exact("Chat: ")
+        child.sendeof()
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0, child.before
+
+
+def test_local_chat_mmproj_refusals(files, tiny_vl):
+    from test_local_chat import _one_error_line, run_chat
+
+    text = write_lm_gguf(tiny_vl, files["dir"] / "text.gguf", arch="qwen3moe")
+    line = _one_error_line(run_chat("--gguf_path", text, "--mmproj", files["f32"], "--prompt", "hi"))
+    assert "text-only 'qwen3moe' model" in line
+    line = _one_error_line(run_chat("--model_path", tiny_vl, "--mmproj", files["f32"], "--prompt", "hi"))
+    assert "--mmproj" in line and "goes with --gguf_path" in line
+
+
+def test_server_settings_mmproj(files, tmp_path):
+    from ktransformers.errors import ConfigError
+    from ktransformers.server.settings import Settings
+
+    Settings(gguf_path=str(files["lm"]), mmproj=str(files["f32"])).validate_paths()
+    with pytest.raises(ConfigError, match="goes with --gguf_path"):
+        Settings(model_path=str(files["dir"]), mmproj=str(files["f32"])).validate_paths()
+    with pytest.raises(ConfigError, match="no such file"):
+        Settings(gguf_path=str(files["lm"]), mmproj=str(tmp_path / "x.gguf")).validate_paths()
+
+
+def test_server_engine_gguf_with_mmproj(files, ref):
+    """The server's load (``build_engine``) takes pictures with a GGUF and its mmproj, no folder."""
+    from ktransformers.server.main import build_engine, parse_settings
+
+    engine = build_engine(parse_settings(["--gguf_path", str(files["lm"]), "--mmproj", str(files["f32"]),
+                                          "--backend_type", "ktransformers", "--cpu_infer", "1"]))
+    support = engine.images
+    assert support is not None and support.markup == "<|vision_start|><|image_pad|><|vision_end|>"
+    tok, processor, _ = ref
+    a = _inputs(tok, processor)
+    b = _inputs(tok, support.processor)
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 # ---- llama.cpp's own converter -----------------------------------------------------------------

@@ -32,7 +32,8 @@ def _add(w, name: str, t: torch.Tensor, qtype: str = "f32") -> None:
 
 
 def write_lm_gguf(folder: Path, out: Path, n_deepstack: int | None = None, arch: str = "qwen3vlmoe") -> Path:
-    """The language model as llama.cpp's ``Qwen3VLMoeTextModel`` writes it (F32, with the vocabulary);
+    """The language model as llama.cpp's ``Qwen3VLMoeTextModel`` writes it (F32, with the vocabulary and
+    chat template: every byte a token, no merges, as the tiny tokenizer has it);
     ``arch="qwen3moe"``: the same tensors as a text-only Qwen3-MoE file."""
     import gguf
     from safetensors.torch import load_file
@@ -67,6 +68,8 @@ def write_lm_gguf(folder: Path, out: Path, n_deepstack: int | None = None, arch:
     tokens = tok.convert_ids_to_tokens(list(range(len(tok))))
     tokens += [f"[PAD{i}]" for i in range(len(tokens), tc.vocab_size)]
     w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_chat_template(tok.chat_template)
     w.add_token_list(tokens)
     w.add_token_types([3 if t in tok.all_special_tokens else 1 for t in tokens])
     w.add_eos_token_id(tok.eos_token_id)
