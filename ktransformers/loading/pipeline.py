@@ -153,6 +153,7 @@ def load_model(
     device_map: dict[str, str] | str | None = None,
     config=None,
     lora=None,
+    mmproj=None,
 ):
     """Build the model for ``weights`` (+ optional config folder), inject ``rules``, load.
 
@@ -162,8 +163,11 @@ def load_model(
     default where CUDA is available).  ``device`` is where modules no rule places go;
     ``device_map`` (``{"cuda": "cpu"}`` or ``"cuda=cpu"``) rewrites the devices the rules name (see
     :mod:`ktransformers.optimize.device_map`); ``lora`` a LoRA adapter folder (PEFT format)
-    applied after loading.  :func:`plan_load` then :func:`load_planned`.
+    applied after loading; ``mmproj`` llama.cpp's vision-tower GGUF beside a vision-language GGUF
+    ``weights`` (``weights.mmproj``).  :func:`plan_load` then :func:`load_planned`.
     """
+    if mmproj is not None:
+        weights = open_weights(weights, mmproj=mmproj)
     planned = plan_load(weights, model_path, rules, config=config, dtype=dtype, device=device,
                         device_map=device_map, allow_unmatched=allow_unmatched)
     return load_planned(planned, progress=progress, lora=lora)

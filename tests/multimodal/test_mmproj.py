@@ -58,7 +58,7 @@ def ref(tiny_vl):
 
 
 def _load(files, q="f32", **kw):
-    return load_model(open_weights(files["lm"], mmproj=files[q]), allow_unmatched=False, **kw)
+    return load_model(files["lm"], mmproj=files[q], allow_unmatched=False, **kw)
 
 
 def _inputs(tok, processor, images=1):
