@@ -555,3 +555,64 @@ def test_fuzz_accepted_but_wrong_values_are_refused(text):
     for family in _FAMILIES:  # imported once, outside the time bound (a first import is slow on a busy machine)
         importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     assert _ends_in_time(text) is not None, text
+
+
+_DEVICES = ["cpu", "cuda", "cuda:0", "cuda:1"] * 4 + ["cudaa", ""]  # mostly devices, some refused as written
+_DEVICE_PLACES = ["replace.device", "device", "generate_device", "prefill_device", "out_device"]
+
+
+@st.composite
+def mapped_rules(draw):
+    """(rule text with one device per place, the device map) for an operator with ops and its op choice,
+    ``default``, or the model operator with a ``transfer_map``."""
+    cls = draw(st.sampled_from(["KTransformersLinear", "KTransformersExperts", "default", "KTransformersModel"]))
+    places = {p: draw(st.sampled_from(_DEVICES)) for p in draw(st.lists(st.sampled_from(_DEVICE_PLACES), min_size=1,
+                                                                       max_size=3, unique=True))}
+    kwargs = {p: d for p, d in places.items() if p != "replace.device"}
+    if cls == "KTransformersLinear" and draw(st.integers(0, 3)):
+        kwargs["generate_op"] = draw(st.sampled_from(["KLinearCPU", "KLinearTorch"]))
+    if cls == "KTransformersExperts" and draw(st.integers(0, 3)):
+        kwargs["generate_op"] = draw(st.sampled_from(["KExpertsCPU", "KExpertsTorch"]))
+    if cls == "KTransformersModel" and draw(st.booleans()):
+        kwargs["transfer_map"] = {draw(st.integers(0, 3)): draw(st.sampled_from(_DEVICES))}
+    dmap = draw(st.dictionaries(st.sampled_from(["cpu", "cuda", "cuda:0", "cuda:1"]),
+                                st.sampled_from(["cpu", "cuda:0", "cuda:1"]), min_size=1, max_size=3))
+    return cls, places.get("replace.device"), kwargs, dmap
+
+
+def _rule_text(cls, device, kwargs) -> str:
+    import json
+
+    replace = {"class": cls}
+    if device is not None:
+        replace["device"] = device
+    if kwargs:
+        replace["kwargs"] = kwargs
+    return "- match: {name: '^lm_head$'}\n  replace: " + json.dumps(replace) + "\n"  # JSON is YAML
+
+
+@fuzz_settings(200, deadline=None, derandomize=True)
+@given(mapped_rules())
+def test_fuzz_device_map_on_parsed_rules_is_the_file_written_mapped(case):
+    """A device map on the parsed rules gives what the file written with the mapped devices gives: the
+    same rules, or the same one-line error -- except that a file invalid as written stays refused."""
+    from ktransformers.optimize.device_map import load_rules_mapped, map_device
+
+    cls, device, kwargs, dmap = case
+    mapped_kwargs = {k: (map_device(v, dmap) if k != "transfer_map" else {n: map_device(d, dmap) for n, d in v.items()})
+                     for k, v in kwargs.items()}
+    written = _rule_text(cls, map_device(device, dmap), mapped_kwargs)
+    original = _rule_text(cls, device, kwargs)
+    as_written = _ends_well(written, "r.yaml")
+    if _ends_well(original, "r.yaml") is not None:
+        return  # refused before any map (the parser's own fuzz tests cover these)
+    try:
+        got = load_rules_mapped(original, dmap)
+    except RuleError as e:
+        msg = str(e).replace("<string>", "r.yaml")
+        assert msg == as_written, (original, dmap)
+        return
+    assert as_written is None, (original, dmap, as_written)
+    (want,) = parse_rules(written, "<string>")
+    (rule,) = got
+    assert (rule.device, rule.kwargs, rule.key_lines, rule.line) == (want.device, want.kwargs, want.key_lines, want.line)
