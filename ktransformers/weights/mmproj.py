@@ -164,6 +164,18 @@ def vision_metadata(meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...
     return {"vision_config": vision, "processor": processor, "projector": proj}
 
 
+def check_mergers(shapes: Mapping[str, tuple[int, ...]], vision: Mapping[str, Any], where: str) -> None:
+    """The patch merger's and the DeepStack mergers' matrices against the sizes the metadata gives."""
+    width, merge, out = vision["hidden_size"], vision["spatial_merge_size"], vision["out_hidden_size"]
+    merged = width * merge * merge  # the merger's input: merge x merge patches side by side
+    for name, shape in shapes.items():
+        if re.fullmatch(r"(mm\.0|v\.deepstack\.\d+\.fc1)\.weight", name) and tuple(shape)[1:] != (merged,):
+            raise WeightError(f"{where}: mmproj tensor '{name}' is {list(shape)}; embedding_length {width} and "
+                              f"spatial_merge_size {merge} give {merged} inputs")
+        if re.fullmatch(r"(mm\.2|v\.deepstack\.\d+\.fc2)\.weight", name) and shape[0] != out:
+            raise WeightError(f"{where}: mmproj tensor '{name}' is {list(shape)}; projection_dim is {out}")
+
+
 def vision_names(vision: Mapping[str, Any]) -> dict[str, list[str]]:
     """transformers name (below ``model.visual.``) -> the mmproj tensors it is read from."""
     names: dict[str, list[str]] = {
@@ -258,6 +270,7 @@ class GGUFWithMmproj(GGUFSource):
             raise WeightError(f"{mm_where}: the vision tower has {len(vision['deepstack_visual_indexes'])} DeepStack "
                               f"layers (clip.vision.is_deepstack_layers) but the language model {lm_where} takes "
                               f"{int(n_ds)} ({self.arch}.n_deepstack_layers)")
+        check_mergers(shapes, vision, mm_where)
         self.vision_info = info
         for g, t in mm._tensors.items():
             if g in self._tensors:

@@ -205,6 +205,8 @@ def test_language_model_given_as_mmproj_is_refused(files):
     ({"clip.vision.attention.head_count": ("u32", 3)}, r"'clip.vision.attention.head_count' is 3; it must divide"),
     ({"clip.vision.image_std": ("f32arr", [0.5, 0.0, 0.5])}, r"'clip.vision.image_std' is .*expected finite positive"),
     ({"clip.has_vision_encoder": ("bool", False)}, r"has no vision encoder"),
+    ({"clip.vision.spatial_merge_size": ("u32", 1)},
+     r"'mm.0.weight' is \[128, 128\]; embedding_length 32 and spatial_merge_size 1 give 32 inputs"),
 ])
 def test_bad_metadata_is_one_line(files, tiny_vl, meta, match):
     bad = write_mmproj(tiny_vl, files["dir"] / "bad.gguf", meta=meta)
@@ -378,4 +380,5 @@ def test_fuzz_mmproj_metadata(files, tiny_vl, data):
         src.config()
         src.image_processor()
     except WeightError as e:
-        assert "\n" not in str(e) and str(bad) in str(e) or "--mmproj" in str(e)
+        msg = str(e)
+        assert "\n" not in msg and (str(bad) in msg or "--mmproj" in msg), msg
