@@ -28,13 +28,26 @@ def _group_keep(choice: torch.Tensor, n_group: int, topk_group: int, group_score
     return keep.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E)
 
 
+def _row_sigmoid(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.sigmoid()`` with each row's bits independent of how many rows there are.  torch's
+    elementwise loops run two vectors at a time and the rest through the scalar function, whose last
+    bit may differ: a row of a width that is not a multiple of 32 would depend on its place among
+    the others.  Such rows are widened to a multiple of 32 lanes (two vectors on every tier)."""
+    E = logits.shape[-1]
+    if logits.device.type != "cpu" or logits.dim() != 2 or E % 32 == 0:
+        return logits.sigmoid()
+    wide = logits.new_zeros(logits.shape[0], -(-E // 32) * 32)
+    wide[:, :E] = logits
+    return wide.sigmoid_()[:, :E]
+
+
 def deepseek_v3_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
                       norm_topk_prob: bool, routed_scaling_factor: float):
     """(weights [T,k], indices [T,k]) from fp32 router logits [T,E] (sigmoid + bias routing).
 
     Same torch ops in the same order as ``DeepseekV3TopkRouter`` (``topk(sorted=False)``), so
     indices come out in the same order even for tied scores."""
-    scores = logits.sigmoid()
+    scores = _row_sigmoid(logits)
     choice = scores + bias
     T, E = choice.shape
     group_scores = choice.view(T, n_group, E // n_group).topk(2, dim=-1)[0].sum(dim=-1)
