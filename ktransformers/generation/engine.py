@@ -268,8 +268,10 @@ class Generator:
         if hidden is not None:
             hook = self.model.get_decoder().norm.register_forward_hook(
                 lambda mod, args, out: hidden.append(out[0].detach().float().cpu().clone()))
+        from ..operators.mla import prompt_rows
+
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), prompt_rows():  # a one-token chunk too is read as prompt rows
                 for start in range(0, ids.shape[1], self.chunk_size):
                     if cancel is not None and cancel.is_set() and start > 0:
                         return None

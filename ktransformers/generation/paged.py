@@ -28,8 +28,8 @@ latent) rows into the pages, then attends per sequence:
 
 For softmax attention this is ``torch.nn.functional.scaled_dot_product_attention``, registered in
 transformers' ``AttentionInterface`` as ``"kt_paged"`` and selected only for the duration of a step;
-for MLA it is ``KDeepseekV2Attention``'s own absorbed decode / expanded (or absorbed) prefill from
-``operators/mla.py`` over latent pages.  Only torch ops, so the same code path serves CUDA.
+for MLA it is ``KDeepseekV2Attention``'s own absorbed decode and chunk-invariant prompt attention
+(``mla.causal_prompt_attention``) from ``operators/mla.py`` over latent pages.  Only torch ops, so the same code path serves CUDA.
 
 Gemma-3's sliding-window layers use the window in the mask; their pages are not freed early
 because a page holds every layer's rows and the full-attention layers still need them.
@@ -404,11 +404,13 @@ class _PagedBatch:
         """Write the latent ``c_kv [1,1,T,C]`` / rope key ``k_pe [1,1,T,R]`` rows, attend per sequence.
 
         Single tokens: absorbed attention over the latent (``W_UK`` into the query, ``W_UV`` after),
-        all of them in one padded call.  Chunks: expanded per-head keys (or absorbed when the rule
-        says ``absorb_for_prefill``), queries in pieces of the operator's ``chunk_size``.
+        all of them in one padded call.  Chunks on the CPU: ``mla.causal_prompt_attention`` over the
+        gathered latent, as the single-sequence routes read a prompt over their cache (the same bits,
+        whatever the chunk); elsewhere expanded per-head keys (or absorbed when the rule says
+        ``absorb_for_prefill``), queries in pieces of the operator's ``chunk_size``.
         Returns ``[1, H, T, v_head_dim]``."""
-        from ..operators.mla import (absorbed_attention, absorbed_decode_attention, build_chunk_mask, expand_latent,
-                                     expanded_attention)
+        from ..operators.mla import (absorbed_attention, absorbed_decode_attention, build_chunk_mask,
+                                     causal_prompt_attention, expand_latent, expanded_attention)
 
         li = attn.layer_idx
         lat = self._write(f"layers.{li}.latent", c_kv[0, 0])
@@ -440,9 +442,14 @@ class _PagedBatch:
             else:
                 rd = self._on(("slots", i), slots, lat.device)
                 c, r = _rows(lat, rd)[None, None].to(dev), _rows(rk, rd)[None, None].to(dev)
+            qn, qp = q_nope[:, :, s : s + t], q_pe[:, :, s : s + t]
+            if dev.type == "cpu":  # the single-sequence routes' prompt attention: the same bits, any chunk
+                o = causal_prompt_attention(qn, qp, c, r, attn.kv_b_weight(dev, lat.dtype), H, attn.scaling, past,
+                                            absorbed=attn.absorb_for_prefill)
+                out[:, :, s : s + t] = o.to(out.dtype)
+                continue
             if not attn.absorb_for_prefill:
                 kn_all, v_all = expand_latent(c, w_uk, w_uv)
-            qn, qp = q_nope[:, :, s : s + t], q_pe[:, :, s : s + t]
             step = attn.chunk_size
             for a in range(0, t, step):
                 b = min(a + step, t)

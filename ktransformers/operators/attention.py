@@ -10,8 +10,13 @@ configs), with and without ``q_lora_rank``.
 * **Decode** (one query token) attends in latent space: ``W_UK`` is folded into the query and
   ``W_UV`` applied after the weighted sum, so no per-head keys or values are ever built.
 * **Prefill** expands the latent to per-head keys/values (default) or stays absorbed
-  (``absorb_for_prefill: true``); the queries are processed in chunks of ``chunk_size``
-  (reference spelling ``chunck_size`` accepted) so the score matrix stays
+  (``absorb_for_prefill: true``).  On the CPU, with the causal mask (none, or the one transformers
+  builds for these positions), a prompt row is attended by ``mla.causal_prompt_attention``: keys and
+  queries in blocks of 64 positions counted from position 0, every product of a shape fixed by the
+  row's position, so the cache and logits are the same bits whether the prompt is read whole, in
+  chunks of any size (one token too, inside ``mla.prompt_rows()``, as the ``Generator`` reads it) or
+  after a cached prefix.  Other masks (padding), autograd and CUDA tensors: the queries in chunks of
+  ``chunk_size`` (reference spelling ``chunck_size`` accepted) so the score matrix stays
   ``[B, H, chunk, S]`` however long the prompt.
 * RoPE: V2's complex ``freqs_cis`` and V3's ``(cos, sin)`` incl. ``rope_interleave``; the
   softmax scale is the original module's (``qk_head_dim**-0.5`` times YaRN ``mscale**2``).
@@ -32,9 +37,12 @@ from .mla import (
     absorbed_attention,
     apply_mla_rope,
     build_chunk_mask,
+    causal_prompt_attention,
     expand_latent,
     expanded_attention,
+    is_causal_mask,
     latent_cache_bytes_per_token,
+    reading_prompt,
     split_kv_b,
 )
 from .registry import register
@@ -103,6 +111,7 @@ class KDeepseekV2Attention(BaseInjectedModule):
             scaling=float(o.scaling),
             rope_interleave=bool(getattr(cfg, "rope_interleave", True)),
             _absorb_key=None,
+            _w_kvb=None,
             _w_uk=None,
             _w_uv=None,
         )
@@ -122,10 +131,16 @@ class KDeepseekV2Attention(BaseInjectedModule):
                     f"data); leave kv_b_proj a plain nn.Linear or give it KLinearTorch/KLinearFP8")
             w = w.to(device=device, dtype=dtype)
             w_uk, w_uv = split_kv_b(w, self.num_heads, self.qk_nope_head_dim, self.v_head_dim)
+            object.__setattr__(self, "_w_kvb", w)
             object.__setattr__(self, "_w_uk", w_uk)
             object.__setattr__(self, "_w_uv", w_uv)
             object.__setattr__(self, "_absorb_key", key)
         return self._w_uk, self._w_uv
+
+    def kv_b_weight(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """``kv_b_proj``'s dense weight ``[H*(nope+v), C]`` on ``device``/``dtype`` (W_UK and W_UV's base)."""
+        self.absorb_weights(device, dtype)
+        return self._w_kvb
 
     def latent_cache_bytes_per_token(self, dtype: torch.dtype = torch.bfloat16) -> tuple[int, int]:
         return latent_cache_bytes_per_token(self.config, dtype)
@@ -167,6 +182,15 @@ class KDeepseekV2Attention(BaseInjectedModule):
         w_uk, w_uv = self.absorb_weights(c_kv.device, c_kv.dtype)
         q_nope = q_nope.to(c_kv.dtype)
         q_pe = q_pe.to(k_pe.dtype)
+        decoding = q_len == 1 and self.absorb_decode and not reading_prompt()
+        training = torch.is_grad_enabled() and (q_nope.requires_grad or c_kv.requires_grad)
+        if (not decoding and not training and c_kv.device.type == "cpu"
+                and is_causal_mask(attention_mask, kv_len - q_len, q_len, kv_len)):
+            # prompt rows (and verify chunks): the same bits for a row whatever the chunk it comes in
+            o = causal_prompt_attention(q_nope, q_pe, c_kv, k_pe, self._w_kvb, H, self.scaling, kv_len - q_len,
+                                        absorbed=self.absorb_for_prefill)
+            o = o.transpose(1, 2).reshape(B, q_len, H * self.v_head_dim).to(hidden_states.dtype)
+            return mods["o_proj"](o), None
         absorbed = (q_len == 1 and self.absorb_decode) or self.absorb_for_prefill
         if not absorbed:
             k_nope_all, v_all = expand_latent(c_kv, w_uk, w_uv)

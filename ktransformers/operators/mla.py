@@ -18,6 +18,9 @@ so decode attends directly over the cached latent: one shared "key" ``[c, k_pe]`
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 
 # ------------------------------------------------------------------------------- RoPE
@@ -143,6 +146,118 @@ def absorbed_decode_attention(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale: float
     o_lat = torch.matmul(probs, c_kv)  # [N,1,H,C]
     o = torch.bmm(o_lat[:, 0].transpose(0, 1), w_uv.transpose(-1, -2))  # [H,N,v]
     return o.transpose(0, 1).unsqueeze(2)
+
+
+# ------------------------------------------------------------- chunk-invariant prompt rows
+
+#: Query rows and keys are cut into blocks of this many positions, counted from position 0.
+PROMPT_BLOCK = 64
+
+_PROMPT_ROWS: contextvars.ContextVar[bool] = contextvars.ContextVar("kt_mla_prompt_rows", default=False)
+
+
+@contextlib.contextmanager
+def prompt_rows():
+    """Within this context a one-token forward of ``KDeepseekV2Attention`` is a prompt row (the
+    ``Generator`` reading a prompt in chunks of one), attended like any other prompt row by
+    :func:`causal_prompt_attention`, not by the absorbed decode attention."""
+    token = _PROMPT_ROWS.set(True)
+    try:
+        yield
+    finally:
+        _PROMPT_ROWS.reset(token)
+
+
+def reading_prompt() -> bool:
+    """Whether the current forward reads prompt rows (see :func:`prompt_rows`)."""
+    return _PROMPT_ROWS.get()
+
+
+def is_causal_mask(mask, start: int, q_len: int, kv_len: int) -> bool:
+    """Whether ``mask`` (None, a 2-D padding mask, or a 4-D bool / additive mask over at least
+    ``kv_len`` keys) lets query ``i`` (position ``start + i``) see exactly the keys ``<= start + i``
+    of the ``kv_len`` cached ones."""
+    if mask is None:
+        return True
+    if mask.dim() == 2:
+        return mask.shape[-1] >= kv_len and bool(mask[:, :kv_len].to(torch.bool).all())
+    if mask.dim() != 4 or mask.shape[-1] < kv_len or mask.shape[-2] != q_len or mask.shape[1] != 1:
+        return False
+    keep = mask[..., :kv_len] if mask.dtype == torch.bool else mask[..., :kv_len] == 0
+    want = torch.arange(kv_len, device=mask.device)[None, :] <= torch.arange(start, start + q_len,
+                                                                            device=mask.device)[:, None]
+    return bool((keep == want).all())
+
+
+def causal_prompt_attention(q_nope, q_pe, c_kv, k_pe, kv_b_weight, num_heads: int, scale: float, start: int,
+                            absorbed: bool = False, block: int = PROMPT_BLOCK) -> torch.Tensor:
+    """Causal MLA attention of prompt rows at positions ``start .. start+T-1`` over the latent keys
+    ``0 .. start+T-1``, the same bits for a row whatever the chunk it comes in.
+
+    ``q_nope [B,H,T,nope]``, ``q_pe [B,H,T,rope]``, ``c_kv [B,1,>=start+T,C]``, ``k_pe [B,1,>=start+T,rope]``,
+    ``kv_b_weight [H*(nope+v), C]``; returns ``[B,H,T,v]``.
+
+    Every product has a shape fixed by the row's position alone: the keys are expanded (``kv_b_proj``)
+    in blocks of ``block`` latent rows from position 0 (the last one zero-padded); the queries go in
+    blocks of ``block`` rows aligned to multiples of ``block`` (a chunk's partial blocks zero-padded),
+    and block ``b`` attends to the keys ``0 .. (b+1)*block - 1`` (the diagonal block's future keys
+    masked, so a padded key has probability 0): scores, softmax and value sums of one length and one
+    shape whether the prompt came whole, in chunks, or after a cached prefix.  ``absorbed``: the
+    scores against the latent (``W_UK`` into the query, ``W_UV`` after the sum), as
+    :func:`absorbed_attention`, in the same blocks."""
+    B, H, T, nope = q_nope.shape
+    rope = q_pe.shape[-1]
+    C = c_kv.shape[-1]
+    v = kv_b_weight.shape[0] // num_heads - nope
+    dt = c_kv.dtype
+    end = start + T
+    if T == 0:
+        return q_nope.new_empty(B, H, 0, v)
+    if c_kv.shape[-2] < end or k_pe.shape[-2] < end:
+        raise ValueError(f"causal_prompt_attention: {c_kv.shape[-2]} cached keys, rows reach position {end}")
+    first, last = start // block, (end - 1) // block
+    Lp = (last + 1) * block
+    lat = c_kv.new_zeros(B, Lp, C + rope)  # [c, k_pe] of the visible keys, zero past the chunk
+    lat[:, :end, :C] = c_kv[:, 0, :end]
+    lat[:, :end, C:] = k_pe[:, 0, :end].to(dt)
+    w = kv_b_weight.to(dt)
+    pe_t = lat[:, :, C:].transpose(1, 2)  # [B, rope, Lp]: the shared rope key, one product for all heads
+    if absorbed:
+        w3 = w.view(H, nope + v, C)
+        w_uk, w_uv = w3[:, :nope], w3[:, nope:]
+        lat_t = lat[:, :, :C].transpose(1, 2)  # [B, C, Lp]
+    else:  # per-head keys and values, token-major as kv_b_proj writes them: [B, Lp, H, nope + v]
+        kv = c_kv.new_empty(B, Lp, H, nope + v)
+        for j in range(0, Lp, block):
+            kv[:, j:j + block] = torch.nn.functional.linear(lat[:, j:j + block, :C], w).view(B, block, H, nope + v)
+        k_nope = kv[..., :nope].permute(0, 2, 1, 3)  # [B, H, Lp, nope] views
+        vals = kv[..., nope:].permute(0, 2, 1, 3)
+    future = torch.ones(block, block, dtype=torch.bool, device=c_kv.device).triu_(1)
+    out = q_nope.new_empty(B, H, T, v)
+    lo_min = torch.finfo(torch.float32).min
+    for b in range(first, last + 1):
+        r0, r1 = b * block, (b + 1) * block
+        lo, hi = max(start, r0), min(end, r1)
+        qn = c_kv.new_zeros(B, H, block, nope)
+        qp = c_kv.new_zeros(B, H, block, rope)
+        qn[:, :, lo - r0:hi - r0] = q_nope[:, :, lo - start:hi - start]
+        qp[:, :, lo - r0:hi - r0] = q_pe[:, :, lo - start:hi - start]
+        rope_scores = torch.matmul(qp.view(B, H * block, rope), pe_t[:, :, :r1]).view(B, H, block, r1)
+        if absorbed:
+            qa = torch.matmul(qn, w_uk)  # [B, H, blk, C]
+            scores = torch.matmul(qa.view(B, H * block, C), lat_t[:, :, :r1]).view(B, H, block, r1)
+        else:
+            scores = torch.matmul(qn, k_nope[:, :, :r1].transpose(-1, -2))  # [B, H, blk, r1]
+        scores = (scores + rope_scores).float() * scale
+        scores[..., r0:r1].masked_fill_(future, lo_min)
+        probs = torch.softmax(scores, dim=-1).to(dt)
+        if absorbed:
+            o_lat = torch.matmul(probs.view(B, H * block, r1), lat[:, :r1, :C]).view(B, H, block, C)
+            o = torch.matmul(o_lat, w_uv.transpose(-1, -2))
+        else:
+            o = torch.matmul(probs, vals[:, :, :r1])
+        out[:, :, lo - start:hi - start] = o[:, :, lo - r0:hi - r0].to(out.dtype)
+    return out
 
 
 def expand_latent(c_kv, w_uk, w_uv):

@@ -229,3 +229,67 @@ def test_kwargs_and_alias(root):
     apply_plan(skel, plan_model(skel, rules))
     a = skel.model.layers[0].self_attn
     assert isinstance(a, KDeepseekV2Attention) and a.chunk_size == 5 and a.absorb_for_prefill
+
+
+# ------------------------------------------------------------- chunk-invariant prompt rows
+
+def _v2_lite_rows(L, heads=2, seed=0):
+    """Random MLA inputs of DeepSeek-V2-Lite's head shapes (nope 128, rope 64, v 128, latent 512)."""
+    g = torch.Generator().manual_seed(seed)
+    nope, rope, v, C = 128, 64, 128, 512
+    q = torch.randn(1, L, heads, nope + rope, generator=g).transpose(1, 2)  # the layout the forward gives
+    q_nope, q_pe = torch.split(q, [nope, rope], dim=-1)
+    c_kv = torch.randn(1, 1, L, C, generator=g)
+    k_pe = torch.randn(1, 1, L, rope, generator=g)
+    w = torch.randn(heads * (nope + v), C, generator=g) * 0.05
+    return q_nope, q_pe, c_kv, k_pe, w, (nope + rope) ** -0.5
+
+
+def _reference(q_nope, q_pe, c_kv, k_pe, w, scale, absorbed):
+    from ktransformers.operators.mla import (absorbed_attention, build_chunk_mask, expand_latent, expanded_attention,
+                                             split_kv_b)
+
+    H, L = q_nope.shape[1], q_nope.shape[2]
+    w_uk, w_uv = split_kv_b(w, H, q_nope.shape[-1], w.shape[0] // H - q_nope.shape[-1])
+    mask = build_chunk_mask(None, 0, L, L, L, L)
+    if absorbed:
+        return absorbed_attention(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale, mask)
+    k_nope, value = expand_latent(c_kv, w_uk, w_uv)
+    return expanded_attention(q_nope, q_pe, k_nope, k_pe, value, scale, mask)
+
+
+def test_fuzz_prompt_rows_are_chunk_invariant():
+    """``causal_prompt_attention``: a prompt's rows read in any chunks (one row, a block's worth,
+    across block edges) are bitwise the rows read whole, expanded and absorbed; whole, they match
+    the plain masked attention to fp32 rounding; a chunk past the cached keys is one error line."""
+    pytest.importorskip("hypothesis")
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from ktransformers.operators.mla import causal_prompt_attention
+    from tests.fuzzing import fuzz_settings
+
+    L = 150
+    q_nope, q_pe, c_kv, k_pe, w, scale = _v2_lite_rows(L)
+    whole = {a: causal_prompt_attention(q_nope, q_pe, c_kv, k_pe, w, 2, scale, 0, absorbed=a) for a in (False, True)}
+    for a in (False, True):
+        ref = _reference(q_nope, q_pe, c_kv, k_pe, w, scale, a)
+        assert (whole[a] - ref).abs().max() <= 2e-5 * ref.abs().max(), a
+
+    @fuzz_settings(25, deadline=None, derandomize=True)
+    @given(st.lists(st.integers(1, 80), min_size=1, max_size=12), st.booleans(), st.booleans())
+    def check(sizes, absorbed, tail):
+        start = 0
+        for n in sizes:
+            end = min(start + n, L)
+            keys = L if tail else end  # the keys cached so far, or with keys past the chunk (unseen)
+            got = causal_prompt_attention(q_nope[:, :, start:end], q_pe[:, :, start:end], c_kv[:, :, :keys],
+                                          k_pe[:, :, :keys], w, 2, scale, start, absorbed=absorbed)
+            assert torch.equal(got, whole[absorbed][:, :, start:end]), (start, end, absorbed)
+            start = end
+            if start == L:
+                break
+
+    check()
+    with pytest.raises(ValueError, match="causal_prompt_attention: 10 cached keys, rows reach position 12"):
+        causal_prompt_attention(q_nope[:, :, :4], q_pe[:, :, :4], c_kv[:, :, :10], k_pe[:, :, :10], w, 2, scale, 8)
