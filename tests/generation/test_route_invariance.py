@@ -15,9 +15,9 @@ Scope (docs/server.md, "Determinism"): the families the decode step serves (Gemm
 Mistral / Qwen2 / Qwen3 / Qwen-MoE) on the tiers with the prompt flash kernel (AVX2 + FMA and up;
 elsewhere both routes read prompts with transformers' sdpa, over differently shaped key tensors),
 sliding windows included (a chunk past the window reads the rolled layer through the same kernel).
-DeepSeek MLA: the Generator, generate() and the batching server with the prompt read whole (the
-MLA prompt attention is torch's over the chunk's keys, so a prompt read in chunks differs in the
-last bits).
+DeepSeek MLA: the Generator, generate() and the batching server, the prompt whole or in chunks
+(alone and beside others), on every tier: MLA's prompt attention is ``mla.causal_prompt_attention``
+(torch, in blocks fixed from position 0) over a cache and over the gathered latent pages alike.
 """
 
 from __future__ import annotations
@@ -158,8 +158,9 @@ def test_gemma_past_its_sliding_window_routes_give_the_same_bits(tiny):
 @pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
 def test_mla_generator_and_generate_give_the_same_bits(tiny, arch, monkeypatch):
     """DeepSeek MLA: the Generator, transformers' generate() (dynamic and static cache) and the
-    batching server read the prompt whole with the model's forward and decode through the one step
-    over the latent cache or pages: the same bits."""
+    batching server read the prompt (whole, or in chunks of 7 and of 1 beside other requests) with
+    the model's forward and decode through the one step over the latent cache or pages: the same
+    bits."""
     from ktransformers.generation.decode_step import decode_step_for
 
     model = tiny(arch)
@@ -171,6 +172,13 @@ def test_mla_generator_and_generate_give_the_same_bits(tiny, arch, monkeypatch):
     prompt = [int(i) for i in rng.integers(3, 250, 30)]
     want = _generator_rows(model, prompt, steps=8, chunk=8192)
     _same("batching server", _greedy_rows(model, {0: (0, prompt, 8192)}, steps=9, page_size=4), want)
+    for chunk in (7, 1):
+        _same(f"Generator, chunks of {chunk}", _generator_rows(model, prompt, steps=8, chunk=chunk), want)
+        others = {1: (1, [int(i) for i in rng.integers(3, 250, 25)], 6),
+                  2: (2, [int(i) for i in rng.integers(3, 250, 9)], 5)}
+        n_chunks = -(-len(prompt) // chunk)
+        crowded = _greedy_rows(model, {0: (0, prompt, chunk), **others}, steps=8 + n_chunks, page_size=4)
+        _same(f"batching server, chunks of {chunk}, beside others", crowded, want)
     for cache in (None, "static"):
         del calls[:]
         _same(f"generate(), {cache or 'dynamic'} cache", _generate_rows(model, prompt, 8, cache), want)
