@@ -187,7 +187,7 @@ def load(args, log=print, progress=None, started: float | None = None):
         if args.mode == "long_context" and arch != "LlamaForCausalLM":
             raise ConfigError(f"--mode long_context is only supported for LlamaForCausalLM, not {arch}")
 
-    from .weights.mmproj import open_weights_arg
+    from .weights import open_weights_arg
 
     loaded = load_for_generation(open_weights_arg(args.gguf_path or args.model_path, args.mmproj),
                                  args.model_path, args.optimize_config_path,

@@ -215,7 +215,7 @@ def build_engine(settings: Settings):
 
     use_threads(settings.cpu_infer)
     t0 = time.perf_counter()
-    from ..weights.mmproj import open_weights_arg
+    from ..weights import open_weights_arg
 
     loaded = load_for_generation(open_weights_arg(settings.gguf_path or settings.model_path, settings.mmproj),
                                  settings.model_path,

@@ -8,7 +8,7 @@ from pathlib import Path
 from ..errors import WeightError
 from .source import EXPERT_PROJS, RawTensor, WeightSource
 
-__all__ = ["EXPERT_PROJS", "RawTensor", "WeightSource", "open_weights"]
+__all__ = ["EXPERT_PROJS", "RawTensor", "WeightSource", "open_weights", "open_weights_arg"]
 
 
 def open_weights(path: str | os.PathLike, mmproj: str | os.PathLike | None = None) -> WeightSource:
@@ -65,3 +65,9 @@ def _safetensors(p: Path) -> WeightSource:
     if mxfp4:  # gpt-oss, DeepSeek-V4 as published: MXFP4 experts, served as ggml MXFP4 blocks
         src = Mxfp4ExpertsSource(src)
     return src
+
+
+def open_weights_arg(weights, mmproj=None):
+    """What local_chat and the server load: the ``--gguf_path`` / ``--model_path`` weights as a path,
+    or, with ``--mmproj``, the language model and its vision tower opened as one source."""
+    return weights if mmproj is None else open_weights(weights, mmproj=mmproj)

@@ -366,13 +366,3 @@ class GGUFWithMmproj(GGUFSource):
 
     def describe(self) -> str:
         return f"GGUFWithMmproj({self.files[0]} + {self.mmproj_path}, arch={self.arch})"
-
-
-def open_weights_arg(weights, mmproj=None):
-    """What local_chat and the server load: the ``--gguf_path`` / ``--model_path`` weights as a path,
-    or, with ``--mmproj``, the language model and its vision tower opened as one source."""
-    if mmproj is None:
-        return weights
-    from . import open_weights
-
-    return open_weights(weights, mmproj=mmproj)
