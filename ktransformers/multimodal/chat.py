@@ -1,8 +1,8 @@
 """Images inside chat messages, for the server and local_chat.
 
 A request's image parts are decoded (limits checked) as the messages are read, each replaced in
-the message text by the model's image markup (Qwen-VL: ``<|vision_start|><|image_pad|><|vision_end|>``,
-as its chat template writes an image part).  Once the chat template has rendered the prompt, the
+the message text by the model's image markup, as its chat template writes an image part (Qwen-VL:
+``<|vision_start|><|image_pad|><|vision_end|>``, GLM-4.5V: ``<|begin_of_image|><|image|><|end_of_image|>``).  Once the chat template has rendered the prompt, the
 model's processor expands each placeholder to the image's tokens: an :class:`~.prompt.ImagePrompt`,
 whose length (the prompt tokens a client is billed) counts the image tokens.
 """
@@ -18,13 +18,16 @@ from .prompt import ImagePrompt
 class ImageSupport:
     """What a loaded vision-language model needs to take images: its processor and the limits."""
 
-    def __init__(self, processor, limits: ImageLimits = ImageLimits()):
+    def __init__(self, processor, limits: ImageLimits = ImageLimits(), markup: str | None = None):
         self.processor = processor
         self.limits = limits
+        self._markup = markup
 
     @property
     def markup(self) -> str:
         """The text an image part becomes in a message (one placeholder the processor expands)."""
+        if self._markup is not None:
+            return self._markup
         p = self.processor
         return f"{getattr(p, 'vision_start_token', '')}{p.image_token}{getattr(p, 'vision_end_token', '')}"
 
@@ -84,4 +87,22 @@ def image_support(config, tokenizer, folder, limits: ImageLimits = ImageLimits()
 
     if not is_vision_language(config):
         return None
-    return ImageSupport(load_processor(folder, config, tokenizer, source), limits)
+    processor = load_processor(folder, config, tokenizer, source)
+    return ImageSupport(processor, limits, image_markup(config, processor))
+
+
+#: the config's ids of the tokens around an image's placeholder, per family naming
+_MARKER_IDS = (("vision_start_token_id", "vision_end_token_id"),  # Qwen-VL
+               ("image_start_token_id", "image_end_token_id"))  # GLM-4.1V / 4.5V
+
+
+def image_markup(config, processor) -> str:
+    """An image part in a message: the processor's placeholder between the begin / end markers the
+    config names (their text from the processor's tokenizer), as the family's chat template writes it."""
+    tok = processor.tokenizer
+    for start, end in _MARKER_IDS:
+        ids = getattr(config, start, None), getattr(config, end, None)
+        if None not in ids:
+            begin, finish = tok.convert_ids_to_tokens(list(ids))
+            return f"{begin}{processor.image_token}{finish}"
+    return processor.image_token

@@ -33,6 +33,7 @@ DEFAULT_RULES = {
     "Gemma3ForCausalLM": "Dense",
     "Gemma3ForConditionalGeneration": "Dense",
     "Qwen3VLMoeForConditionalGeneration": "Qwen3VLMoe",
+    "Glm4vMoeForConditionalGeneration": "Glm4vMoe",
 }
 
 

@@ -112,6 +112,21 @@ TINY_CONFIGS: dict[str, dict] = {
                            deepstack_visual_indexes=[0]),
         vision_start_token_id=261, vision_end_token_id=262, image_token_id=263, video_token_id=264,
         tie_word_embeddings=False),
+    # GLM-4.5V / 4.6V: GLM-4-MoE's text model (dense first layer, shared expert, sigmoid router with
+    # correction bias, attention biases) with M-RoPE over the rotary half of head_dim (t/h/w sections
+    # as released: 8/12/12 of 32 there, 2/3/3 of 8 here); a ViT of 2 blocks (14-pixel patches, learned
+    # positions on a 4x4 grid interpolated to the image, 2x2 downsampling, a gated merger).  The image
+    # tokens are the ids make_tiny_tokenizer(vision="glm4v_moe") gives its markers
+    "glm4v_moe": dict(
+        text_config=dict(_COMMON, num_hidden_layers=3, head_dim=32, n_routed_experts=8, num_experts_per_tok=2,
+                         moe_intermediate_size=48, intermediate_size=96, n_shared_experts=1, first_k_dense_replace=1,
+                         n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                         rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3],
+                                              partial_rotary_factor=0.5)),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=14, image_size=56, spatial_merge_size=2, temporal_patch_size=2),
+        image_start_token_id=261, image_end_token_id=262, image_token_id=263, video_start_token_id=264,
+        video_end_token_id=265, video_token_id=266, tie_word_embeddings=False),
 }
 
 CHATML_TEMPLATE = (
@@ -121,16 +136,28 @@ CHATML_TEMPLATE = (
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 #: the Qwen-VL image markers, after SPECIAL_TOKENS (ids 261..264) in a vision-language tiny tokenizer
 VISION_SPECIAL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+#: per vision-language tiny model: its image and video markers (ids from 261 on, as its config names
+#: them) and an image part as its chat template writes it
+VISION_MARKERS: dict[str, tuple[list[str], str]] = {
+    "qwen3_vl_moe": (VISION_SPECIAL_TOKENS, "<|vision_start|><|image_pad|><|vision_end|>"),
+    "glm4v_moe": (["<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>", "<|end_of_video|>",
+                   "<|video|>"], "<|begin_of_image|><|image|><|end_of_image|>"),
+}
+
+
+def vision_chatml_template(image_markup: str) -> str:
+    """ChatML whose message content may be a list of parts, an image part written as ``image_markup``."""
+    return ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+            "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+            "{% if c['type'] == 'image' %}" + image_markup +
+            "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
 #: ChatML whose message content may be a list of parts, an image part written as Qwen-VL writes it
-VISION_CHATML_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
-    "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+VISION_CHATML_TEMPLATE = vision_chatml_template(VISION_MARKERS["qwen3_vl_moe"][1])
 #: the tiny models whose config is a vision-language one (a processor is written beside the tokenizer)
-VISION_ARCHS = ("qwen3_vl_moe",)
+VISION_ARCHS = tuple(VISION_MARKERS)
 
 
 def tiny_config(arch: str, **overrides):
@@ -145,9 +172,10 @@ def tiny_config(arch: str, **overrides):
     return cfg
 
 
-def make_tiny_tokenizer(vision: bool = False):
+def make_tiny_tokenizer(vision: bool | str = False):
     """Byte-level BPE tokenizer without merges (every byte a token) + ChatML specials (+ the image
-    markers and a template taking image parts, with ``vision``)."""
+    markers and a template taking image parts, with ``vision``: a vision-language tiny model's name,
+    or True for Qwen-VL's)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -158,20 +186,22 @@ def make_tiny_tokenizer(vision: bool = False):
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    bos_token=None, unk_token=None)
-    fast.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS + (VISION_SPECIAL_TOKENS if vision else [])})
-    fast.chat_template = VISION_CHATML_TEMPLATE if vision else CHATML_TEMPLATE
+    markers, markup = VISION_MARKERS["qwen3_vl_moe" if vision is True else vision] if vision else ([], None)
+    fast.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS + markers})
+    fast.chat_template = vision_chatml_template(markup) if vision else CHATML_TEMPLATE
     return fast
 
 
 def make_tiny_processor(config, tokenizer):
     """The family's own processor for a tiny vision-language config: its image processor sized to
     the ViT (patch, merge, temporal patch) and at most 128x128 pixels an image, with ``tokenizer``."""
-    from transformers import Qwen2VLImageProcessorPil
+    import transformers
 
     from ..multimodal.processor import images_only_processor_class
 
     v = config.vision_config
-    image_processor = Qwen2VLImageProcessorPil(
+    pil = {"qwen3_vl_moe": "Qwen2VLImageProcessorPil", "glm4v_moe": "Glm4vImageProcessorPil"}[config.model_type]
+    image_processor = getattr(transformers, pil)(
         patch_size=v.patch_size, merge_size=v.spatial_merge_size, temporal_patch_size=v.temporal_patch_size,
         size={"shortest_edge": 32 * 32, "longest_edge": 128 * 128}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
     return images_only_processor_class(config)(image_processor=image_processor, tokenizer=tokenizer,
@@ -212,7 +242,7 @@ def write_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, with_tokeniz
     model = random_model(arch, seed, **overrides)
     if with_tokenizer:
         vision = arch in VISION_ARCHS
-        tok = make_tiny_tokenizer(vision=vision)
+        tok = make_tiny_tokenizer(vision=arch if vision else False)
         text_config = model.config.get_text_config()
         assert len(tok) <= text_config.vocab_size, "tiny vocab must hold the tokenizer"
         for cfg in {id(c): c for c in (model.config, text_config)}.values():
@@ -221,7 +251,8 @@ def write_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, with_tokeniz
         model.generation_config.eos_token_id = tok.eos_token_id
         model.generation_config.pad_token_id = tok.pad_token_id
         if vision:
-            assert tok.convert_tokens_to_ids("<|image_pad|>") == model.config.image_token_id
+            image_token = VISION_MARKERS[arch][0][2]
+            assert tok.convert_tokens_to_ids(image_token) == model.config.image_token_id
             make_tiny_processor(model.config, tok).save_pretrained(out)
         tok.save_pretrained(out)
     model.save_pretrained(out)
