@@ -820,16 +820,17 @@ class DecodeStep:
                 slots.append((kp, vp, cap, 0, pos + 1, lp))
         return slots, None
 
-    def _dynamic_slots(self, cache, pos: int):
+    def _dynamic_slots(self, cache, pos: int, rows: int = 1):
         """The same for a ``DynamicCache``.  Its layers grow by concatenation in their own
         ``update``; here each layer's keys / values become views of a buffer with room to grow (kept
         on the layer, ``_kt_grow``), so a token is one row written, not the cache copied.  The
         layers end as their ``update`` leaves them: a dynamic layer holds every position, a sliding
         one its last ``window - 1`` (the views' offset moves; the buffer is compacted when full).
-        A generic forward in between replaces the views by its own tensors; they are adopted again."""
+        A generic forward in between replaces the views by its own tensors; they are adopted again.
+        ``rows``: room for that many positions from ``pos`` (several rows: dynamic layers only)."""
         for lay, cl in zip(self.layers, cache.layers):
             n = cl.keys.shape[-2]
-            if (cl.cumulative_length if cl.is_sliding else n) != pos:
+            if (cl.cumulative_length if cl.is_sliding else n) != pos or (rows > 1 and cl.is_sliding):
                 return None
         slots, after = [], []
         for lay, cl in zip(self.layers, cache.layers):
@@ -841,10 +842,10 @@ class DecodeStep:
                 kb, vb = grow
                 delta = k.data_ptr() - kb.data_ptr()
                 if (delta == v.data_ptr() - vb.data_ptr() and delta % row == 0 and k.stride() == kb.stride()
-                        and v.stride() == vb.stride() and 0 <= delta // row and delta // row + n < kb.shape[2]):
+                        and v.stride() == vb.stride() and 0 <= delta // row and delta // row + n + rows <= kb.shape[2]):
                     off = delta // row
             if off < 0:  # adopt: a buffer with room for the next positions (a window and a half when sliding)
-                cap = (2 * int(cl.sliding_window) + 64) if cl.is_sliding else max(n + 256, n + n // 2)
+                cap = (2 * int(cl.sliding_window) + 64) if cl.is_sliding else max(n + 256, n + n // 2, n + rows + 1)
                 kb = torch.empty(1, lay.hkv, cap, lay.d)
                 vb = torch.empty(1, lay.hkv, cap, lay.d)
                 kb[:, :, :n].copy_(k)
@@ -862,7 +863,7 @@ class DecodeStep:
                 else:
                     after.append((cl, kb, vb, start, keep, False))
             else:
-                after.append((cl, kb, vb, off, n + 1, False))
+                after.append((cl, kb, vb, off, n + rows, False))
         return slots, after
 
     @staticmethod
@@ -940,22 +941,27 @@ class DecodeStep:
 
     def step_rows(self, tokens: list[int], pos: int, cache):
         """Verify several tokens in one step (speculative decoding): ``(logits [n, vocab], undo)``
-        for ``tokens`` at ``pos, pos + 1, ...`` of one sequence over a ``StaticCache``, or None
-        when this cache state is not one the step reproduces.
+        for ``tokens`` at ``pos, pos + 1, ...`` of one sequence over a ``StaticCache`` (or a
+        ``DynamicCache`` of dynamic layers, no sliding ones: transformers' assisted ``generate()``,
+        generation/hf_generate.py), or None when this cache state is not one the step reproduces.
 
         Row ``r`` has the bits ``step(tokens[r], pos + r)`` gives after the steps of
         ``tokens[:r]``: every projection, norm and MoE row is computed as it is alone (the kernels
         are row-invariant), and each row's attention is its own single-row call, made in order, so
         it reads the keys the rows before it just wrote.  ``undo(kept)`` then leaves the cache as
         if only the first ``kept`` tokens had been stepped (counters reset; a sliding window that
-        rolled gets back the entries the dropped rows pushed out)."""
-        from transformers import StaticCache
+        rolled gets back the entries the dropped rows pushed out; a dynamic layer's keys / values
+        become the first ``pos + kept`` entries, as its ``crop`` leaves them)."""
+        from transformers import DynamicCache, StaticCache
 
         n = len(tokens)
-        if n < 1 or type(cache) is not StaticCache or not self.accepts_rows(n) or not self.accepts(cache):
+        if (n < 1 or type(cache) not in (StaticCache, DynamicCache) or not self.accepts_rows(n)
+                or not self.accepts(cache)):
             return None
         if self.mla:
             return self._latent_rows(list(tokens), pos, cache)
+        if type(cache) is DynamicCache:
+            return self._dynamic_rows(list(tokens), pos, cache)
         with self._lock:
             try:
                 plan, full = self._static_plan(cache)
@@ -1022,6 +1028,42 @@ class DecodeStep:
 
         return logits, undo
 
+    def _dynamic_rows(self, tokens: list[int], pos: int, cache):
+        """``step_rows`` on a ``DynamicCache``: the rows written into the layers' growth buffers
+        (``_dynamic_slots`` with room for all of them), each row's attention its own call in
+        order, as the static path makes them."""
+        n = len(tokens)
+        with self._lock:
+            got = self._dynamic_slots(cache, pos, rows=n)
+            if got is None:
+                return None
+            slots, after = got
+            ptr = torch.zeros(1, dtype=torch.int64)  # one row's position, rewritten per call
+            lo = torch.zeros(1, dtype=torch.int64)   # every dynamic entry is attended: first key 0
+            pp, lop = ptr.data_ptr(), lo.data_ptr()
+
+            def keys_of(lay, q, cos, sin, out):
+                kp, vp, cap, _, _, _ = slots[lay.idx]
+                qw, cw, ow = 4 * lay.qkv.out_features, 4 * lay.d, 4 * lay.hq * lay.d
+                for r in range(n):
+                    ptr[0] = pos + r
+                    self._ops.attend_rows(self._cpuinfer, q + r * qw, 1, lay.hq, lay.hkv, lay.d, lay.qk_ptr,
+                                          lay.qk_eps, cos + r * cw, sin + r * cw, kp, vp, lay.d, cap * lay.d, 0,
+                                          _NO_ROWS.data_ptr(), _NO_ROWS.data_ptr(), pp, lop, 0, cap, 0,
+                                          lay.scaling, out + r * ow)
+
+            logits = self._rows(tokens, list(range(pos, pos + n)), keys_of)
+            self._finish_dynamic(after)
+        layers = cache.layers
+
+        def undo(kept: int) -> None:
+            if not 0 <= kept <= n:
+                raise ValueError(f"undo: kept {kept} of {n} rows")
+            for cl in layers:
+                cl.keys, cl.values = cl.keys[:, :, :pos + kept], cl.values[:, :, :pos + kept]
+
+        return logits, undo
+
     def _latent(self, cache, pos: int, n: int):
         """MLA: the writer of rows ``pos .. pos + n - 1`` into the latent cache (each row through its
         layer's own ``update``, as the model's attention writes it), or None when the cache does not
@@ -1075,11 +1117,16 @@ class DecodeStep:
             logits = self._rows(tokens, list(range(pos, pos + n)), kv)
         layers = cache.layers
 
+        static = self._static(cache)
+
         def undo(kept: int) -> None:
             if not 0 <= kept <= n:
                 raise ValueError(f"undo: kept {kept} of {n} rows")
             for cl in layers:
-                cl.cumulative_length.fill_(pos + kept)
+                if static:
+                    cl.cumulative_length.fill_(pos + kept)
+                else:
+                    cl.keys, cl.values = cl.keys[:, :, :pos + kept], cl.values[:, :, :pos + kept]
 
         return logits, undo
 
