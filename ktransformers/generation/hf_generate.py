@@ -120,10 +120,12 @@ def _first_assisted(model, step, kwargs, own, n: int, keep: int):
     the prompt as plain ``generate()`` reads it (the model's own forward of the prompt alone, its
     last row's logits), then the guesses as verify rows of the step, so every row has the bits of
     plain greedy decoding.  None (the model runs the whole call) where the inputs are not the plain
-    ones (a padded mask, positions that are not 0 .. n - 1) or the cache is not empty."""
+    ones (a padded mask, positions that are not 0 .. n - 1), the cache is not empty or has sliding
+    layers."""
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if int(cache.get_seq_length()) != 0 or not step.accepts_rows(keep - 1) or not _positions_are(kwargs, 0, n):
-        return None
+    if (int(cache.get_seq_length()) != 0 or not step.accepts_rows(keep - 1) or not _positions_are(kwargs, 0, n)
+            or any(getattr(cl, "is_sliding", False) for cl in getattr(cache, "layers", ()))):
+        return None  # (sliding layers: the step does not verify on them under assisted decoding)
     p = n - keep + 1  # the prompt's length
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:

@@ -177,3 +177,15 @@ def test_multi_token_calls_that_are_not_a_verify_take_the_models_forward(tiny, r
         model(input_ids=torch.tensor([[9, 10, 11]]), cache=cache, use_cache=True, logits_to_keep=1)
         out = model(input_ids=torch.tensor([[12, 13]]), cache=cache, use_cache=True)
     assert not rows_spy and out.logits.shape[1] == 2 and cache.get_seq_length() == 9
+
+
+def test_sliding_window_layers_are_transformers_own(tiny, rows_spy, one_torch_thread):
+    """Gemma-3's local layers: on a dynamic cache assisted decoding makes them record their past (a
+    layout the step does not read), so its forwards are the model's own; on a static cache with a
+    window shorter than the cache transformers refuses assisted decoding, as without the step."""
+    model = tiny("gemma3_text", head_dim=64, sliding_window=8)
+    ids = _prompt()
+    toks, _ = _generate(model, ids, 12, None, prompt_lookup_num_tokens=3)
+    assert len(toks) == 12 and not rows_spy
+    with pytest.raises(ValueError, match="cropped"):
+        _generate(model, ids, 12, "static", prompt_lookup_num_tokens=3)
