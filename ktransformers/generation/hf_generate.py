@@ -48,7 +48,7 @@ def _lean_call(model, kwargs, own=None):
     if n > 1:
         # several tokens: only transformers' assisted decoding's verify forward (all n rows' logits
         # asked for, ``logits_to_keep=n``, over a cache that holds the sequence) or its first
-        # forward (the prompt and the first guesses on an empty cache, ``1 < logits_to_keep < n``);
+        # forward (the prompt and the first guesses on an empty cache, ``1 < logits_to_keep <= n``);
         # a prompt, a chunk of one or a plain multi-token forward stays the model's own
         if type(keep) is not int or not 1 < keep <= n:
             return None
@@ -57,9 +57,9 @@ def _lean_call(model, kwargs, own=None):
     step = decode_step_for(model)
     if step is None:
         return None
-    if n > 1 and keep < n:
+    if n > 1 and int(cache.get_seq_length()) == 0:  # (a prompt of one token: logits_to_keep == n)
         return _first_assisted(model, step, kwargs, own, n, keep) if own is not None else None
-    if not step.accepts(cache):
+    if n > 1 and keep != n or not step.accepts(cache):
         return None
     pos = cache.get_seq_length()
     pos = int(pos)

@@ -189,3 +189,43 @@ def test_sliding_window_layers_are_transformers_own(tiny, rows_spy, one_torch_th
     assert len(toks) == 12 and not rows_spy
     with pytest.raises(ValueError, match="cropped"):
         _generate(model, ids, 12, "static", prompt_lookup_num_tokens=3)
+
+
+def test_fuzz_assisted_greedy_is_plain_greedy(tiny, monkeypatch, one_torch_thread):
+    """Any prompt length, guess length and pattern of right / wrong guesses, on a static or a
+    dynamic cache: assisted greedy tokens and logits are plain greedy generate()'s, bit for bit."""
+    pytest.importorskip("hypothesis")
+    from hypothesis import given
+    from hypothesis import strategies as st
+    from transformers.generation import candidate_generator as cg
+
+    from tests.fuzzing import fuzz_settings
+
+    models = {a: tiny(a, **e) for a, e in [("llama", H64), ("deepseek_v3", {})]}
+    guess = {}
+
+    def candidates(self, input_ids):
+        prompt_len, answer, pattern, k = guess["now"]
+        at = input_ids.shape[1] - prompt_len
+        out = list(answer[at:at + min(k, max(len(answer) - at - 1, 0))])
+        for i in range(len(out)):
+            if pattern[(at + i) % len(pattern)]:
+                out[i] = (out[i] + 7) % 250 + 3
+        if not out:
+            return input_ids, None
+        return torch.cat([input_ids, torch.tensor([out], dtype=input_ids.dtype)], dim=1), None
+
+    @fuzz_settings(16, deadline=None, derandomize=True)
+    @given(st.sampled_from(sorted(models)), st.sampled_from(CACHES),
+           st.lists(st.integers(3, 250), min_size=1, max_size=30), st.integers(1, 6),
+           st.lists(st.booleans(), min_size=1, max_size=5), st.integers(2, 14))
+    def check(arch, cache_implementation, prompt, k, pattern, n):
+        model = models[arch]
+        with monkeypatch.context() as m:
+            want = _generate(model, prompt, n, cache_implementation)
+            guess["now"] = (len(prompt), want[0], pattern, k)
+            m.setattr(cg.PromptLookupCandidateGenerator, "get_candidates", candidates)
+            got = _generate(model, prompt, n, cache_implementation, prompt_lookup_num_tokens=k)
+        _same(arch, got, want)
+
+    check()
