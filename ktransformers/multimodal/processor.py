@@ -20,12 +20,20 @@ def is_vision_language(config) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
+def _save_without_video(self, save_directory, push_to_hub: bool = False, **kwargs):
+    """ProcessorMixin's save: the family's own may save its video processor's files (ERNIE-4.5-VL: a font)."""
+    from transformers.processing_utils import ProcessorMixin
+
+    return ProcessorMixin.save_pretrained(self, save_directory, push_to_hub, **kwargs)
+
+
 @functools.cache
 def _images_only(base: type) -> type:
     return type(f"ImagesOnly{base.__name__}", (base,), {
         "__doc__": f"{base.__name__} with its image processor and tokenizer only (no video processor).",
         "__module__": __name__,
         "get_attributes": classmethod(lambda cls: ["image_processor", "tokenizer"]),
+        "save_pretrained": _save_without_video,
     })
 
 

@@ -13,6 +13,16 @@ import torch
 
 #: the processor's outputs the model's forward takes besides the token ids
 IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
+#: those only some families' processors give: ERNIE-4.5-VL's token kinds for its modality-isolated
+#: experts (the image markers count as image tokens there)
+OPTIONAL_IMAGE_INPUTS = ("moe_mm_token_type_ids",)
+
+
+def vision_device(base) -> torch.device:
+    """The device of the model's vision tower (``visual``: Qwen-VL, GLM-V; ``vision_tower``: ERNIE-VL)."""
+    tower = getattr(base, "visual", None)
+    tower = base.vision_tower if tower is None else tower
+    return next(tower.parameters()).device
 
 
 class VisionInputs:
@@ -22,7 +32,7 @@ class VisionInputs:
         missing = [k for k in IMAGE_INPUTS if k not in inputs]
         if missing:
             raise ValueError(f"image inputs lack {', '.join(missing)} (the processor's outputs)")
-        self.inputs = {k: inputs[k] for k in IMAGE_INPUTS}
+        self.inputs = {k: inputs[k] for k in IMAGE_INPUTS + OPTIONAL_IMAGE_INPUTS if k in inputs}
         self.image_tokens = int(self.inputs["mm_token_type_ids"].eq(1).sum())
         self.rope_delta: int | None = None
 
@@ -35,11 +45,12 @@ class VisionInputs:
         self.rope_delta = int(delta.reshape(-1)[0])
         n = ids.shape[1]
         text = torch.arange(n, device=ids.device).view(1, 1, n)
-        vis_dev = next(base.visual.parameters()).device
+        vis_dev = vision_device(base)
         return dict(pixel_values=self.inputs["pixel_values"].to(vis_dev),
                     image_grid_thw=self.inputs["image_grid_thw"].to(vis_dev),
                     mm_token_type_ids=self.inputs["mm_token_type_ids"].to(ids.device),
-                    position_ids=torch.cat([text, rope.to(ids.device)], dim=0))
+                    position_ids=torch.cat([text, rope.to(ids.device)], dim=0),
+                    **{k: self.inputs[k].to(ids.device) for k in OPTIONAL_IMAGE_INPUTS if k in self.inputs})
 
     def batch_kwargs(self, model, ids: torch.Tensor) -> tuple[dict, int]:
         """For the batching runner (generation/paged.py), which reads a prompt with images in one
@@ -50,16 +61,21 @@ class VisionInputs:
         function: set on the model's config, that choice would reach the vision tower's config too."""
         base = model.model
         n = ids.shape[1]
-        kinds = self.inputs["mm_token_type_ids"].to(ids.device)
-        if kinds.shape[1] < n:  # the generated text after the prompt
-            kinds = torch.cat([kinds, kinds.new_zeros(1, n - kinds.shape[1])], dim=1)
+
+        def whole(kinds):  # with the generated text after the prompt (text: 0)
+            kinds = kinds.to(ids.device)
+            return torch.cat([kinds, kinds.new_zeros(1, n - kinds.shape[1])], dim=1) if kinds.shape[1] < n else kinds
+
+        kinds = whole(self.inputs["mm_token_type_ids"])
         grid = self.inputs["image_grid_thw"]
         rope, delta = base.get_rope_index(ids, mm_token_type_ids=kinds, image_grid_thw=grid.to(ids.device))
-        vis_dev = next(base.visual.parameters()).device
+        vis_dev = vision_device(base)
         feats = model.get_image_features(self.inputs["pixel_values"].to(vis_dev), grid.to(vis_dev), return_dict=True)
         text = torch.arange(n, device=ids.device).view(1, 1, n)
         return dict(mm_encoder_outputs={"image": feats}, mm_token_type_ids=kinds,
-                    position_ids=torch.cat([text, rope.to(ids.device)], dim=0)), int(delta.reshape(-1)[0])
+                    position_ids=torch.cat([text, rope.to(ids.device)], dim=0),
+                    **{k: whole(self.inputs[k]) for k in OPTIONAL_IMAGE_INPUTS if k in self.inputs}
+                    ), int(delta.reshape(-1)[0])
 
     def positions(self, start: int, n: int, device) -> torch.Tensor:
         """Positions [4, 1, n] of ``n`` text tokens after the prompt, from cache row ``start``."""

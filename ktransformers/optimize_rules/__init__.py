@@ -34,6 +34,7 @@ DEFAULT_RULES = {
     "Gemma3ForConditionalGeneration": "Dense",
     "Qwen3VLMoeForConditionalGeneration": "Qwen3VLMoe",
     "Glm4vMoeForConditionalGeneration": "Glm4vMoe",
+    "Ernie4_5_VLMoeForConditionalGeneration": "Ernie4_5_VLMoe",
 }
 
 

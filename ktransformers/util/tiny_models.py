@@ -127,6 +127,20 @@ TINY_CONFIGS: dict[str, dict] = {
                            patch_size=14, image_size=56, spatial_merge_size=2, temporal_patch_size=2),
         image_start_token_id=261, image_end_token_id=262, image_token_id=263, video_start_token_id=264,
         video_end_token_id=265, video_token_id=266, tie_word_embeddings=False),
+    # ERNIE-4.5-VL-MoE: modality-isolated experts (text tokens to text_moe's, image tokens and their
+    # markers to vision_moe's, each its own intermediate size and softmax router with a correction
+    # bias) plus a shared expert, a dense first layer; M-RoPE (h/w/t sections 3/3/2 of head_dim / 2, as
+    # released 22/22/20 of 64); a ViT of 2 blocks (14-pixel patches, one frame each) and the resampler
+    # (2x2 spatial merge).  The image tokens are the ids make_tiny_tokenizer(vision="ernie4_5_vl_moe")
+    # gives its markers, named on the tokenizer as the processor reads them
+    "ernie4_5_vl_moe": dict(
+        text_config=dict(_COMMON, head_dim=16, moe_num_experts=8, moe_k=2, moe_intermediate_size=[48, 32],
+                         intermediate_size=96, moe_num_shared_experts=1,
+                         rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[3, 3, 2])),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
+                           spatial_merge_size=2, temporal_merge_size=2),
+        image_start_token_id=261, image_end_token_id=262, image_token_id=263, video_start_token_id=264,
+        video_end_token_id=265, video_token_id=266, tie_word_embeddings=False),
 }
 
 CHATML_TEMPLATE = (
@@ -142,6 +156,14 @@ VISION_MARKERS: dict[str, tuple[list[str], str]] = {
     "qwen3_vl_moe": (VISION_SPECIAL_TOKENS, "<|vision_start|><|image_pad|><|vision_end|>"),
     "glm4v_moe": (["<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>", "<|end_of_video|>",
                    "<|video|>"], "<|begin_of_image|><|image|><|end_of_image|>"),
+    "ernie4_5_vl_moe": (["<|IMAGE_START|>", "<|IMAGE_END|>", "<|IMAGE_PLACEHOLDER|>", "<|VIDEO_START|>",
+                         "<|VIDEO_END|>", "<|VIDEO_PLACEHOLDER|>"], "<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>"),
+}
+#: families whose processor reads its markers from the tokenizer's named special tokens, in the
+#: order of VISION_MARKERS' tokens
+VISION_TOKEN_NAMES = {
+    "ernie4_5_vl_moe": ("image_start_token", "image_end_token", "image_token", "video_start_token",
+                        "video_end_token", "video_token"),
 }
 
 
@@ -186,8 +208,14 @@ def make_tiny_tokenizer(vision: bool | str = False):
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    bos_token=None, unk_token=None)
-    markers, markup = VISION_MARKERS["qwen3_vl_moe" if vision is True else vision] if vision else ([], None)
+    family = "qwen3_vl_moe" if vision is True else vision
+    markers, markup = VISION_MARKERS[family] if vision else ([], None)
     fast.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS + markers})
+    if family in VISION_TOKEN_NAMES:  # the same tokens (ids kept), named as the processor reads them
+        fast = PreTrainedTokenizerFast(tokenizer_object=fast.backend_tokenizer, eos_token="<|im_end|>",
+                                       pad_token="<|endoftext|>", bos_token=None, unk_token=None,
+                                       additional_special_tokens=SPECIAL_TOKENS + markers,
+                                       model_specific_special_tokens=dict(zip(VISION_TOKEN_NAMES[family], markers)))
     fast.chat_template = vision_chatml_template(markup) if vision else CHATML_TEMPLATE
     return fast
 
@@ -200,9 +228,12 @@ def make_tiny_processor(config, tokenizer):
     from ..multimodal.processor import images_only_processor_class
 
     v = config.vision_config
-    pil = {"qwen3_vl_moe": "Qwen2VLImageProcessorPil", "glm4v_moe": "Glm4vImageProcessorPil"}[config.model_type]
+    pil = {"qwen3_vl_moe": "Qwen2VLImageProcessorPil", "glm4v_moe": "Glm4vImageProcessorPil",
+           "ernie4_5_vl_moe": "Ernie4_5_VLMoeImageProcessorPil"}[config.model_type]
+    # ERNIE-4.5-VL's tower takes one frame a patch (its temporal merge is for videos): the processor's default
+    temporal = {"temporal_patch_size": v.temporal_patch_size} if hasattr(v, "temporal_patch_size") else {}
     image_processor = getattr(transformers, pil)(
-        patch_size=v.patch_size, merge_size=v.spatial_merge_size, temporal_patch_size=v.temporal_patch_size,
+        patch_size=v.patch_size, merge_size=v.spatial_merge_size, **temporal,
         size={"shortest_edge": 32 * 32, "longest_edge": 128 * 128}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
     return images_only_processor_class(config)(image_processor=image_processor, tokenizer=tokenizer,
                                                 chat_template=tokenizer.chat_template)

@@ -3,6 +3,10 @@
 Accepts the layouts found in the wild: transformers 5's fused experts
 (``experts.gate_up_proj``), per-expert keys as ``save_pretrained`` writes them
 (``experts.E.{gate,up,down}_proj.weight``), and Mixtral's ``block_sparse_moe.experts.E.w{1,2,3}``.
+ERNIE-4.5-VL-MoE's release layout (also what ``save_pretrained`` writes for it): transformers'
+renamings for the family, each layer's one list of 2E experts split into ``text_moe``'s (the first E)
+and ``vision_moe``'s, its two routers (``mlp.gate.weight`` / ``weight_1``, stored ``[hidden, E]``)
+transposed, their correction biases (one ``[2, E]`` tensor) split.
 DeepSeek-V4's release names (``layers.N.attn.wq_a``, ``ffn.experts.E.w1``, ``hc_attn_fn`` ...; also
 what ``save_pretrained`` writes for the family) are mapped to the module names by transformers'
 own renamings for the family; its block scales (``<linear>.scale``: FP8 linears, served by fp8.py as
@@ -39,7 +43,43 @@ def _hf_name(key: str) -> str:
 
 #: a key only the release naming of this family has -> the family's model_type in transformers'
 #: checkpoint conversion mapping
-_RELEASE_NAMED = {"hc_attn_fn": "deepseek_v4"}
+_RELEASE_NAMED = {"hc_attn_fn": "deepseek_v4", "mlp.gate.weight_1": "ernie4_5_vl_moe",
+                  "mlp.moe_statics.e_score_correction_bias": "ernie4_5_vl_moe",
+                  "resampler_model.spatial_linear.0.weight": "ernie4_5_vl_moe"}
+#: the stored names by which ERNIE-4.5-VL-MoE's two expert sets are told apart
+_ERNIE_VL_MOE_KEYS = (".mlp.gate.weight_1", ".mlp.moe_statics.e_score_correction_bias")
+_ERNIE_VL_EXPERT = re.compile(r"^(?P<pre>.*\.mlp)\.experts\.(?P<e>\d+)\.(?P<rest>.*)$")
+
+
+def _ernie_vl_split(names: dict[str, tuple[int, str]], shape, path) -> dict[str, tuple[int, str, object]]:
+    """ERNIE-4.5-VL-MoE's stored MoE tensors (``names``: renamed name -> location) as the module's:
+    name -> (file, key, the function of the stored tensor that gives it); ``shape(location)``."""
+    out: dict[str, tuple[int, str, object]] = {}
+    text_experts: dict[str, int] = {}
+    for name, loc in names.items():
+        if name.endswith(".mlp.gate.weight") or name.endswith(".mlp.gate.weight_1"):
+            if len(shape(loc)) != 2:
+                raise WeightError(f"{path}: tensor '{loc[1]}' has shape {list(shape(loc))}, expected "
+                                  f"[hidden, experts] (an ERNIE-4.5-VL router)")
+            pre = name[: name.rindex(".gate.")]
+            moe = "vision_moe" if name.endswith("_1") else "text_moe"
+            out[f"{pre}.{moe}.gate.weight"] = (*loc, lambda t: t.t())
+            if moe == "text_moe":
+                text_experts[pre] = shape(loc)[1]
+        elif name.endswith(".mlp.moe_statics.e_score_correction_bias"):
+            if len(shape(loc)) != 2 or shape(loc)[0] != 2:
+                raise WeightError(f"{path}: tensor '{loc[1]}' has shape {list(shape(loc))}, expected "
+                                  f"[2, experts] (ERNIE-4.5-VL's text and vision router biases)")
+            pre = name[: name.rindex(".moe_statics.")]
+            for row, moe in enumerate(("text_moe", "vision_moe")):
+                out[f"{pre}.{moe}.gate.moe_statics.e_score_correction_bias"] = (*loc, lambda t, r=row: t[r:r + 1])
+    for name, loc in names.items():
+        m = _ERNIE_VL_EXPERT.match(name)
+        if m and m["pre"] in text_experts:
+            e, n_text = int(m["e"]), text_experts[m["pre"]]
+            moe, e = ("text_moe", e) if e < n_text else ("vision_moe", e - n_text)
+            out[f"{m['pre']}.{moe}.experts.{e}.{m['rest']}"] = (*loc, None)
+    return out
 
 
 def _release_renamer(keys):
@@ -87,17 +127,27 @@ class SafetensorsSource(WeightSource):
             except (SafetensorError, OSError, ValueError) as e:
                 raise WeightError(f"{f}: not a readable safetensors file ({e})") from None
             self._headers.append(read_header(f))
+        self._derived: dict[str, tuple[int, str, object]] = {}  # name -> (file idx, key, fn of the stored tensor)
         rename = _release_renamer([k for h in self._handles for k in h.keys()])
-        for i, h in enumerate(self._handles):
-            for key in h.keys():
-                name = rename(key) if rename else key
-                m = _PER_EXPERT.match(name)
-                if m:
-                    base = _hf_name(m["base"])
-                    proj = _MIXTRAL_PROJ.get(m["proj"], m["proj"]) + (EXPERT_SCALES if m["kind"] == "scale" else "")
-                    self._experts.setdefault(base, {}).setdefault(proj, {})[int(m["e"])] = (i, key)
+        renamed = {rename(key) if rename else key: (i, key) for i, h in enumerate(self._handles) for key in h.keys()}
+        if any(n.endswith(_ERNIE_VL_MOE_KEYS) for n in renamed):  # ERNIE-4.5-VL-MoE's two expert sets
+            split = _ernie_vl_split(renamed, lambda loc: self._handles[loc[0]].get_slice(loc[1]).get_shape(),
+                                    self.path)
+            consumed = {(i, key) for i, key, _ in split.values()}
+            renamed = {n: loc for n, loc in renamed.items() if loc not in consumed}
+            for name, (i, key, fn) in split.items():
+                if fn is None:
+                    renamed[name] = (i, key)
                 else:
-                    self._index[_hf_name(name)] = (i, key)
+                    self._derived[name] = (i, key, fn)
+        for name, (i, key) in renamed.items():
+            m = _PER_EXPERT.match(name)
+            if m:
+                base = _hf_name(m["base"])
+                proj = _MIXTRAL_PROJ.get(m["proj"], m["proj"]) + (EXPERT_SCALES if m["kind"] == "scale" else "")
+                self._experts.setdefault(base, {}).setdefault(proj, {})[int(m["e"])] = (i, key)
+            else:
+                self._index[_hf_name(name)] = (i, key)
         for base, projs in self._experts.items():
             for proj, per in projs.items():
                 n = len(per)
@@ -108,7 +158,7 @@ class SafetensorsSource(WeightSource):
 
     # -- protocol -------------------------------------------------------------------
     def names(self) -> list[str]:
-        out = list(self._index)
+        out = list(self._index) + list(self._derived)
         for base, projs in self._experts.items():
             out += [f"{base}.{proj}" for proj in projs]
         return out
@@ -118,12 +168,16 @@ class SafetensorsSource(WeightSource):
         return self._experts.get(base, {}).get(proj)
 
     def stores_parameter(self, name: str) -> bool:
-        return name in self._index  # a key as transformers saved it (per-expert keys are stacked)
+        # a key as transformers saved it (per-expert keys are stacked)
+        return name in self._index or name in self._derived
 
     def _has_native(self, name: str) -> bool:
-        return name in self._index or self._expert_entry(name) is not None
+        return name in self._index or name in self._derived or self._expert_entry(name) is not None
 
     def _native_shape(self, name: str) -> tuple[int, ...]:
+        if name in self._derived:
+            i, key, fn = self._derived[name]
+            return tuple(fn(torch.empty(self._handles[i].get_slice(key).get_shape(), device="meta")).shape)
         if name in self._index:
             i, key = self._index[name]
             return tuple(self._handles[i].get_slice(key).get_shape())
@@ -134,13 +188,19 @@ class SafetensorsSource(WeightSource):
         return (len(per), *self._handles[i].get_slice(key).get_shape())
 
     def _load_native(self, name: str) -> torch.Tensor:
+        if name in self._derived:
+            i, key, fn = self._derived[name]
+            return fn(self._read(i, key)).contiguous()
         if name in self._index:
             i, key = self._index[name]
             return self._read(i, key)
         return self._load_as(name, None, None)
 
     def _natural_dtype(self, name: str) -> torch.dtype:
-        i, key = self._index[name] if name in self._index else self._first_expert(name)
+        if name in self._derived:
+            i, key = self._derived[name][:2]
+        else:
+            i, key = self._index[name] if name in self._index else self._first_expert(name)
         dt = _TORCH_DTYPES.get(self._headers[i][key].dtype)
         return dt if dt is not None else self._read(i, key).dtype
 
@@ -151,14 +211,14 @@ class SafetensorsSource(WeightSource):
         return per[0]
 
     def _load_as(self, name: str, dtype: torch.dtype | None, device) -> torch.Tensor:
-        if name in self._index:
+        if name in self._index or name in self._derived:
             return super()._load_as(name, dtype, device)
         out = torch.empty(self._native_shape(name), dtype=dtype or self._natural_dtype(name))
         self._load_into(name, out)
         return out.to(device) if device is not None else out
 
     def _load_into(self, name: str, out: torch.Tensor) -> None:
-        per = None if name in self._index else self._expert_entry(name)
+        per = None if name in self._index or name in self._derived else self._expert_entry(name)
         if per is None:
             return super()._load_into(name, out)
         for e in range(len(per)):

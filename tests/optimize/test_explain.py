@@ -19,7 +19,7 @@ FAMILY_ARCH = {
     "Glm4Moe": "glm4_moe", "Qwen3_5Moe": "qwen3_5_moe_text", "Qwen3Next": "qwen3_next",
     "DeepseekV32": "deepseek_v32", "GlmMoeDsa": "glm_moe_dsa", "DeepSeek-V4": "deepseek_v4",
     "MiniMaxM2": "minimax_m2", "GptOss": "gpt_oss", "Qwen3VLMoe": "qwen3_vl_moe",
-    "Glm4vMoe": "glm4v_moe",
+    "Glm4vMoe": "glm4v_moe", "Ernie4_5_VLMoe": "ernie4_5_vl_moe",
 }
 
 

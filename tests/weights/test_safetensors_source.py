@@ -124,3 +124,73 @@ def test_shape_mismatch_names_tensor(tmp_path, tiny_model_dir):
     save_file(sd, tmp_path / "model.safetensors")
     with pytest.raises(WeightError, match=r"'model.layers.0.self_attn.q_proj.weight' has shape \[64, 10\]"):
         load_model(tmp_path, model_path=d)
+
+
+def test_ernie_vl_release_layout_reads_as_transformers_loads_it(tiny_model_dir):
+    """ERNIE-4.5-VL-MoE as the release (and save_pretrained) stores it: one list of 2E experts per layer,
+    the routers transposed, both correction biases in one tensor, ``vision_model`` / ``spatial_linear.N``
+    names.  Every tensor of the model equals, bitwise, what transformers' own converters load."""
+    from transformers import AutoModelForImageTextToText
+
+    folder = tiny_model_dir("ernie4_5_vl_moe")
+    ref = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).state_dict()
+    w = open_weights(folder)
+    assert any(n.endswith("mlp.gate.weight_1") for n in w._handles[0].keys())  # the release layout indeed
+    fused = {n for n in ref if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    assert len(fused) == 4  # gate_up_proj and down_proj of text_moe's and vision_moe's experts
+    for name, t in ref.items():
+        if name.endswith("experts.gate_up_proj"):  # stored per expert: gate and up stacked
+            base = name[: -len(".gate_up_proj")]
+            got = torch.cat([w.tensor(f"{base}.gate_proj"), w.tensor(f"{base}.up_proj")], dim=1)
+        else:
+            got = w.tensor(name)
+        assert got.shape == t.shape and torch.equal(got.to(t.dtype), t), name
+
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from fuzzing import fuzz_settings  # noqa: E402
+
+#: the tensors of the tiny ERNIE-4.5-VL-MoE's sparse layer that the layout's conversion reads
+_ERNIE_MOE = ["model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.weight_1",
+              "model.layers.1.mlp.moe_statics.e_score_correction_bias", "model.layers.1.mlp.experts.0.gate_proj.weight",
+              "model.layers.1.mlp.experts.9.down_proj.weight", "model.layers.1.mlp.experts.15.up_proj.weight"]
+
+
+@fuzz_settings(25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(edits=st.lists(st.tuples(st.sampled_from(_ERNIE_MOE), st.sampled_from(["drop", "transpose", "flatten", "row"])),
+                      min_size=1, max_size=3))
+def test_fuzz_ernie_vl_layout_loads_or_names_the_tensor(tiny_model_dir, tmp_path_factory, edits):
+    """The ERNIE-4.5-VL layout with tensors dropped or reshaped: the model loads, or a one-line
+    WeightError / ConfigError names the checkpoint, never a traceback from elsewhere."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from ktransformers import load_model
+    from ktransformers.errors import ConfigError
+
+    src = tiny_model_dir("ernie4_5_vl_moe")
+    out = tmp_path_factory.mktemp("ernie-fuzz")
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, out / f.name)
+    sd = load_file(src / "model.safetensors")
+    for key, op in edits:
+        if key not in sd:
+            continue
+        t = sd[key]
+        if op == "drop":
+            del sd[key]
+        elif op == "transpose":
+            sd[key] = t.t().contiguous()
+        elif op == "flatten":
+            sd[key] = t.reshape(-1).contiguous()
+        else:
+            sd[key] = t[:1].contiguous()
+    save_file(sd, out / "model.safetensors")
+    try:
+        load_model(out, model_path=out, allow_unmatched=False)
+    except (WeightError, ConfigError) as e:
+        assert "\n" not in str(e) and str(out) in str(e), str(e)
