@@ -48,17 +48,6 @@ void rms_norm(uintptr_t x, uintptr_t w, uintptr_t out, int rows, int n, int w_st
              ptr<float>(out) + static_cast<size_t>(r) * n, n, eps);
 }
 
-// rms_norm over a prompt's rows on the pool (each row as rms_norm computes it: the same bits)
-void rms_norm_pool(CPUInfer& ci, uintptr_t x, uintptr_t w, uintptr_t out, int rows, int n, float eps) {
-  const int per = std::max(1, 16384 / std::max(n, 1));
-  ci.pool().parallel_for((rows + per - 1) / per, [&](int task, int) {
-    const int r0 = task * per, r1 = std::min(rows, r0 + per);
-    for (int r = r0; r < r1; ++r)
-      norm_row(ptr<const float>(x) + static_cast<size_t>(r) * n, ptr<const float>(w), ptr<float>(out) + static_cast<size_t>(r) * n,
-               n, eps);
-  });
-}
-
 // The residual stream between two sublayers, row by row: x += norm(a) * wa (Gemma's sandwich norm; wa == 0:
 // x += a), then out = norm(x) * w (the next sublayer's input norm).
 void residual_norm(uintptr_t x, uintptr_t a, uintptr_t wa, float eps_a, uintptr_t w, float eps, uintptr_t out, int rows,
@@ -475,8 +464,6 @@ void register_decode_ops(py::module_& m) {
   d.def("residual_norm", &residual_norm, py::arg("x"), py::arg("a"), py::arg("wa"), py::arg("eps_a"), py::arg("w"),
         py::arg("eps"), py::arg("out"), py::arg("rows"), py::arg("n"));
   d.def("rope", &rope, py::arg("x"), py::arg("rows"), py::arg("d"), py::arg("cos"), py::arg("sin"));
-  d.def("rms_norm_pool", &rms_norm_pool, py::arg("cpu_infer"), py::arg("x"), py::arg("w"), py::arg("out"),
-        py::arg("rows"), py::arg("n"), py::arg("eps"));
   d.def("rope_prompt", &rope_prompt, py::arg("cpu_infer"), py::arg("x"), py::arg("T"), py::arg("H"), py::arg("d"),
         py::arg("st"), py::arg("sh"), py::arg("cos"), py::arg("sin"), py::arg("out"));
   d.def("attend_rows", &attend_rows, py::arg("cpu_infer"), py::arg("qkv"), py::arg("rows"), py::arg("hq"),

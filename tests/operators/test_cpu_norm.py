@@ -60,7 +60,7 @@ def test_injected_model_norms_switched(tiny_model_dir):
 
 
 def test_fast_norm_rows_are_the_same_bits_in_any_layout_and_count():
-    """A prompt's rows (on the pool, >= 64 rows), a transposed view normed in its storage order
+    """A prompt's rows, a transposed view normed in its storage order
     (Gemma's q / k norms), a strided slice (copied first) and one row at a time: equal bits."""
     m = Gemma3RMSNorm(256, eps=1e-6)
     with torch.no_grad():
