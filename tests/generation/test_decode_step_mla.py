@@ -31,6 +31,7 @@ from ktransformers.generation import Generator, SamplingParams
 from ktransformers.generation.decode_step import DecodeStep, decode_step_for
 from ktransformers.util.tiny_models import write_tiny_model
 
+from .step_checks import check_greedy_against_transformers, own_forward, prompt
 from .test_invariance import _NoText
 
 RULES = Path(ktransformers.__file__).parent / "optimize_rules"
@@ -66,15 +67,7 @@ def pair(case: str, root: Path):
     return _MODELS[case]
 
 
-def _prompt(n=12, seed=0):
-    return [int(i) for i in torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed))]
-
-
-def _own(model, tok, pos, cache):
-    """The model's own forward (not the step answering under it, generation/hf_generate.py)."""
-    own = model.__dict__.get("_kt_lean_forward") or model
-    return own(input_ids=torch.tensor([[tok]]), cache=cache, position_ids=torch.tensor([[pos]]),
-               use_cache=True, logits_to_keep=1).logits[0, -1].float()
+_prompt, _own = prompt, own_forward
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -129,39 +122,7 @@ def test_step_equals_the_models_own_forward(case, kind, root):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_tokens_and_logits_match_transformers(case, root):
-    hf, model = pair(case, root)
-    g = Generator(model, _NoText())
-    g.eos_ids = set()
-    ids = _prompt(8, seed=1)
-    steps = 16
-    step = decode_step_for(model)
-    rows = []
-    with torch.inference_mode():
-        cache = g.new_cache(len(ids) + steps + 1)
-        logits = g.prefill(ids, cache)[0]
-        toks = []
-        for i in range(steps):
-            toks.append(int(logits.argmax()))
-            assert step.accepts(cache)
-            logits = step.step(toks[-1], len(ids) + i, cache)[0]
-            rows.append(logits.clone())
-    _, got, _ = g.generate(ids, SamplingParams(max_new_tokens=steps))
-    assert got == toks  # the Generator decodes through the same step
-    seq = torch.tensor([ids + toks])
-    with torch.no_grad():
-        ref = hf(seq).logits[0].float()
-    tol = 1e-4 * ref.abs().max().item()
-    for i, row in enumerate(rows):  # teacher-forced on the step's tokens: every step's logits
-        diff = (row - ref[len(ids) + i]).abs().max().item()
-        assert diff <= tol, f"{case}: step {i} off transformers by {diff:.3g} (tolerance {tol:.3g})"
-    want = hf.generate(torch.tensor([ids]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
-                       pad_token_id=0)[0, len(ids):].tolist()
-    top2 = ref[len(ids) - 1:-1].topk(2, dim=-1).values
-    for i in range(steps):
-        if top2[i, 0] - top2[i, 1] <= tol:
-            break  # a near tie: the continuations may part from here on
-        assert got[i] == want[i], f"{case}: greedy token {i} is {got[i]}, transformers gives {want[i]}"
-    assert i >= steps // 2, f"{case}: only {i} clear steps; the check would be vacuous"
+    check_greedy_against_transformers(*pair(case, root), case)
 
 
 @pytest.mark.parametrize("case", ["v2", "v3"])
