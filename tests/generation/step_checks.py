@@ -56,3 +56,31 @@ def check_greedy_against_transformers(hf, model, case: str, steps: int = 16) -> 
             break  # a near tie: the continuations may part from here on
         assert got[i] == want[i], f"{case}: greedy token {i} is {got[i]}, transformers gives {want[i]}"
     assert i >= steps // 2, f"{case}: only {i} clear steps; the check would be vacuous"
+
+
+def step_against_own_forward(model, kind: str, steps: int = 20):
+    """Decode ``steps`` tokens after a prompt twice, on two ``kind`` ("static" / "dynamic") caches:
+    one with the model's own forward, one with the step, fed the forward's greedy tokens.  Returns
+    (the largest gap between their logits / max|logits|, the forward's cache, the step's cache,
+    the positions written)."""
+    from transformers import DynamicCache
+
+    step = decode_step_for(model)
+    g = Generator(model, _NoText())
+    ids = prompt()
+    worst = 0.0
+
+    def cache():
+        return g.new_cache(48) if kind == "static" else DynamicCache(config=model.config)
+
+    with torch.inference_mode():
+        ca, cb = cache(), cache()
+        tok = int(g.prefill(ids, ca).argmax())
+        g.prefill(ids, cb)
+        for pos in range(len(ids), len(ids) + steps):
+            want = own_forward(model, tok, pos, ca)
+            assert step.accepts(cb)
+            got = step.step(tok, pos, cb)[0]
+            worst = max(worst, (got - want).abs().max().item() / want.abs().max().item())
+            tok = int(want.argmax())
+    return worst, ca, cb, len(ids) + steps

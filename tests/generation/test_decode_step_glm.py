@@ -25,12 +25,10 @@ import pytest
 import torch
 
 import ktransformers
-from ktransformers.generation import Generator
-from ktransformers.generation.decode_step import DecodeStep, decode_step_for
+from ktransformers.generation.decode_step import DecodeStep
 from ktransformers.util.tiny_models import write_tiny_model
 
-from .step_checks import check_greedy_against_transformers, own_forward, prompt
-from .test_invariance import _NoText
+from .step_checks import check_greedy_against_transformers, step_against_own_forward
 
 RULES = Path(ktransformers.__file__).parent / "optimize_rules"
 CASES = {
@@ -58,9 +56,6 @@ def pair(case: str, root: Path):
     return _MODELS[case]
 
 
-_prompt, _own = prompt, own_forward
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_step_serves_glm4_moe(case, root):
     _, model = pair(case, root)
@@ -84,33 +79,12 @@ def test_the_step_serves_glm4_moe(case, root):
 @pytest.mark.parametrize("kind", ["static", "dynamic"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_step_equals_the_models_own_forward(case, kind, root):
-    from transformers import DynamicCache
-
-    _, model = pair(case, root)
-    step = decode_step_for(model)
-    g = Generator(model, _NoText())
-    ids = _prompt()
-    worst = 0.0
-
-    def cache():
-        return g.new_cache(48) if kind == "static" else DynamicCache(config=model.config)
-
-    with torch.inference_mode():
-        ca, cb = cache(), cache()
-        tok = int(g.prefill(ids, ca).argmax())
-        g.prefill(ids, cb)
-        for pos in range(len(ids), len(ids) + 20):
-            want = _own(model, tok, pos, ca)
-            assert step.accepts(cb)
-            got = step.step(tok, pos, cb)[0]
-            worst = max(worst, (got - want).abs().max().item() / want.abs().max().item())
-            tok = int(want.argmax())
-        n = len(ids) + 20
-        for la, lb in zip(ca.layers, cb.layers):  # keys (partially roped) and values as the attention writes them
-            for a, b in ((la.keys, lb.keys), (la.values, lb.values)):
-                a, b = a[:, :, :n], b[:, :, :n]
-                assert a.shape == b.shape
-                assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * a.abs().max().item())
+    worst, ca, cb, n = step_against_own_forward(pair(case, root)[1], kind)
+    for la, lb in zip(ca.layers, cb.layers):  # keys (partially roped) and values as the attention writes them
+        for a, b in ((la.keys, lb.keys), (la.values, lb.values)):
+            a, b = a[:, :, :n], b[:, :, :n]
+            assert a.shape == b.shape
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * a.abs().max().item())
     assert worst <= 1e-5, f"{case}/{kind}: the step is off the model's own forward by {worst:.2e} x max|logits|"
 
 
