@@ -34,18 +34,8 @@ from ktransformers.util.tiny_models import write_tiny_model
 from .step_checks import check_greedy_against_transformers, prompt, step_against_own_forward
 from .test_invariance import _NoText
 
-RULES = Path(ktransformers.__file__).parent / "optimize_rules"
-YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
-        "mscale": 1.0, "mscale_all_dim": 0.707, "rope_theta": 10000.0}
-CASES = {
-    "v3": ("deepseek_v3", "DeepSeek-V3-Chat-cpu.yaml", {}),
-    "v2": ("deepseek_v2", "DeepSeek-V2-Lite-Chat-cpu.yaml", {}),
-    "v3_noqlora_yarn_halfrope": ("deepseek_v3", "Moonlight-16B-A3B-cpu.yaml",
-                                 dict(q_lora_rank=None, rope_interleave=False, rope_scaling=YARN)),
-    "v2_qlora_yarn_glg": ("deepseek_v2", "DeepSeek-V2-Chat-cpu.yaml",
-                          dict(q_lora_rank=16, rope_scaling=YARN, topk_method="group_limited_greedy", n_group=4,
-                               topk_group=2, routed_scaling_factor=16.0)),
-}
+# the tiny MLA variants (V2, V3, Moonlight-like, V2-Chat-like) and their rule files: one table
+from tests.operators.test_mla_attention import CASES, RULES  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
