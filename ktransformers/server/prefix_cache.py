@@ -85,22 +85,46 @@ def chain_root(fingerprint: str, page_size: int) -> bytes:
     return hashlib.blake2b(f"ktkv/{FORMAT_VERSION}/{fingerprint}/{page_size}".encode(), digest_size=16).digest()
 
 
-def page_key(parent: bytes, tokens) -> bytes:
-    """Key of a page from its parent's key and its own token ids (int64, little endian)."""
+def page_key(parent: bytes, tokens, salt: bytes = b"") -> bytes:
+    """Key of a page from its parent's key, its own token ids (int64, little endian) and its
+    ``salt``: what the token ids do not say about the page's K/V (its pictures, :func:`image_salts`;
+    empty for text, whose keys are then those of a cache without pictures)."""
     h = hashlib.blake2b(parent, digest_size=16)
     a = array("q", tokens)
     if a.itemsize != 8 or struct.pack("=q", 1) != struct.pack("<q", 1):  # pragma: no cover - exotic platforms
         a = array("q", [int(t) for t in tokens])
         a.byteswap()
     h.update(a.tobytes())
+    if salt:  # after a fixed-length token block: no salt can pose as tokens
+        h.update(salt)
     return h.digest()
 
 
-def page_keys(root: bytes, token_ids, page_size: int, n_pages: int) -> list[bytes]:
-    """Keys of the first ``n_pages`` full pages of ``token_ids``."""
+def image_salts(images, page_size: int, n_pages: int) -> list[bytes]:
+    """Per page, the salt of its image tokens: for each picture whose token span ``[start, end)``
+    meets the page, the picture's content digest and the span.  ``images``: ``[(start, end,
+    digest)]`` (multimodal/prompt.py ``VisionInputs.spans``).  An image token's K/V depends on its
+    picture's pixels, which its placeholder id does not carry; text before the first picture gets
+    no salt, so its pages are those of the same text without pictures."""
+    salts = [b""] * n_pages
+    for start, end, digest in images or ():
+        if not (0 <= start < end) or not isinstance(digest, bytes) or not digest:
+            raise ValueError(f"image span [{start}, {end}) with digest {digest!r}: need 0 <= start < end "
+                             "and a non-empty bytes digest")
+        for i in range(start // page_size, min(n_pages, -(-end // page_size))):
+            salts[i] += digest + struct.pack("<qq", start, end)
+    return salts
+
+
+def page_keys(root: bytes, token_ids, page_size: int, n_pages: int, images=None) -> list[bytes]:
+    """Keys of the first ``n_pages`` full pages of ``token_ids`` (``images``: :func:`image_salts`)."""
+    return _chain(root, token_ids, page_size, image_salts(images, page_size, n_pages))
+
+
+def _chain(root: bytes, token_ids, page_size: int, salts: list[bytes]) -> list[bytes]:
     keys, parent = [], root
-    for i in range(n_pages):
-        parent = page_key(parent, token_ids[i * page_size:(i + 1) * page_size])
+    for i in range(len(salts)):
+        parent = page_key(parent, token_ids[i * page_size:(i + 1) * page_size], salts[i])
         keys.append(parent)
     return keys
 
@@ -209,14 +233,15 @@ def payload_checksum(payload: Payload) -> str:
 
 
 def write_page_file(path: Path, payload: Payload, *, fingerprint: str, page_size: int, key: bytes,
-                    parent: bytes, tokens) -> int:
+                    parent: bytes, tokens, salt: bytes = b"") -> int:
     """Write one page atomically (temporary file + rename: a crash leaves no half file under
     ``path``); returns its size.
 
     The file is safetensors: its JSON header lists every tensor's dtype, shape and offsets, and
     its ``__metadata__`` holds ``format`` (the magic, ``ktransformers.kv_page``),
     ``format_version``, ``fingerprint``, ``page_size``, ``key`` / ``parent`` (hex chain keys),
-    ``tokens`` (the page's token ids, JSON) and ``checksum`` (:func:`payload_checksum`).  No
+    ``tokens`` (the page's token ids, JSON), ``salt`` (hex, only on a page with image tokens: see
+    :func:`page_key`) and ``checksum`` (:func:`payload_checksum`).  No
     fsync: after a power loss a file may hold garbage, which the checksum catches at load.
     """
     from safetensors.torch import save
@@ -224,6 +249,8 @@ def write_page_file(path: Path, payload: Payload, *, fingerprint: str, page_size
     meta = {"format": FILE_MAGIC, "format_version": str(FORMAT_VERSION), "fingerprint": fingerprint,
             "page_size": str(page_size), "key": key.hex(), "parent": parent.hex(),
             "tokens": json.dumps([int(t) for t in tokens]), "checksum": payload_checksum(payload)}
+    if salt:
+        meta["salt"] = salt.hex()
     data = save({k: v.detach().contiguous().cpu() for k, v in payload.items()}, metadata=meta)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
@@ -280,11 +307,12 @@ def check_page_header(header: dict, *, fingerprint: str, page_size: int, key: by
         tokens = json.loads(meta["tokens"])
         parent = bytes.fromhex(meta["parent"])
         stored_key = bytes.fromhex(meta["key"])
+        salt = bytes.fromhex(meta.get("salt", ""))
     except (KeyError, ValueError, TypeError):
-        raise PageFileError("metadata lacks tokens/parent/key") from None
+        raise PageFileError("metadata lacks tokens/parent/key (or has a bad salt)") from None
     if not isinstance(tokens, list) or len(tokens) != page_size:
         raise PageFileError("metadata tokens do not fill one page")
-    if page_key(parent, tokens) != stored_key or (key is not None and stored_key != key):
+    if page_key(parent, tokens, salt) != stored_key or (key is not None and stored_key != key):
         raise PageFileError("key does not match the page's tokens (renamed or tampered file)")
     return meta
 
@@ -402,7 +430,7 @@ class PrefixCache:
         self._pending: dict[bytes, Payload] = {}  # bound for disk, file not written yet
         self._writes: queue.Queue = queue.Queue()
         self._writer: threading.Thread | None = None
-        self._meta: dict[bytes, tuple[bytes, tuple]] = {}  # key -> (parent key, tokens), for spills
+        self._meta: dict[bytes, tuple[bytes, tuple, bytes]] = {}  # key -> (parent key, tokens, salt), for spills
         self._page_bytes: int | None = getattr(pool, "page_bytes", None)
         self._tiers = {t: _TierStats() for t in TIERS}
         self.lookups = 0
@@ -419,8 +447,10 @@ class PrefixCache:
             self._writer.start()
 
     # ---- public ------------------------------------------------------------------------
-    def match(self, token_ids) -> tuple[list[int], int, dict]:
-        """Longest cached prefix of full pages, leaving at least one token to prefill.
+    def match(self, token_ids, images=None) -> tuple[list[int], int, dict]:
+        """Longest cached prefix of full pages, leaving at least one token to prefill.  ``images``:
+        the prompt's pictures, ``[(start, end, digest)]`` (:func:`image_salts`): a page with image
+        tokens matches only a page made with the same pictures at the same places.
 
         Returns ``(pages, n_tokens, {"device": n, "ram": n, "disk": n})``: pool pages holding the
         first ``n_tokens`` tokens, each incref'd for the caller (release them with the sequence).
@@ -431,7 +461,8 @@ class PrefixCache:
         with self._lock:
             self.lookups += 1
             self.lookup_tokens += len(token_ids)
-            keys = page_keys(self._root, token_ids, self.page_size, n_max)
+            salts = image_salts(images, self.page_size, n_max)
+            keys = _chain(self._root, token_ids, self.page_size, salts)
             pages: list[int] = []
             parent = self._root
             for i, key in enumerate(keys):
@@ -441,7 +472,8 @@ class PrefixCache:
                     tier = "device"
                 else:
                     self._tiers["device"].misses += 1
-                    page, tier = self._promote(key, parent, token_ids[i * self.page_size:(i + 1) * self.page_size])
+                    page, tier = self._promote(key, parent, token_ids[i * self.page_size:(i + 1) * self.page_size],
+                                               salts[i])
                     if page is None:
                         break
                 pages.append(page)
@@ -454,19 +486,22 @@ class PrefixCache:
             self.matched_tokens += n
         return pages, n, from_tier
 
-    def insert(self, token_ids, pages) -> None:
+    def insert(self, token_ids, pages, images=None) -> None:
         """Index the full pages of a sequence: ``pages`` hold the K/V of ``token_ids`` in order
         (pass exactly the tokens whose K/V are written, e.g. ``runner.seq_len`` of them; a token
         sampled but not yet run through the model must not be included), before the sequence
         releases them.  Pages already cached under the same key keep the existing copy; new ones
         are incref'd by the cache.  Call it (and :meth:`match`) from the one thread that drives
-        the pool: the pool calls back into :meth:`release` from ``alloc``."""
+        the pool: the pool calls back into :meth:`release` from ``alloc``.  ``images``: as for
+        :meth:`match`."""
         n = min(len(token_ids) // self.page_size, len(pages))
         with self._lock:
-            keys = page_keys(self._root, token_ids, self.page_size, n)
+            salts = image_salts(images, self.page_size, n)
+            keys = _chain(self._root, token_ids, self.page_size, salts)
             parent = self._root
             for i, (key, page) in enumerate(zip(keys, pages)):
-                self._meta.setdefault(key, (parent, tuple(token_ids[i * self.page_size:(i + 1) * self.page_size])))
+                self._meta.setdefault(key, (parent, tuple(token_ids[i * self.page_size:(i + 1) * self.page_size]),
+                                            salts[i]))
                 parent = key
                 if key in self._device or page in self._page_key:
                     continue
@@ -577,7 +612,7 @@ class PrefixCache:
         if key not in self._device and key not in self._ram and key not in self._disk and key not in self._pending:
             self._meta.pop(key, None)
 
-    def _promote(self, key: bytes, parent: bytes, tokens) -> tuple[int | None, str]:
+    def _promote(self, key: bytes, parent: bytes, tokens, salt: bytes) -> tuple[int | None, str]:
         """A RAM or disk copy of ``key`` written into a new pool page (held by the caller and indexed)."""
         payload, tier = self._ram.get(key), "ram"
         if payload is None:
@@ -595,7 +630,7 @@ class PrefixCache:
         self.pool.write_page(page, payload)
         # a disk hit is not kept in RAM here: its buffer would be fresh memory for every page,
         # and faulting it in cost more than reading the file; releasing the page spills it
-        self._meta.setdefault(key, (parent, tuple(tokens)))
+        self._meta.setdefault(key, (parent, tuple(tokens), salt))
         self.pool.incref(page)
         self._device[key] = page
         self._page_key[page] = key
@@ -675,7 +710,8 @@ class PrefixCache:
         if payload is not None and meta is not None:
             try:
                 size = write_page_file(self._path(key), payload, fingerprint=self.fingerprint,
-                                       page_size=self.page_size, key=key, parent=meta[0], tokens=meta[1])
+                                       page_size=self.page_size, key=key, parent=meta[0], tokens=meta[1],
+                                       salt=meta[2])
             except OSError as e:
                 log.warning("prefix cache: could not write a page under %s (%s); disk tier skipped for it",
                             self.disk_dir, e.strerror or e)
@@ -747,11 +783,11 @@ class PrefixCache:
                 self._drop_file(path, f"unreadable ({e.strerror or e})")
                 continue
             found.append((st.st_mtime_ns, key, st.st_size, bytes.fromhex(meta["parent"]),
-                          tuple(json.loads(meta["tokens"]))))
-        for _, key, size, parent, tokens in sorted(found):
+                          tuple(json.loads(meta["tokens"])), bytes.fromhex(meta.get("salt", ""))))
+        for _, key, size, parent, tokens, salt in sorted(found):
             self._disk[key] = size
             self._disk_used += size
-            self._meta[key] = (parent, tokens)
+            self._meta[key] = (parent, tokens, salt)
         self._evict_disk()
         if found:
             log.info("prefix cache: %d page(s), %.1f MiB on disk under %s", len(self._disk),

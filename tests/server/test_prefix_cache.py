@@ -399,3 +399,127 @@ def test_disk_writes_leave_the_caller_and_pending_pages_still_hit(tmp_path, monk
     gate.set()
     cache.close()
     assert len(list(tmp_path.glob("*" + FILE_SUFFIX))) == 2 and cache.stats()["pending_writes"] == 0
+
+
+# ---- pictures: image tokens are keyed on their picture's content digest ----------------------------
+
+PIC_A, PIC_B = bytes(range(32)), bytes(range(1, 33))  # two content digests (multimodal VisionInputs.spans)
+
+
+def run_with_images(cache, pool, tokens, images, insert=True):
+    pages, n, tiers = cache.match(tokens, images=images)
+    seq = prefill(pool, tokens, pages, n)
+    if insert:
+        cache.insert(tokens, seq, images=images)
+    release(pool, seq)
+    return n, tiers
+
+
+def test_image_pages_hit_only_the_same_picture_and_text_before_it_is_shared():
+    pool = FakePool(64, PS)
+    cache = PrefixCache(pool, fingerprint=FP, page_size=PS)
+    t = toks(23, 6)  # a picture's tokens at 6..14: pages 1, 2, 3 hold image tokens, page 0 only text
+    assert run_with_images(cache, pool, t, [(6, 15, PIC_A)])[0] == 0
+    assert run_with_images(cache, pool, t, [(6, 15, PIC_A)], insert=False)[0] == 20   # all but the last token
+    assert run_with_images(cache, pool, t, [(6, 15, PIC_B)], insert=False)[0] == 4    # stops before token 6
+    assert run_with_images(cache, pool, t, None, insert=False)[0] == 4                # the same ids as text
+    assert run_with_images(cache, pool, t, [(7, 15, PIC_A)], insert=False)[0] == 4    # the picture elsewhere
+    # text first, then the same text with a picture from token 9 on: the text pages before it hit
+    u = toks(23, 7)
+    assert run_with_images(cache, pool, u, None)[0] == 0
+    assert run_with_images(cache, pool, u, [(9, 15, PIC_A)], insert=False)[0] == 8
+    # two pictures, the second one differs: the hit ends at the page holding its first token
+    two = [(2, 6, PIC_A), (10, 14, PIC_A)]
+    assert run_with_images(cache, pool, t, two)[0] == 0  # page 0 holds image tokens now
+    assert run_with_images(cache, pool, t, two, insert=False)[0] == 20
+    assert run_with_images(cache, pool, t, [(2, 6, PIC_A), (10, 14, PIC_B)], insert=False)[0] == 8
+    root = chain_root(FP, PS)
+    assert page_keys(root, t, PS, 5, [(6, 15, PIC_A)])[0] == page_keys(root, t, PS, 5)[0]
+    assert all(x != y for x, y in zip(page_keys(root, t, PS, 5, [(6, 15, PIC_A)])[1:],
+                                       page_keys(root, t, PS, 5, [(6, 15, PIC_B)])[1:]))
+    cache.clear_device()
+    assert pool.free_count() == pool.num_pages
+
+
+def test_image_pages_survive_a_restart_on_disk_and_keep_their_picture(tmp_path, caplog):
+    t = toks(17, 8)
+    images = [(5, 11, PIC_A)]  # pages 1 and 2 hold image tokens
+    pool = FakePool(16, PS)
+    cache = PrefixCache(pool, fingerprint=FP, page_size=PS, disk_dir=tmp_path, disk_bytes=10 ** 9)
+    run_with_images(cache, pool, t, images)
+    cache.close()
+    keys = [k.hex() for k in page_keys(chain_root(FP, PS), t, PS, 4, images)]
+    meta = [json.loads((tmp_path / f"{k}{FILE_SUFFIX}").read_bytes()[8:][:int.from_bytes(
+        (tmp_path / f"{k}{FILE_SUFFIX}").read_bytes()[:8], "little")])["__metadata__"] for k in keys]
+    assert "salt" not in meta[0] and all("salt" in m for m in meta[1:3]) and "salt" not in meta[3]
+    pool = FakePool(16, PS)
+    cache = PrefixCache(pool, fingerprint=FP, page_size=PS, disk_dir=tmp_path, disk_bytes=10 ** 9)
+    assert run_with_images(cache, pool, t, [(5, 11, PIC_B)], insert=False)[0] == 4
+    # page 0 came to the device with the lookup above; the picture's pages come from disk
+    assert run_with_images(cache, pool, t, images, insert=False) == (16, {"device": 1, "ram": 0, "disk": 3})
+    cache.close()
+    # an image page's file without its salt claims a key its tokens do not give: refused and deleted
+    victim = tmp_path / f"{keys[1]}{FILE_SUFFIX}"
+
+    def drop_salt(header):
+        del header["__metadata__"]["salt"]
+    victim.write_bytes(_rewrite_header(victim.read_bytes(), drop_salt))
+    pool = FakePool(16, PS)
+    with caplog.at_level(logging.WARNING, logger="ktransformers.server"):
+        cache = PrefixCache(pool, fingerprint=FP, page_size=PS, disk_dir=tmp_path, disk_bytes=10 ** 9)
+    assert not victim.exists() and any("key does not match" in r.getMessage() for r in caplog.records)
+    assert run_with_images(cache, pool, t, images, insert=False)[0] == 4
+
+
+@pytest.mark.parametrize("span, why", [((-1, 4, PIC_A), "image span"), ((4, 4, PIC_A), "image span"),
+                                       ((5, 2, PIC_A), "image span"), ((0, 4, b""), "non-empty bytes digest"),
+                                       ((0, 4, "ab"), "non-empty bytes digest")])
+def test_bad_image_spans_are_one_line_errors(span, why):
+    cache = PrefixCache(FakePool(8, PS), fingerprint=FP, page_size=PS)
+    with pytest.raises(ValueError, match=why):
+        cache.match(toks(9), images=[span])
+
+
+def test_fuzz_image_spans_never_share_a_page_with_another_picture():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from ktransformers.server.prefix_cache import image_salts
+
+    root = chain_root(FP, PS)
+    t = toks(40, 9)
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.lists(st.tuples(st.integers(0, 39), st.integers(1, 12), st.binary(min_size=1, max_size=32)),
+                    min_size=1, max_size=3), st.integers(0, 2), st.binary(min_size=1, max_size=32))
+    def check(raw, which, other):
+        spans = [(a, min(40, a + n), d) for a, n, d in raw]
+        spans = [s for s in spans if s[0] < s[1]]
+        if not spans:
+            return
+        which %= len(spans)
+        a, b, d = spans[which]
+        if other == d:
+            return
+        changed = list(spans)
+        changed[which] = (a, b, other)
+        k1, k2 = page_keys(root, t, PS, 10, spans), page_keys(root, t, PS, 10, changed)
+        first = a // PS
+        assert k1[:first] == k2[:first]            # pages before the changed picture are shared
+        assert all(x != y for x, y in zip(k1[first:], k2[first:]))  # from its first token's page on, none
+        salts = image_salts(spans, PS, 10)
+        assert all(s == b"" for i, s in enumerate(salts)
+                   if not any(x // PS <= i < -(-y // PS) for x, y, _ in spans))
+
+    check()
+
+    @settings(max_examples=100, deadline=None)
+    @given(st.integers(-5, 50), st.integers(-5, 50), st.one_of(st.binary(max_size=4), st.text(max_size=4),
+                                                              st.none(), st.integers()))
+    def bad(a, b, d):
+        if 0 <= a < b and isinstance(d, bytes) and d:
+            return
+        with pytest.raises(ValueError, match="image span"):
+            image_salts([(a, b, d)], PS, 10)
+
+    bad()
