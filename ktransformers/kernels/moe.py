@@ -11,7 +11,11 @@ from .pool import CPUInfer, cpu_infer
 #: the MoE backends by name (their C++ ids): ``llamafile`` reads the weights in place in their stored
 #: type, each of the others packs a copy at load (``PACKED_BACKENDS``)
 BACKENDS = {"llamafile": 0, "AMXInt8": 1, "AMXBF16": 2, "AMXInt4": 3, "AMXInt4_1": 4}
-PACKED_BACKENDS = tuple(b for b in BACKENDS if b != "llamafile")
+IN_PLACE_BACKEND = "llamafile"
+PACKED_BACKENDS = tuple(b for b in BACKENDS if b != IN_PLACE_BACKEND)
+#: the backends whose weights the LoRA forward / backward kernels (``moe_train.MoETrainKernel``) read;
+#: the int4 ones have no such kernel
+LORA_BACKENDS = (IN_PLACE_BACKEND, "AMXInt8", "AMXBF16")
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "clamp_swiglu": 2, "clamp_silu": 3}
 
 
@@ -62,7 +66,7 @@ class MoEKernel:
                   _bias(down_bias, (E, H), "down_bias"))
         pre = 0
         if prepacked is not None:
-            if backend == "llamafile":
+            if backend == IN_PLACE_BACKEND:
                 raise ValueError("prepacked: the llamafile backend reads the weights in place; nothing is packed")
             pre, pdt, _ = _desc(prepacked, "prepacked")
             if pdt != "uint8":
@@ -75,7 +79,7 @@ class MoEKernel:
             raise ValueError(f"prepacked: {n} bytes, this layer's {backend} copy takes a different size")
         # zero-copy: the kernel reads these in place (llamafile weights; biases on every backend); the
         # packed backends hold their own requantized copy (or read `prepacked`), so the source weights can go
-        keep = (gate, up, down) if backend == "llamafile" else ()
+        keep = (gate, up, down) if backend == IN_PLACE_BACKEND else ()
         self._weights = (*keep, gate_bias, up_bias, down_bias, prepacked)
 
     @classmethod

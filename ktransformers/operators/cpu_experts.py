@@ -22,28 +22,25 @@ from __future__ import annotations
 import torch
 
 from .. import kernels as K
-from ..kernels.moe import BACKENDS
+from ..kernels.moe import BACKENDS, IN_PLACE_BACKEND, LORA_BACKENDS
 from ..weights.source import EXPERT_PROJS
 from .base import KwargSpec
 from .cpu_threads import kernel_pool
 from .experts import ExpertsOp
-from .formats import PACKED, RAW, kernel_format, read_for_kernel, stored_type
+from .formats import PACKED, RAW, kernel_backend, kernel_format, read_for_kernel, stored_type
 from .registry import register
-
-#: backends whose weights the LoRA forward / backward kernels (``kernels.MoETrainKernel``) read
-LORA_BACKENDS = ("llamafile", "AMXInt8", "AMXBF16")
 
 
 @register("KExpertsCPU")
 class KExpertsCPU(ExpertsOp):
     device_kinds = ("cpu",)
     extra_kwargs = {
-        "backend": KwargSpec((str,), "llamafile", " | ".join(BACKENDS)),
+        "backend": KwargSpec((str,), IN_PLACE_BACKEND, " | ".join(BACKENDS)),
     }
 
     @classmethod
     def validate_kwargs(cls, kwargs: dict):
-        b = kwargs.get("backend", "llamafile")
+        b = kwargs.get("backend", IN_PLACE_BACKEND)
         if b not in BACKENDS:
             import difflib
 
@@ -54,9 +51,9 @@ class KExpertsCPU(ExpertsOp):
 
     @classmethod
     def decide_format(cls, weights, name, dtype, kwargs):
-        return kernel_format(stored_type(weights, name), dtype, kwargs.get("backend", "llamafile"))
+        return kernel_format(stored_type(weights, name), dtype, kwargs.get("backend", IN_PLACE_BACKEND))
 
-    def __init__(self, key, config, orig_module, device, backend: str = "llamafile", **kwargs):
+    def __init__(self, key, config, orig_module, device, backend: str = IN_PLACE_BACKEND, **kwargs):
         super().__init__(key, config, orig_module, device, backend=backend, **kwargs)
         self.backend = backend
         self.kernel = None
@@ -71,11 +68,12 @@ class KExpertsCPU(ExpertsOp):
         else:
             arrays = {p: read_for_kernel(weights, f"{self.key}.{p}", fmt) for p, fmt in fmts.items()}
         types = {p: fmt.read.type for p, fmt in fmts.items()}
+        backend = kernel_backend(fmts["gate_proj"])  # the plan's: the rule's backend, decided once
         packed = fmts["gate_proj"].kind == PACKED
         b = self.biases(weights, torch.float32) or {}
         self._biases = b  # the kernel reads them in place
         self.pool = kernel_pool()
-        args = (self.pool, self.backend, self.num_experts, self.hidden, self.intermediate,
+        args = (self.pool, backend, self.num_experts, self.hidden, self.intermediate,
                 arrays["gate_proj"], arrays["up_proj"], arrays["down_proj"],
                 types["gate_proj"], types["up_proj"], types["down_proj"])
         kw = dict(activation=self._kernel_activation(), alpha=self.alpha, limit=self.limit,
@@ -91,7 +89,7 @@ class KExpertsCPU(ExpertsOp):
         except (ValueError, TypeError) as e:
             from ..errors import WeightError
 
-            raise WeightError(f"{weights.path}: {self.key}: the {self.backend} CPU kernel cannot take these "
+            raise WeightError(f"{weights.path}: {self.key}: the {backend} CPU kernel cannot take these "
                               f"weights: {e}") from None
         # the llamafile kernel reads them in place; the packed backends keep their own copy (then
         # dropping these frees a float copy of every expert: the peak RSS of a bf16 checkpoint's load)

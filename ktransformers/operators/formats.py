@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import WeightError
-from ..kernels.moe import PACKED_BACKENDS
+from ..kernels.moe import IN_PLACE_BACKEND, PACKED_BACKENDS
 from ..weights.ggml_types import BY_NAME, TYPES, GGMLType
 
 RAW, FLOAT, PACKED, FP8 = "raw", "float", "packed", "fp8"
@@ -89,7 +89,7 @@ def stored_type(weights, name: str) -> GGMLType | None:
     return raw.type if raw is not None else None
 
 
-def kernel_format(stored: GGMLType | None, dtype: torch.dtype, backend: str = "llamafile") -> WeightFormat:
+def kernel_format(stored: GGMLType | None, dtype: torch.dtype, backend: str = IN_PLACE_BACKEND) -> WeightFormat:
     """The CPU kernels' format of a weight stored as ``stored`` (:func:`stored_type`): its raw
     blocks where the kernels compute on the type, else a float copy (F32 for an fp32 model, else
     BF16); packed from either by a packing ``backend``."""
@@ -98,6 +98,12 @@ def kernel_format(stored: GGMLType | None, dtype: torch.dtype, backend: str = "l
     else:
         fmt = float_format(torch.float32 if dtype == torch.float32 else torch.bfloat16)
     return WeightFormat(PACKED, backend=backend, source=fmt) if backend in PACKED_BACKENDS else fmt
+
+
+def kernel_backend(fmt: WeightFormat) -> str:
+    """The MoE kernel backend that computes on a weight held as ``fmt`` (a :func:`kernel_format`):
+    the packing backend of a packed format, else the one that reads the blocks or copy in place."""
+    return fmt.backend if fmt.kind == PACKED else IN_PLACE_BACKEND
 
 
 def read_for_kernel(weights, name: str, fmt: WeightFormat):

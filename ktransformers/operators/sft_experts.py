@@ -24,7 +24,8 @@ from torch.autograd.function import once_differentiable
 
 from ..errors import RuleError
 from .base import KwargSpec
-from .cpu_experts import LORA_BACKENDS, KExpertsCPU
+from ..kernels.moe import IN_PLACE_BACKEND, LORA_BACKENDS
+from .cpu_experts import KExpertsCPU
 from .experts import KTransformersExperts
 from .registry import register
 
@@ -78,7 +79,7 @@ class KSFTExpertsCPU(KTransformersExperts):
                                                      "instead of keeping them (T*k*2I floats per layer)")}
 
     def __init__(self, key, gguf_loader=None, config=None, orig_module=None, **kwargs):
-        backend = kwargs.get("backend", "llamafile")
+        backend = kwargs.get("backend", IN_PLACE_BACKEND)
         if backend not in TRAIN_BACKENDS:
             raise RuleError(f"{key}: KSFTExpertsCPU has no backward for backend '{backend}'; "
                             f"use {', '.join(TRAIN_BACKENDS)}")
