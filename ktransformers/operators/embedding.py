@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import BaseInjectedModule, Op
-from .formats import FLOAT, float_format, raw_format, stored_blocks
+from .formats import FLOAT, float_format, raw_format, stored_blocks, stored_type
 from .kinds import EMBEDDING
 from .registry import register
 
@@ -68,8 +68,8 @@ class KEmbeddingQuant(EmbeddingOp):
     @classmethod
     def decide_format(cls, weights, name, dtype, kwargs):
         """Any stored ggml type stays as stored; a float source (or FP8 blocks) is the table as loaded."""
-        raw = weights.raw(name)
-        return raw_format(raw.type) if raw is not None and raw.type is not None else float_format(dtype)
+        stored = stored_type(weights, name)
+        return raw_format(stored) if stored is not None else float_format(dtype)
 
     def load(self, weights, dtype):
         from ..weights.dequant import block_dequantizer

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..weights.dequant import dequantize
-from .formats import FLOAT, float_format, raw_format, stored_blocks
+from .formats import FLOAT, float_format, raw_format, stored_blocks, stored_type
 from .linear import LinearOp
 from .registry import register
 
@@ -27,10 +27,8 @@ class KLinearGPUQ(LinearOp):
     @classmethod
     def decide_format(cls, weights, name, dtype, kwargs):
         """Stored ggml blocks stay blocks; a weight stored as plain elements (or FP8) is a dense copy."""
-        raw = weights.raw(name)
-        if raw is not None and raw.type is not None and raw.type.quantized:
-            return raw_format(raw.type)
-        return float_format(dtype)
+        stored = stored_type(weights, name)
+        return raw_format(stored) if stored is not None and stored.quantized else float_format(dtype)
 
     def load(self, weights, dtype):
         name = f"{self.key}.weight"

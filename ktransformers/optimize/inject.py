@@ -118,6 +118,16 @@ class ModelWeights:
     def raw(self, name):
         return self.source.raw(self._name(name))
 
+    def ggml_type(self, name):
+        """The stored ggml type id of ``name`` (``formats.stored_type``), from the file's header where the
+        source can say (GGUF, FP8 over GGUF): the plan decides formats without reading a tensor."""
+        name = self._name(name)
+        probe = getattr(self.source, "ggml_type", None)
+        if callable(probe):
+            return probe(name)
+        raw = self.source.raw(name)
+        return raw.type.id if raw is not None and raw.type is not None else None
+
     def stores_parameter(self, name):
         return self.source.stores_parameter(self._name(name))
 
@@ -283,6 +293,7 @@ def load_weights(model: nn.Module, plan: Plan, source: WeightSource, progress: b
         if place is None:
             raise WeightError(f"module '{name}' has no placement (it was added after planning)")
         device = place.generate_device
+        decided = place.formats.get("generate", {})  # a plain module's own tensors: the plan's float copies
         if isinstance(module, BaseInjectedModule) and module.OPS is not None:
             try:
                 module.load(weights, module_dtype(module))
@@ -292,7 +303,7 @@ def load_weights(model: nn.Module, plan: Plan, source: WeightSource, progress: b
                 held.add(str(op.device), op.nbytes(), _held_arrays(op))
         for pname, param in list(module.named_parameters(recurse=False)):
             full = f"{name}.{pname}" if name else pname
-            dtype = param.dtype if param.is_floating_point() else None
+            dtype = _decided_dtype(decided, full, param)
             t = weights.parameter(full, dtype=dtype, device=device)
             if tuple(t.shape) != tuple(param.shape):
                 raise WeightError(
@@ -304,7 +315,7 @@ def load_weights(model: nn.Module, plan: Plan, source: WeightSource, progress: b
             full = f"{name}.{bname}" if name else bname
             persistent = bname not in module._non_persistent_buffers_set
             if persistent and weights.has(full):
-                t = weights.tensor(full, dtype=buf.dtype if buf.is_floating_point() else None, device=device)
+                t = weights.tensor(full, dtype=_decided_dtype(decided, full, buf), device=device)
             elif buf.device.type != "meta":
                 t = buf.to(device)
             else:
@@ -319,6 +330,15 @@ def load_weights(model: nn.Module, plan: Plan, source: WeightSource, progress: b
     _share_tied_weights(model, weights)
     _check_nothing_on_meta(model)
     return LoadReport(time.perf_counter() - t0, held.per_device)
+
+
+def _decided_dtype(decided: dict, full: str, t: torch.Tensor) -> torch.dtype | None:
+    """The dtype tensor ``full`` is read in: its plan format's (``plan.plain_formats``), else the
+    model's own for a float tensor the plan did not see, else as stored (integers)."""
+    fmt = decided.get(full)
+    if fmt is not None:
+        return fmt.torch_dtype
+    return t.dtype if t.is_floating_point() else None
 
 
 def _rebuild_meta_buffers(model: nn.Module, plan: Plan) -> None:

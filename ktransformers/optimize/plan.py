@@ -1,8 +1,9 @@
 """Match rules against a model's module tree and compute the placement of every module.
 
 The plan is the one source of truth: ``explain`` prints it, ``inject`` applies it and the
-loader reads devices from it.  With the weights it also holds each op's weight formats
-(``Plan.decide_formats``; ``operators/formats.py``), which the operators receive and load by.
+loader reads devices from it.  With the weights it also holds the format of every weight
+(``Plan.decide_formats``; ``operators/formats.py``): each op's, which the operators receive and
+load by, and the float copies of plain modules' tensors, which the loader makes.
 
 Placement rules:
 * a module matched by a rule gets that rule's operator, devices and ops; devices the rule
@@ -21,7 +22,8 @@ import torch
 from torch import nn
 
 from ..errors import RuleError
-from ..operators.formats import WeightFormat
+from ..operators.base import BaseInjectedModule
+from ..operators.formats import WeightFormat, float_format
 from ..operators.kinds import describe, kinds_of
 from ..operators.phases import PhaseError, Phases, decide_phases
 from .rules import Rule, load_rules
@@ -40,7 +42,8 @@ class Placement:
     kwargs: dict[str, Any] = field(default_factory=dict)  # the operator's constructor kwargs
     from_ancestor: str | None = None  # name of the matched ancestor whose placement applies
     #: phase ("generate", and "prefill" where a second op holds its own copy) -> weight name -> its
-    #: format, from ``Plan.decide_formats``; empty until the weights are known
+    #: format, from ``Plan.decide_formats``; empty until the weights are known.  A module without ops
+    #: (a plain one, or an operator that keeps the module's own tensors): its own tensors, "generate"
     formats: dict[str, dict[str, WeightFormat]] = field(default_factory=dict)
 
     @property
@@ -78,16 +81,23 @@ class Plan:
     formats_source: Any = field(default=None, repr=False, compare=False)
 
     def decide_formats(self, model: nn.Module, weights) -> None:
-        """Ask each op of each placement how it holds each of its weights (``Op.decide_format``: from
-        the stored type in ``weights`` and the rule's kwargs), once per weight source.  ``weights``:
-        a source, or ``inject.ModelWeights`` over one (tied weights resolved)."""
+        """Decide how every weight is held, once per weight source: each op of each placement is asked
+        for each of its weights (``Op.decide_format``: from the stored type in ``weights``' header and
+        the rule's kwargs); a module without ops holds its own tensors as float copies in their dtype
+        in the model (what the loader reads them as).  ``weights``: a source, or
+        ``inject.ModelWeights`` over one (tied weights resolved).  Reads no tensor data."""
         source = getattr(weights, "source", weights)
         if self.formats_source is source:
             return
         modules = dict(model.named_modules())
-        for p in self.injected():
+        for p in self.placements.values():
             ph = p.phases
-            if not ph.has_ops:
+            if p.operator is None or not ph.has_ops:
+                # the loader reads the module's own tensors: a plain module's, or those an operator
+                # without ops keeps under their names (a third-party class holds what it registers)
+                keeps = p.operator is None or issubclass(p.operator, BaseInjectedModule)
+                own = plain_formats(modules[p.name], p.name, weights) if keeps and p.name in modules else {}
+                p.formats = {"generate": own} if own else {}
                 continue
             dtype = module_dtype(modules[p.name])
             ops = {"generate": ph.generate_op} if ph.shared else {"generate": ph.generate_op, "prefill": ph.prefill_op}
@@ -115,6 +125,22 @@ class Plan:
             for d in (p.generate_device, p.prefill_device):
                 seen.setdefault(str(d), d)
         return list(seen.values())
+
+
+def plain_formats(module: nn.Module, name: str, weights) -> dict[str, WeightFormat]:
+    """The formats of a plain module's own float tensors that ``weights`` hold: a float copy in the
+    tensor's dtype in the model (the loader's ``load_weights`` reads them by these)."""
+    own = list(module.named_parameters(recurse=False))
+    own += [(n, b) for n, b in module.named_buffers(recurse=False) if n not in module._non_persistent_buffers_set]
+    out = {}
+    for leaf, t in own:
+        full = f"{name}.{leaf}" if name else leaf
+        if t.is_floating_point() and weights.has(full):
+            try:
+                out[full] = float_format(t.dtype)
+            except ValueError:  # a float dtype no weight format names (float64): read as it is
+                continue
+    return out
 
 
 def module_dtype(module: nn.Module) -> torch.dtype:
