@@ -3,8 +3,10 @@
 One sequence, in two halves every load goes through:
 
 * :func:`plan_load`: the weights' header, the config (read once), the rules parsed once (the device
-  map rewrites the parsed rules), the model on the meta device and its plan, made once, with the
-  checks that need no weight (unmatched rules, devices, transfer maps);
+  map rewrites the parsed rules), the model on the meta device and its plan, made once, each
+  weight's format decided on it from the header (``Plan.decide_formats``), with the checks that
+  need no weight (unmatched rules, devices, transfer maps); ``explain`` reads the same plan
+  (``plan_only``: no load follows, so the devices need not be this machine's);
 * :func:`load_planned`: that plan applied (``optimize.inject(plan=)``: operators, weights, LoRA).
 
 :func:`load_model` is the two back to back; :func:`load_for_generation` (local_chat, the server,
@@ -24,7 +26,7 @@ from ..errors import ConfigError, RuleError
 from ..optimize.device_map import load_rules_mapped, parse_device_map
 from ..generation.hf_generate import use_lean_generate
 from ..optimize.inject import inject as inject_rules
-from ..optimize.inject import build_model, check_transfer_maps
+from ..optimize.inject import ModelWeights, build_model, check_transfer_maps
 from ..optimize.plan import Plan, check_devices_available, plan_model
 from ..optimize_rules import default_rule_file
 from ..weights import WeightSource, open_weights
@@ -71,13 +73,14 @@ def check_memory_plan(model, plan, source, say=lambda msg: None, context: int | 
 class PlannedLoad:
     """A load up to its plan (:func:`plan_load`), before any weight is read; :func:`load_planned` finishes it."""
 
-    source: WeightSource
+    source: WeightSource | None  # None: a plan from a config alone (``plan_only``)
     config: object
     rules: object  # the rule file (path), text or rules named, or the shipped file chosen
     rule_list: list  # the rules parsed once, after the device map
     model: torch.nn.Module  # the transformers model on the meta device
     plan: Plan  # the one plan of this load
     device: str  # where modules no rule places go
+    plan_only: bool = False  # made to be read (``explain``), not loaded: its devices were not checked
 
 
 def plan_load(
@@ -92,6 +95,7 @@ def plan_load(
     allow_unmatched: bool | None = None,
     check_config=None,
     log=None,
+    plan_only: bool = False,
 ) -> PlannedLoad:
     """The first half of every load: weights header, config, rules, the model on meta, its plan.
 
@@ -103,11 +107,20 @@ def plan_load(
     (``{"cuda": "cpu"}`` or ``"cuda=cpu"``) rewrites the parsed rules.  The plan is made once and
     checked (a rule matching nothing unless ``allow_unmatched``, which defaults to True for the
     shipped file and False for rules the caller names; devices this machine lacks; transfer maps)
-    before any weight is read.
+    before any weight is read.  With the weights, each op's weight formats are decided on the plan
+    here, from the file's header (``Plan.decide_formats``), and the operators are handed them.
+
+    ``plan_only``: the plan is to be read, not loaded (``python -m ktransformers.optimize explain``):
+    the devices the rules name need not exist on this machine (a GPU rule file explained on a
+    CPU-only one), ``weights`` may be None (the config from ``model_path``; no formats then), and
+    :func:`load_planned` refuses the result.
     """
     say = log or (lambda msg: None)
-    say(f"reading {weights} ...")
-    source = weights if isinstance(weights, WeightSource) else open_weights(weights)
+    if weights is None and not plan_only:
+        raise ConfigError("plan_load: no weights given (only a plan_only plan can be made from a config alone)")
+    if weights is not None:
+        say(f"reading {weights} ...")
+    source = weights if weights is None or isinstance(weights, WeightSource) else open_weights(weights)
     if config is None:
         config = load_config(model_path, source)
     if dtype is not None:
@@ -129,14 +142,20 @@ def plan_load(
     if unmatched and not allow_unmatched:
         r = unmatched[0]
         raise RuleError(f"{r.where()}: matches no module of {type(model).__name__} ({r.describe_match()})")
-    check_devices_available(plan)
+    if not plan_only:
+        check_devices_available(plan)
     check_transfer_maps(plan)
-    return PlannedLoad(source, config, rules, rule_list, model, plan, device)
+    if source is not None:
+        plan.decide_formats(model, ModelWeights(source, model))
+    return PlannedLoad(source, config, rules, rule_list, model, plan, device, plan_only)
 
 
 def load_planned(planned: PlannedLoad, *, progress: bool = False, lora=None) -> torch.nn.Module:
     """The second half of every load: the plan of ``planned`` applied (operators built, weights read
     onto their devices, ``lora``'s adapter applied), ``generate()`` on the lean decode step."""
+    if planned.plan_only or planned.source is None:
+        raise ValueError("load_planned: this plan was made plan_only (for explain): its devices were not "
+                         "checked; make it with plan_load(weights, ...) to load it")
     return inject(planned.model, planned.rule_list, planned.source, default_device=planned.device,
                   allow_unmatched=True, progress=progress, lora=lora, plan=planned.plan)
 

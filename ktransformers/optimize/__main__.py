@@ -47,19 +47,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _explain(args) -> int:
-    from ..weights.model_config import load_config
-    from ..weights import open_weights
+    """The plan of a load (``loading.plan_load``, the one every load makes), made to be read: no weight
+    is read and the devices need not be this machine's, so a GPU rule file explains on a CPU-only one."""
+    from ..loading.pipeline import plan_load
     from .explain import explain_plan, format_explanation
-    from .inject import build_model
-    from .plan import plan_model
 
-    source = open_weights(args.gguf_path) if args.gguf_path else None
-    config = load_config(args.model_path, source)
-    model = build_model(config)
-    from .device_map import load_rules_mapped
-
-    plan = plan_model(model, load_rules_mapped(args.rules, args.device_map), args.device)
-    ex = explain_plan(model, plan, source, context=args.context)
+    planned = plan_load(args.gguf_path, args.model_path, args.rules, device=args.device,
+                        device_map=args.device_map, allow_unmatched=True, plan_only=True)
+    model, plan = planned.model, planned.plan
+    ex = explain_plan(model, plan, planned.source, context=args.context)
     print(format_explanation(ex, compact=args.compact))
     if ex.unmatched and not args.allow_unmatched:
         bad = [plan.rules[i] for i in ex.unmatched]

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..operators.formats import RAW
+from ..operators.formats import RAW, stored_type
 from .plan import Plan
 
 
@@ -29,6 +29,17 @@ class Row:
 
 
 @dataclass
+class TensorRow:
+    """One weight as the plan holds it (``Placement.formats``)."""
+
+    tensor: str
+    stored: str  # its ggml type in the file's header ("-": plain floats, FP8, or computed from stored values)
+    format: str  # ``WeightFormat.label``; ``… | prefill: …`` where a prefill op holds its own copy otherwise
+    devices: str  # where it is held, ``cpu`` / ``cpu+cuda:0``
+    module: str  # the module whose op (or, for a plain module, the loader) holds it
+
+
+@dataclass
 class Explanation:
     rule_counts: list[tuple[int, str, int, str]]  # (index, where, count, description)
     rows: list[Row]
@@ -37,6 +48,8 @@ class Explanation:
     notes: list[str] = field(default_factory=list)
     aliases: list[str] = field(default_factory=list)  # reference-system names used, one line each
     memory: "MemoryPlan | None" = None
+    #: every weight whose format the plan decided, in module order (empty without weights)
+    tensors: list[TensorRow] = field(default_factory=list)
 
 
 @dataclass
@@ -147,7 +160,7 @@ def explain_plan(model: nn.Module, plan: Plan, weights=None, context: int | None
     from .inject import ModelWeights, tied_weight_aliases
 
     if weights is not None:
-        plan.decide_formats(model, ModelWeights(weights, model))
+        plan.decide_formats(model, ModelWeights(weights, model))  # a plan from plan_load has them already
     owner: dict[str, str] = {}  # module name -> name of the placement row that owns its bytes
     rows: dict[str, Row] = {}
     for name, p in plan.placements.items():
@@ -218,7 +231,42 @@ def explain_plan(model: nn.Module, plan: Plan, weights=None, context: int | None
     return Explanation(counts, list(rows.values()), totals, unmatched,
                        notes=plan.absent_kind_notes() + _kv_cache_notes(model)
                        + [f"{a} is {b} (tied): counted once, under {b.rpartition('.')[0]}" for a, b in tied.items()],
-                       aliases=alias_lines(plan.rules), memory=mem)
+                       aliases=alias_lines(plan.rules), memory=mem,
+                       tensors=tensor_rows(plan, ModelWeights(weights, model)) if weights is not None else [])
+
+
+def tensor_rows(plan: Plan, weights) -> list[TensorRow]:
+    """Each weight the plan decided a format for: its stored type (from the header), the format and
+    the devices holding it (both of an op whose prefill copy lives elsewhere)."""
+    out = []
+    for name, p in plan.placements.items():
+        gen, pre = p.formats.get("generate", {}), p.formats.get("prefill", {})
+        devices = "+".join(str(d) for d in p.phases.weight_devices())
+        for tensor, fmt in gen.items():
+            label = fmt.label
+            if tensor in pre and pre[tensor] != fmt:
+                label += f" | prefill: {pre[tensor].label}"
+            stored = stored_type(weights, tensor)
+            out.append(TensorRow(tensor, stored.name if stored is not None else "-", label, devices, name))
+    return out
+
+
+def compact_tensor_rows(rows: list[TensorRow]) -> list[TensorRow]:
+    """Tensor rows that differ only in layer numbers folded into one (``model.layers.*.mlp.experts.down_proj  (x2)``)."""
+    import re
+
+    groups: dict[tuple, TensorRow] = {}
+    counts: dict[tuple, int] = {}
+    for r in rows:
+        key = (re.sub(r"\.\d+(?=\.|$)", ".*", r.tensor), r.stored, r.format, r.devices)
+        if key not in groups:
+            groups[key] = TensorRow(key[0], r.stored, r.format, r.devices, re.sub(r"\.\d+(?=\.|$)", ".*", r.module))
+            counts[key] = 0
+        counts[key] += 1
+    for key, row in groups.items():
+        if counts[key] > 1:
+            row.tensor = f"{row.tensor}  (x{counts[key]})"
+    return list(groups.values())
 
 
 def _memory_header() -> "MemoryPlan":
@@ -413,11 +461,13 @@ def format_explanation(ex: Explanation, compact: bool = False) -> str:
          r.format or "-", ", ".join(f"{d} {fmt_bytes(b)}" for d, b in sorted(r.bytes_per_device.items())) or "-")
         for r in (compact_rows(ex.rows) if compact else ex.rows)
     ]
-    widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(headers)]
-    out.append("  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip())
-    out.append("  ".join("-" * w for w in widths))
-    for row in table:
-        out.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    out += _table(headers, table)
+    if ex.tensors:
+        out.append("")
+        out.append("Weight format per tensor:")
+        out += _table(("tensor", "stored", "format", "held on"),
+                      [(r.tensor, r.stored, r.format, r.devices)
+                       for r in (compact_tensor_rows(ex.tensors) if compact else ex.tensors)])
     out.append("")
     out.append("Parameter bytes per device: " + (", ".join(
         f"{d}: {fmt_bytes(b)}" for d, b in sorted(ex.bytes_per_device.items())) or "none"))
@@ -426,3 +476,10 @@ def format_explanation(ex: Explanation, compact: bool = False) -> str:
     if ex.memory is not None:
         out += ex.memory.lines()
     return "\n".join(out)
+
+
+def _table(headers: tuple[str, ...], table: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(headers)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip(), "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
+    return out

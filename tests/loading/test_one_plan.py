@@ -116,3 +116,29 @@ def test_a_plan_of_another_model_is_refused(tiny_model_dir):
     plan = plan_mod.plan_model(inject_mod.build_model(ca), rules, "cpu")
     with pytest.raises(ValueError, match="another model"):
         inject_mod.inject(inject_mod.build_model(cb), rules, b, allow_unmatched=True, plan=plan)
+
+
+def test_explain_plans_once_through_the_load_pipeline(tiny_model_dir, calls, capsys):
+    """``python -m ktransformers.optimize explain`` makes the plan a load makes (``plan_load``), once, and
+    loads nothing: a GPU rule file on a machine without CUDA is explained, devices as written."""
+    from ktransformers.optimize.__main__ import main
+    from ktransformers.optimize_rules import RULES_DIR
+
+    d = tiny_model_dir("qwen3_moe")
+    assert main(["explain", str(RULES_DIR / "Qwen3Moe.yaml"), "--gguf_path", str(d)]) == 0
+    assert calls == {"plan_model": 1, "parse_rules": 1, "plan_load": 1, "load_planned": 0}, calls
+    out = capsys.readouterr().out
+    assert "cuda:0/KLinearTorch" in out and "Weight format per tensor:" in out
+
+
+def test_a_plan_made_to_be_read_is_not_loaded(tiny_model_dir):
+    from ktransformers.errors import ConfigError
+    from ktransformers.optimize_rules import RULES_DIR
+
+    d = tiny_model_dir("qwen3_moe")
+    planned = loading.plan_load(None, d, RULES_DIR / "Qwen3Moe.yaml", plan_only=True)  # a config alone
+    assert planned.source is None and str(planned.plan.placements["model.layers.0.self_attn"].generate_device) == "cuda:0"
+    with pytest.raises(ValueError, match="plan_only"):
+        loading.load_planned(planned)
+    with pytest.raises(ConfigError, match="no weights given"):
+        loading.plan_load(None, d)

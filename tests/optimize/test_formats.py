@@ -202,3 +202,121 @@ def test_deciding_a_format_reads_no_tensor_data(tmp_path):
 
     name = next(n for n in src.names() if "experts" in n)
     assert stored_type(NoRead(src), name) is not None
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """A tiny Qwen3-MoE GGUF of mixed types: Q4_K gate/up experts, Q6_K down experts, BF16 attention,
+    F32 norms and router, Q8_0 elsewhere."""
+    from ktransformers.convert import convert, policy
+
+    d = tmp_path_factory.mktemp("mixed")
+    write_tiny_model("qwen3_moe", d / "hf", seed=0, hidden_size=256, moe_intermediate_size=256)
+    real = policy.TypePolicy.choose
+
+    def choose(self, gguf_name, shape):
+        return "Q6_K" if ".ffn_down_exps." in gguf_name else real(self, gguf_name, shape)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(policy.TypePolicy, "choose", choose)
+        return convert(d / "hf", d / "mixed.gguf", "Q4_K", "BF16", "Q8_0", tokenizer=False)
+
+
+def _tensor_section(out: str) -> dict[str, tuple[str, ...]]:
+    """The rows of explain's per-tensor table: tensor -> (stored, format, held on)."""
+    import re
+
+    lines = out.splitlines()
+    start = lines.index("Weight format per tensor:")
+    assert re.split(r"\s{2,}", lines[start + 1].strip()) == ["tensor", "stored", "format", "held on"]
+    rows = {}
+    for line in lines[start + 3:]:
+        if not line.strip():
+            break
+        tensor, *rest = re.split(r"\s{2,}", line.strip())
+        assert tensor not in rows, tensor
+        rows[tensor] = tuple(rest)
+    return rows
+
+
+def test_explain_of_a_gpu_rule_file_on_a_cpu_machine_shows_each_tensors_format(mixed, capsys, monkeypatch):
+    """``explain`` of the shipped GPU file, on a machine without CUDA, lists every tensor of the file
+    once with its stored type (checked against gguf-py's reader), the format the plan chose and where
+    it is held."""
+    import gguf
+
+    from ktransformers.optimize_rules import RULES_DIR
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert optimize_main(["explain", str(RULES_DIR / "Qwen3Moe.yaml"), "--gguf_path", str(mixed)]) == 0
+    rows = _tensor_section(capsys.readouterr().out)
+
+    stored = {t.name: t.tensor_type.name for t in gguf.GGUFReader(mixed).tensors}
+    assert (stored["blk.0.ffn_gate_exps.weight"], stored["blk.0.ffn_down_exps.weight"], stored["blk.0.attn_q.weight"],
+            stored["blk.0.attn_norm.weight"], stored["token_embd.weight"]) == ("Q4_K", "Q6_K", "BF16", "F32", "Q8_0")
+    source = open_weights(mixed)
+    assert sorted(source.gguf_name(t) for t in rows) == sorted(stored)  # every tensor of the file, once
+    for tensor, (kind, *_) in rows.items():
+        assert kind == stored[source.gguf_name(tensor)], tensor
+
+    model_dtype = next(build_model(load_config(None, source)).parameters()).dtype
+    copy = F.float_format(model_dtype).label  # the torch ops' float copy in the model's dtype
+    for layer in range(2):
+        experts = f"model.layers.{layer}.mlp.experts"
+        assert rows[f"{experts}.gate_proj"] == rows[f"{experts}.up_proj"] == ("Q4_K", "raw Q4_K", "cpu")
+        assert rows[f"{experts}.down_proj"] == ("Q6_K", "raw Q6_K", "cpu")
+        assert rows[f"model.layers.{layer}.self_attn.q_proj.weight"] == ("BF16", copy, "cuda:0")
+        assert rows[f"model.layers.{layer}.input_layernorm.weight"] == ("F32", copy, "cuda:0")
+        assert rows[f"model.layers.{layer}.mlp.gate.weight"] == ("F32", copy, "cuda:0")
+    assert rows["model.embed_tokens.weight"] == ("Q8_0", copy, "cpu")
+    assert rows["model.norm.weight"] == ("F32", copy, "cuda:0")
+
+
+def test_each_tensor_is_loaded_in_the_format_explained(mixed, tmp_path, monkeypatch):
+    """The plan ``explain`` reads is the plan the load applies: every tensor's explained format is
+    the one its op holds, or the dtype the loader read a plain module's tensor in."""
+    from ktransformers.loading import load_planned, plan_load
+    from ktransformers.operators.base import BaseInjectedModule
+    from ktransformers.optimize_rules import RULES_DIR
+
+    monkeypatch.setenv("KT_PACKED_CACHE", str(tmp_path / "cache"))
+    rules = Path(RULES_DIR / "Qwen3Moe.yaml").read_text().replace("backend: llamafile", "backend: AMXInt8")
+    planned = plan_load(mixed, None, rules, device="cpu", device_map="cuda=cpu")
+    ex = explain_plan(planned.model, planned.plan, planned.source)
+    by_name = {r.tensor: r for r in ex.tensors}
+    assert by_name["model.layers.1.mlp.experts.down_proj"].format == "AMXInt8 packed from raw Q6_K"
+    model = load_planned(planned)
+    plain = 0
+    for r in ex.tensors:
+        module = model.get_submodule(r.module)
+        if isinstance(module, BaseInjectedModule) and module.generate_op is not None:
+            assert module.generate_op.formats[r.tensor].label == r.format, r.tensor
+        else:
+            plain += 1
+            assert F.float_format(model.get_parameter(r.tensor).dtype).label == r.format, r.tensor
+    assert plain > 0
+    experts = model.get_submodule("model.layers.1.mlp.experts").generate_op
+    assert experts.kernel.types == ("Q4_K", "Q4_K", "Q6_K") and experts.kernel.backend == "AMXInt8"
+
+
+def test_explain_decides_each_format_once_from_the_header(mixed, monkeypatch, capsys, tmp_path):
+    """One decision per expert weight per explain, and none of them reads tensor data (``raw()``)."""
+    from ktransformers.weights.gguf_source import GGUFSource
+
+    calls = []
+    real = KExpertsCPU.decide_format.__func__
+    monkeypatch.setattr(KExpertsCPU, "decide_format", classmethod(lambda cls, *a: calls.append(a[1]) or real(cls, *a)))
+
+    def no_read(self, name):
+        raise AssertionError(f"deciding a format read tensor {name}")
+
+    monkeypatch.setattr(GGUFSource, "raw", no_read)
+    rules = tmp_path / "gpuq.yaml"
+    rules.write_text(_rules(open_weights(mixed), linear="KLinearGPUQ"))
+    assert optimize_main(["explain", str(rules), "--gguf_path", str(mixed)]) == 0
+    assert len(calls) == len(set(calls)) == 3 * 2
+    rows = _tensor_section(capsys.readouterr().out)
+    assert rows["model.layers.0.self_attn.q_proj.weight"][1:] == ("float F32", "cpu")  # BF16 is not quantized: dense
+    assert rows["lm_head.weight"] == ("Q8_0", "raw Q8_0", "cpu")  # kept in its blocks, dequantized per call
+    assert rows["model.embed_tokens.weight"] == ("Q8_0", "raw Q8_0", "cpu")  # rows gathered from the blocks
