@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import QUICK, int_kernel_suffix
+from gguf_files import finish, iq_blocks_with_scales
 from ref import rel_err
 
 import ktransformers.cpuinfer_ext as ext
@@ -32,18 +33,7 @@ IQ_TYPES = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S")
 
 def iq_blocks(name: str, n_blocks: int, rng: np.random.Generator, scale: float = 0.05) -> np.ndarray:
     """Random index / sign / scale bits with a positive fp16 block scale about scale / 40."""
-    info = ggml_type_info(name)
-    b = rng.integers(0, 256, size=(n_blocks, info.block_bytes), dtype=np.uint8)
-    d = (rng.uniform(0.5, 1.5, n_blocks) * scale / 40).astype(np.float16)
-    if name == "IQ1_M":  # the fp16 scale sits in the top nibbles of the four uint16 scale words
-        bits = d.view(np.uint16).astype(np.uint32)
-        sc = b[:, 48:56].copy().view(np.uint16).astype(np.uint32) & 0x0FFF
-        for j in range(4):
-            sc[:, j] |= ((bits >> (4 * j)) & 0xF) << 12
-        b[:, 48:56] = sc.astype(np.uint16).view(np.uint8).reshape(n_blocks, 8)
-    else:
-        b[:, 0:2] = d.view(np.uint8).reshape(n_blocks, 2)
-    return b
+    return iq_blocks_with_scales(name, n_blocks, rng, lambda r, n: r.uniform(0.5, 1.5, n) * scale / 40)
 
 
 def iq_weights(name: str, shape, rng):
@@ -148,11 +138,7 @@ def _moe_file(tmp_path, E, H, I, name):
     for proj, (r, c) in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):
         raw = iq_blocks(name, E * r * c // 256, rng, scale=0.5).reshape(E, r, -1)
         w.add_tensor(f"blk.0.ffn_{proj}_exps.weight", raw, raw_dtype=gguf.GGMLQuantizationType[name])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return p
+    return finish(w, p)
 
 
 @pytest.mark.parametrize("T", (1, 9))

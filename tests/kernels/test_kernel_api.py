@@ -27,6 +27,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from gguf_files import finish
 from safetensors.torch import save_file
 
 import ktransformers.kernels as K
@@ -61,11 +62,7 @@ def write_gguf(path: Path, types=("Q4_K", "Q4_K", "Q6_K"), arch: str = "qwen3moe
             x = (rng.standard_normal(shape) * 0.05).astype(np.float32)
             data = x if qt == "F32" else quantize(x, qt).reshape(*shape[:2], -1)
             w.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", data, raw_dtype=gguf.GGMLQuantizationType[qt])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return finish(w, path)
 
 
 def gguf_experts(path: Path, layer: int) -> tuple[torch.Tensor, ...]:

@@ -13,6 +13,8 @@ import torch
 from ktransformers.errors import WeightError
 from ktransformers.weights.gguf_source import GGUFSource
 
+from gguf_files import copy_gguf
+
 from ._util import fixture_dir
 
 
@@ -62,35 +64,9 @@ def test_missing_tensor(q8):
     one_line(e, str(q8), "model.layers.7.self_attn.q_proj.weight", "not found")
 
 
-def _rewrite(src_path, dst, edit_meta=None, edit_tensor=None):
-    r = gguf.GGUFReader(src_path)
-    arch = r.fields["general.architecture"].contents()
-    w = gguf.GGUFWriter(str(dst), arch=edit_meta("general.architecture", arch) if edit_meta else arch)
-    for k, f in r.fields.items():
-        if k.startswith("GGUF.") or k == "general.architecture":
-            continue
-        val = f.contents()
-        if edit_meta:
-            val = edit_meta(k, val)
-        if f.types[0] == gguf.GGUFValueType.ARRAY:
-            w.add_array(k, val)
-        else:
-            w.add_key_value(k, val, f.types[0])
-    for t in r.tensors:
-        data, qt = np.asarray(t.data), t.tensor_type
-        if edit_tensor:
-            data, qt = edit_tensor(t.name, data, qt)
-        w.add_tensor(t.name, data, raw_dtype=qt)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
-
-
 def test_shape_disagrees_with_config(tmp_path):
-    p = _rewrite(fixture_dir("qwen3moe-tiny") / "Q8_0.gguf", tmp_path / "m.gguf",
-                 edit_meta=lambda k, v: 128 if k == "qwen3moe.expert_feed_forward_length" else v)
+    p = copy_gguf(fixture_dir("qwen3moe-tiny") / "Q8_0.gguf", tmp_path / "m.gguf",
+                  keys={"qwen3moe.expert_feed_forward_length": 128})
     src = GGUFSource(p)
     with pytest.raises(WeightError) as e:
         src.validate()
@@ -110,7 +86,7 @@ QWEN35 = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "qwen3_
 ])
 def test_qwen35moe_bad_linear_attention_metadata(tmp_path, key, value, needles, when):
     """DeltaNet sizes and MRoPE sections that describe no model: one line naming the key."""
-    p = _rewrite(QWEN35, tmp_path / "m.gguf", edit_meta=lambda k, v: value if k == key else v)
+    p = copy_gguf(QWEN35, tmp_path / "m.gguf", keys={key: value})
     with pytest.raises(WeightError) as e:
         GGUFSource(p).config() if when == "config" else GGUFSource(p)
     one_line(e, str(p), *needles)
@@ -122,7 +98,7 @@ def test_qwen35moe_reordered_tensor_of_the_wrong_width(tmp_path):
     def edit(name, data, qt):
         return (data[:, :32].copy(), qt) if name == "blk.0.ssm_out.weight" else (data, qt)
 
-    p = _rewrite(QWEN35, tmp_path / "m.gguf", edit_tensor=edit)
+    p = copy_gguf(QWEN35, tmp_path / "m.gguf", tensor=edit)
     src = GGUFSource(p)
     with pytest.raises(WeightError) as e:
         src.validate()
@@ -140,7 +116,7 @@ def test_unsupported_type(tmp_path):
             return np.zeros((rows, 256 // 32 * 40), np.uint8), gguf.GGMLQuantizationType.Q8_1
         return data, qt
 
-    p = _rewrite(fixture_dir("qwen3moe-tiny") / "Q8_0.gguf", tmp_path / "m.gguf", edit_tensor=edit)
+    p = copy_gguf(fixture_dir("qwen3moe-tiny") / "Q8_0.gguf", tmp_path / "m.gguf", tensor=edit)
     src = GGUFSource(p)
     with pytest.raises(WeightError) as e:
         src.tensor("model.layers.0.self_attn.q_proj.weight")
@@ -162,8 +138,8 @@ def test_unknown_type_id(q8):
 
 
 def test_unsupported_arch(tmp_path):
-    p = _rewrite(fixture_dir("qwen3moe-tiny") / "Q8_0.gguf", tmp_path / "m.gguf",
-                 edit_meta=lambda k, v: "rwkv9" if k == "general.architecture" else v)
+    p = copy_gguf(fixture_dir("qwen3moe-tiny") / "Q8_0.gguf", tmp_path / "m.gguf",
+                  keys={"general.architecture": "rwkv9"})
     src = GGUFSource(p)
     with pytest.raises(WeightError) as e:
         src.config()

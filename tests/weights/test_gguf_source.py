@@ -33,6 +33,8 @@ from ktransformers.weights import open_weights
 from ktransformers.weights.gguf_names import NameMap, kv_b_from_split, permute_qk, split_kv_b, unpermute_qk
 from ktransformers.weights.gguf_source import GGUFSource
 
+from gguf_files import copy_gguf, finish
+
 from ._util import QUANTS, TINY, fixture_dir, load_npy, tiny_tokens
 
 
@@ -171,10 +173,7 @@ def test_fast_reader_fields_match_gguf_py(tmp_path):
     w.add_array("empty", [])
     w.add_uint32("llama.block_count", 2)
     w.add_tensor("token_embd.weight", np.ones((3, 4), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     stock = gguf.GGUFReader(p)
     fast = open_reader(p)
     assert list(stock.fields) == list(fast.fields)
@@ -219,23 +218,7 @@ def test_tokenizer_none_for_no_vocab():
 def test_split_shards_merge(tmp_path):
     """A model split into shards (gguf-py's writer, llama.cpp's naming) reads as one namespace."""
     src = GGUFSource(fixture_dir("qwen3moe-tiny") / "Q8_0.gguf")
-    r = gguf.GGUFReader(src.files[0])
-    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), arch="qwen3moe", split_max_tensors=10)
-    for k, f in r.fields.items():
-        if k.startswith("GGUF.") or k == "general.architecture":
-            continue
-        val = f.contents()
-        vt = f.types[0]
-        if vt == gguf.GGUFValueType.ARRAY:
-            w.add_array(k, val)
-        else:
-            w.add_key_value(k, val, vt)
-    for t in r.tensors:
-        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    copy_gguf(src.files[0], tmp_path / "m.gguf", split_max_tensors=10)
     shards = sorted(tmp_path.glob("m-*-of-*.gguf"))
     assert len(shards) == 3
     for p in (tmp_path, shards[1]):

@@ -12,27 +12,15 @@ from ktransformers.weights import block_dequant as bd
 from ktransformers.weights import dequant as dq
 from ktransformers.weights.ggml_types import ggml_type_info
 
+from gguf_files import finish, iq_blocks_with_scales
+
 IQ_TYPES = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S")
-#: byte offset of the fp16 block scale (IQ1_M scatters it, see random_iq_blocks)
-F16_AT = {"IQ1_S": 0, "IQ2_XXS": 0, "IQ2_XS": 0, "IQ2_S": 0, "IQ3_XXS": 0, "IQ3_S": 0}
 
 
 def random_iq_blocks(name: str, n_blocks: int, seed: int = 0) -> np.ndarray:
     """Random index / sign / scale bits with a finite random fp16 block scale."""
-    info = ggml_type_info(name)
-    rng = np.random.default_rng(seed)
-    b = rng.integers(0, 256, size=(n_blocks, info.block_bytes), dtype=np.uint8)
-    d = rng.uniform(-0.05, 0.05, n_blocks).astype(np.float16)
-    if name == "IQ1_M":  # the fp16 scale lives in the top nibbles of the 4 uint16 sub-scale words
-        bits = d.view(np.uint16).astype(np.uint32)
-        sc = b[:, 48:56].copy().view(np.uint16).astype(np.uint32) & 0x0FFF
-        for j in range(4):
-            sc[:, j] |= ((bits >> (4 * j)) & 0xF) << 12
-        b[:, 48:56] = sc.astype(np.uint16).view(np.uint8).reshape(n_blocks, 8)
-    else:
-        off = F16_AT[name]
-        b[:, off : off + 2] = d.view(np.uint8).reshape(n_blocks, 2)
-    return b
+    return iq_blocks_with_scales(name, n_blocks, np.random.default_rng(seed),
+                                 lambda rng, n: rng.uniform(-0.05, 0.05, n))
 
 
 def reference(blocks: np.ndarray, name: str) -> np.ndarray:
@@ -107,10 +95,7 @@ def test_gguf_file_round_trip(tmp_path):
         blocks = random_iq_blocks(name, int(np.prod(shape)) // 256, seed=10 + i)
         data[tname] = (name, shape, blocks)
         w.add_tensor(tname, blocks.reshape(*shape[:-1], -1), raw_dtype=gguf.GGMLQuantizationType[name])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     src = GGUFSource(p)
     info = {n: (t, tuple(s)) for n, t, s, _ in src.tensor_info()}
     for tname, (name, shape, blocks) in data.items():
