@@ -100,6 +100,17 @@ class Mxfp4ExpertsSource(WeightSource):
         E, R, G, _ = blocks.shape
         return ggml_mxfp4_blocks(blocks, scales), (E, R, G * 32)
 
+    def ggml_type(self, name: str) -> int | None:
+        """The stored ggml type id of ``name`` without reading or converting a tensor (the plan decides
+        formats by it): MXFP4 for the stacked expert projections, else the inner source's."""
+        if name in self._experts:
+            return _MXFP4.id
+        probe = getattr(self.inner, "ggml_type", None)
+        if callable(probe):
+            return probe(name)
+        raw = self.inner.raw(name)
+        return raw.type.id if raw is not None and raw.type is not None else None
+
     def raw(self, name: str) -> RawTensor | None:
         if name not in self._experts:
             return self.inner.raw(name)

@@ -320,3 +320,37 @@ def test_explain_decides_each_format_once_from_the_header(mixed, monkeypatch, ca
     assert rows["model.layers.0.self_attn.q_proj.weight"][1:] == ("float F32", "cpu")  # BF16 is not quantized: dense
     assert rows["lm_head.weight"] == ("Q8_0", "raw Q8_0", "cpu")  # kept in its blocks, dequantized per call
     assert rows["model.embed_tokens.weight"] == ("Q8_0", "raw Q8_0", "cpu")  # rows gathered from the blocks
+
+
+def test_mxfp4_experts_say_their_type_from_the_header(tmp_path):
+    """A gpt-oss MXFP4 checkpoint's stacked experts say MXFP4, its other tensors what their source
+    says, as ``raw()`` does, without a tensor read or converted: the plan and explain's per-tensor
+    table ask every tensor of a load."""
+    from safetensors.torch import save_file
+
+    from ktransformers.weights.mxfp4 import Mxfp4ExpertsSource
+
+    E, H, I = 2, 64, 32
+    key = "model.layers.0.mlp.experts"
+    save_file({f"{key}.gate_up_proj_blocks": torch.randint(0, 256, (E, 2 * I, H // 32, 16), dtype=torch.uint8),
+               f"{key}.gate_up_proj_scales": torch.full((E, 2 * I, H // 32), 127, dtype=torch.uint8),
+               f"{key}.down_proj_blocks": torch.randint(0, 256, (E, H, I // 32, 16), dtype=torch.uint8),
+               f"{key}.down_proj_scales": torch.full((E, H, I // 32), 126, dtype=torch.uint8),
+               "model.norm.weight": torch.ones(H)}, tmp_path / "model.safetensors")
+    src = open_weights(tmp_path)
+    assert isinstance(src, Mxfp4ExpertsSource)
+    names = src.names()
+    assert {f"{key}.gate_proj", f"{key}.up_proj", f"{key}.down_proj", "model.norm.weight"} <= set(names)
+    expected = {}
+    for name in names:
+        raw = src.raw(name)
+        expected[name] = raw.type if raw is not None else None
+    assert expected[f"{key}.down_proj"] == BY_NAME["MXFP4"] and expected["model.norm.weight"] is None
+
+    def no_read(*a, **k):
+        raise AssertionError("a format decision read a tensor")
+
+    src.raw = no_read
+    src.inner.tensor = no_read
+    for name in names:
+        assert F.stored_type(src, name) == expected[name], name
