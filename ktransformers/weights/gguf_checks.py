@@ -140,6 +140,8 @@ def check_metadata(where: str, meta, arch: str, tensors: dict[str, tuple[int, ..
     layers = {int(m.group(1)) for n in tensors if (m := _LAYER.match(n))}
     (n_layers,) = k.ints("block_count", 1, MAX_LAYERS, required=True)
     extra = (k.ints("nextn_predict_layers", 0, MAX_LAYERS) or [0])[0]  # MTP layers may be stripped
+    if extra >= n_layers:
+        raise k.fail("nextn_predict_layers", f"is {extra} of {n_layers} blocks: no decoder layer is left")
     if layers:
         top = max(layers)
         missing = sorted(set(range(top + 1)) - layers)

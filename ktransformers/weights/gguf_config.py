@@ -14,7 +14,8 @@ qwen3vlmoe     Qwen3MoeConfig: Qwen3-VL-MoE's language model alone (text positio
                three M-RoPE axes, so plain RoPE gives the same result); with the vision tower of an
                ``mmproj`` file, ``weights.mmproj`` builds the Qwen3VLMoeConfig
 deepseek2      DeepseekV3Config when ``expert_gating_func`` is 2 (sigmoid) or the file has
-               ``exp_probs_b`` tensors, else DeepseekV2Config
+               ``exp_probs_b`` tensors, else DeepseekV2Config (``block_count - nextn_predict_layers``
+               layers where the file keeps the MTP block)
 deepseek32     DeepseekV32Config (the deepseek2 keys plus ``attention.indexer.*``; ``expert_gating_func``
                sigmoid or absent, its only router)
 glm-dsa        GlmMoeDsaConfig (as deepseek32; ``attention.indexer.types``: true where a layer runs
@@ -217,6 +218,8 @@ def config_from_metadata(
             kw["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
             cfg = tf.Qwen3MoeConfig(**kw)
     elif arch in ("deepseek2", "deepseek32", "glm-dsa"):
+        if arch == "deepseek2":  # a file that keeps the MTP block counts it in block_count
+            n_layers = kw["num_hidden_layers"] = n_layers - int(md.get("nextn_predict_layers", 0) or 0)
         rope_dim = int(md.need("rope.dimension_count"))
         k_mla = md.get("attention.key_length_mla")
         v_mla = md.get("attention.value_length_mla")

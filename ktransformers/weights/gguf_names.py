@@ -20,6 +20,10 @@ What a mapping alone cannot express is described by :class:`Transform` flags tha
 * ``deepseek4``: no value transform; the hash router's ``ffn_gate_tid2eid`` table is stored I32
   (HF int64), llama.cpp drops the hash layers' unused correction bias, and its converter writes
   the routed experts MXFP4 (what the release ships).
+* MTP (next-n) block: llama.cpp keeps DeepSeek-V3's / GLM-4-MoE's MTP layer as the last block
+  (``block_count`` counts it, ``nextn_predict_layers`` says how many): its decoder layer under the
+  usual ``blk.N.*`` names, its own tensors as ``blk.N.nextn.*`` (``_NEXTN``), served as the
+  checkpoint's ``model.layers.N.*`` (N = the model's ``num_hidden_layers``).
 * ``gpt-oss``: the experts' biases are stored per projection (``ffn_{gate,up,down}_exps.bias``) and
   served as ``model.layers.N.mlp.experts.{gate,up,down}_proj_bias`` (``[E, I]`` / ``[E, H]``, the
   stacked layout; the model's ``gate_up_proj_bias`` interleaves gate and up: ``ExpertsLayout``).
@@ -103,6 +107,18 @@ _INDEXER = [
     ("indexer.attn_k", "self_attn.indexer.wk"),
     ("indexer.k_norm", "self_attn.indexer.k_norm"),
     ("indexer.proj", "self_attn.indexer.weights_proj"),
+]
+
+
+# the MTP block's own tensors (llama.cpp's ``MODEL_TENSOR.NEXTN_*``, gguf-py constants.py);
+# ``embed_tokens`` / ``shared_head.head`` repeat the model's embedding and output head
+_NEXTN = [
+    ("nextn.eh_proj", "eh_proj"),
+    ("nextn.enorm", "enorm"),
+    ("nextn.hnorm", "hnorm"),
+    ("nextn.shared_head_norm", "shared_head.norm"),
+    ("nextn.embed_tokens", "embed_tokens"),
+    ("nextn.shared_head_head", "shared_head.head"),
 ]
 
 
@@ -201,17 +217,20 @@ _BLOCK_TABLES = {
     "qwen3moe": _COMMON_BLOCK,
     # Qwen3-VL-MoE's language model (llama.cpp writes it beside an mmproj file: weights/mmproj.py)
     "qwen3vlmoe": _COMMON_BLOCK,
-    "deepseek2": _COMMON_BLOCK + _MLA_BLOCK + _shexp("mlp.shared_experts"),
+    "deepseek2": _COMMON_BLOCK + _MLA_BLOCK + _shexp("mlp.shared_experts") + _NEXTN,
     "deepseek32": _COMMON_BLOCK + _MLA_BLOCK + _shexp("mlp.shared_experts") + _INDEXER,
     "glm-dsa": _COMMON_BLOCK + _MLA_BLOCK + _shexp("mlp.shared_experts") + _INDEXER,
     "gemma3": _GEMMA3_BLOCK,
-    "glm4moe": _GLM4MOE_BLOCK,
+    "glm4moe": _GLM4MOE_BLOCK + _NEXTN,
     "minimax-m2": _COMMON_BLOCK,
     "gpt-oss": _GPT_OSS_BLOCK,
     "qwen3next": _QWEN3NEXT_BLOCK,
     "qwen35moe": _QWEN35MOE_BLOCK,
     "deepseek4": _DEEPSEEK4_BLOCK,
 }
+
+#: architectures whose MTP block the name table maps (the drafter's: generation/mtp.py)
+NEXTN_ARCHS = tuple(a for a, table in _BLOCK_TABLES.items() if _NEXTN[0] in table)
 
 _TOP = [
     ("token_embd.weight", "model.embed_tokens.weight"),

@@ -301,3 +301,31 @@ def test_fuzz_gemma_window_and_token_ids(tiny_gemma, tmp_path, key, value):
         assert msg is None, (key, value, msg)
     else:
         assert msg is not None and f"'{key}'" in msg, (key, value, msg)
+
+
+# ---- the MTP block's count on llama.cpp's own tiny GLM-4-MoE file -------------------------------
+
+GLM4_MOE = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "glm4_moe.gguf"
+
+
+@fuzz_settings(30, deadline=None, derandomize=True,
+               suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(value=st.one_of(st.integers(-2**31, 2**32 - 1), st.integers(0, 5), st.booleans(),
+                       st.floats(allow_nan=True), st.text(max_size=4)))
+def test_fuzz_nextn_predict_layers(tmp_path, value):
+    """Any ``nextn_predict_layers`` for a file of ``block_count`` 4 with tensors of 3 layers (llama.cpp
+    counts the MTP block it keeps, here none): loads, with ``4 - value`` layers, exactly when 1..3
+    blocks are left and the missing one can be an MTP block; else one line naming a key."""
+    import gguf
+
+    T = gguf.GGUFValueType
+    kind = (T.BOOL if isinstance(value, bool) else T.INT64 if isinstance(value, int)
+            else T.FLOAT64 if isinstance(value, float) else T.STRING)
+    p = with_metadata(GLM4_MOE, tmp_path / "n.gguf", {"glm4moe.nextn_predict_layers": (kind, value)})
+    msg = outcome(p)
+    if kind == T.INT64 and 1 <= value <= 3:
+        assert msg is None, (value, msg)
+    elif kind == T.INT64 and value == 0:
+        assert msg is not None and "'glm4moe.block_count' is 4, but the file holds tensors of 3 layers" in msg, msg
+    else:
+        assert msg is not None and "'glm4moe.nextn_predict_layers'" in msg, (value, msg)
