@@ -589,6 +589,7 @@ class GGUFSource(WeightSource):
             nmap = gn.name_map(arch)
         except KeyError:
             nmap = None  # unknown arch: tensors stay reachable by their GGUF names
+        self._nmap = nmap
         md = self.metadata
         n_head = md.get(f"{arch}.attention.head_count")
         n_head_kv = md.get(f"{arch}.attention.head_count_kv", n_head)
@@ -698,6 +699,22 @@ class GGUFSource(WeightSource):
         if e is not None:
             return e.parts[0]
         return name if name in self._tensors else None
+
+    def stored_name(self, name: str) -> str:
+        """The GGUF name of an HF name (llama.cpp's, by the name table; the HF name where the
+        table has none)."""
+        got = self.gguf_name(name)
+        if got is not None or self._nmap is None:
+            return got or name
+        base, leaf = _split_expert(name)
+        m = re.match(r"^model\.layers\.(\d+)\.self_attn\.kv_b_proj\.weight$", name)
+        if leaf == "gate_up_proj":  # served from two stored tensors: the ones missing
+            parts = [self.stored_name(f"{base}.{p}") for p in ("gate_proj", "up_proj")]
+        elif m and self.arch in gn.MLA_ARCHS and any(".attn_k_b." in t for t in self._tensors):  # split MLA
+            parts = [f"blk.{m.group(1)}.attn_{p}_b.weight" for p in ("k", "v")]
+        else:
+            return self._nmap.hf_to_gguf(name) or name
+        return " + ".join([p for p in parts if p not in self._tensors] or parts)
 
     def _has_native(self, name: str) -> bool:
         return name in self._entries or name in self._tensors

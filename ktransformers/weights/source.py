@@ -178,9 +178,14 @@ class WeightSource(abc.ABC):
         """Write a native tensor into ``out`` (its shape; any strides), converting dtype/device."""
         out.copy_(self._load_as(name, out.dtype, out.device))
 
+    def stored_name(self, name: str) -> str:
+        """The name a file of this kind stores the HF tensor ``name`` under (present or not)."""
+        return name
+
     def missing(self, name: str, hint: str = "") -> WeightError:
         near = _nearest(name, self.names())
-        msg = f"{self.path}: tensor '{name}' not found"
+        stored = self.stored_name(name)
+        msg = f"{self.path}: tensor '{name}'" + (f" ('{stored}')" if stored != name else "") + " not found"
         if near:
             msg += f" (closest stored names: {', '.join(near)})"
         if hint:
