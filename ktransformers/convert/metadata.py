@@ -103,4 +103,7 @@ def metadata_for(config, arch: str, tensor_names: Iterable[str]) -> dict[str, tu
     if A == "deepseek4":
         del md[f"{A}.feed_forward_length"]
         md.update(gn.deepseek4_metadata(c, head_dim))
+    if f"blk.{c.num_hidden_layers}.nextn.eh_proj.weight" in set(tensor_names):  # the MTP block, as llama.cpp counts it
+        md[f"{A}.block_count"] = ("u32", c.num_hidden_layers + 1)
+        md[f"{A}.nextn_predict_layers"] = ("u32", 1)
     return md

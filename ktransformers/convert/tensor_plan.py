@@ -42,6 +42,26 @@ def _model_params(config) -> list[tuple[str, tuple[int, ...]]]:
     return [(k, tuple(v.shape)) for k, v in model.state_dict().items()]
 
 
+def _mtp_params(config, ckpt: Checkpoint, arch: str) -> list[tuple[str, tuple[int, ...]]]:
+    """The MTP layer's (name, shape) list where the checkpoint has one and the architecture's name
+    table maps it (``model.layers.{n}.*``, n = ``num_hidden_layers``: a decoder layer as the model's
+    own, and its own tensors as llama.cpp writes them: ``blk.{n}.nextn.*``); else none.  Its copies
+    of the embedding and output head are left out (the drafter reads the model's)."""
+    import copy
+
+    from ..generation.mtp import MTP_TENSORS
+
+    n, H = int(config.num_hidden_layers), int(config.hidden_size)
+    p = f"model.layers.{n}."
+    if arch not in gn.NEXTN_ARCHS or not ckpt.has(p + MTP_TENSORS[0]):
+        return []
+    cfg = copy.deepcopy(config)
+    cfg.num_hidden_layers = n + 1
+    own = {"eh_proj.weight": (H, 2 * H)}
+    return [(k, s) for k, s in _model_params(cfg) if k.startswith(p)] + [
+        (p + t, own.get(t, (H,))) for t in MTP_TENSORS]
+
+
 def arch_of(config) -> str:
     mt = config.model_type
     if mt == "gemma3":
@@ -63,7 +83,7 @@ def plan(config, ckpt: Checkpoint, policy: TypePolicy, params=None) -> tuple[str
     arch = arch_of(config)
     nmap = gn.name_map(arch)
     if params is None:
-        params = _model_params(text_cfg)
+        params = _model_params(text_cfg) + _mtp_params(text_cfg, ckpt, arch)
     tied = bool(getattr(text_cfg, "tie_word_embeddings", False))
     outs: list[PlannedTensor] = []
     n_head = text_cfg.num_attention_heads

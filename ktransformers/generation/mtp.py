@@ -5,7 +5,9 @@ decoder layers, a next-token-prediction layer (``model.layers.{num_hidden_layers
 ``hnorm`` (RMSNorms of the next token's embedding and of the model's hidden state), ``eh_proj``
 ([hidden, 2 hidden]), a full decoder layer (DeepSeek: MLA + MoE; GLM: GQA with partial rotary +
 MoE) and ``shared_head.norm``; its ``shared_head.head`` and ``embed_tokens`` are the model's own
-(not read).  Computed as transformers' ``MtpLayer``
+(not read).  A GGUF holds it where llama.cpp's converter keeps it (GLM-4-MoE; DeepSeek-V3's it
+drops): as the last block, ``blk.{n}.*`` and ``blk.{n}.nextn.*``, served under the same names
+(weights/gguf_names.py).  Computed as transformers' ``MtpLayer``
 (modeling_layers.py) computes it:
 
     h'_j = shared_head.norm(layer(eh_proj(cat(enorm(emb(t_{j+1})), hnorm(h_j))), position j + 1))
@@ -35,16 +37,19 @@ import copy
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, WeightError
 
 #: model types whose checkpoints carry an MTP layer (``model.layers.{num_hidden_layers}``) the drafter runs
 MTP_MODEL_TYPES = ("deepseek_v3", "glm4_moe")
+#: the MTP layer's own tensors (beside its decoder layer's), under ``model.layers.{num_hidden_layers}.``
+MTP_TENSORS = ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight")
 
 
 def load_mtp_layer(model):
     """The model's MTP layer, injected with the model's own rules and loaded from its weights
     (``model.layers.{n}`` of a one-layer copy of the model), built once per model; a one-line
-    ``ConfigError`` when the model has none."""
+    ``ConfigError`` when the model has none, a ``WeightError`` naming the first missing tensor when
+    the weights hold part of one."""
     got = model.__dict__.get("_kt_mtp_layer")
     if got is not None:
         return got[1]
@@ -59,9 +64,16 @@ def load_mtp_layer(model):
     src, plan = getattr(model, "kt_weights", None), getattr(model, "kt_plan", None)
     n = int(config.num_hidden_layers)
     prefix = f"model.layers.{n}."
-    if src is None or plan is None or not src.has(prefix + "eh_proj.weight"):
-        raise ConfigError(f"--speculative mtp: the weights have no MTP layer ({prefix}eh_proj.weight not found; "
-                          f"GGUFs' MTP tensors are not read; a checkpoint saved without layer {n} has none)")
+    if src is None or plan is None:
+        raise ConfigError("--speculative mtp: the model has no MTP layer to read (it was not loaded from weights)")
+    have = [src.has(prefix + t) for t in MTP_TENSORS]
+    if not any(have):
+        raise ConfigError(f"--speculative mtp: the weights have no MTP layer ({getattr(src, 'path', '')} holds no "
+                          f"'{src.stored_name(prefix + MTP_TENSORS[0])}': saved or converted without layer {n}; "
+                          f"llama.cpp's converter drops DeepSeek-V3's)")
+    for t, ok in zip(MTP_TENSORS, have):
+        if not ok:
+            raise WeightError(f"--speculative mtp: the MTP layer is incomplete: {src.missing(prefix + t)}")
     cfg = copy.deepcopy(model.config)
     cfg.num_hidden_layers = n + 1
     one = build_model(cfg)  # on the meta device: only layer n is kept, injected and loaded
@@ -74,7 +86,10 @@ def load_mtp_layer(model):
         layer.shared_head.norm = norm_cls(H, eps=eps)
     one.model.layers = nn.ModuleDict({str(n): layer})
     one.model.embed_tokens = one.model.norm = one.lm_head = None  # the model's own
-    inject(one, plan.rules, src, allow_unmatched=True)
+    try:
+        inject(one, plan.rules, src, allow_unmatched=True)
+    except WeightError as e:  # the decoder layer's own tensors (blk.{n}.attn_*, ffn_* of a GGUF)
+        raise WeightError(f"--speculative mtp: the MTP layer is incomplete: {e}") from None
     layer = one.model.layers[str(n)]
     model.__dict__["_kt_mtp_layer"] = (one, layer)
     return layer
