@@ -33,7 +33,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ktransformers import load_model
-from ktransformers.optimize_rules import RULES_DIR, default_rule_file
+from ktransformers.optimize_rules import RULES_DIR
+
+from tests.operators.family_checks import (BACKEND_SWAPS, check_expert_backend, check_gpu_rules_cross_device_parity,
+                                           check_our_converter_f32_and_q8, generator_greedy, load_with_picked_rules,
+                                           model_with_backend, prompt_ids, rel_err)
 
 ROOT = Path(__file__).resolve().parents[2]
 # llama.cpp source tree (its convert_hf_to_gguf.py); the team's checkout keeps one beside shared/
@@ -59,26 +63,7 @@ GGUF_CONFIG_KEYS = {
                          "linear_num_value_heads", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
                          "shared_expert_intermediate_size"),
 }
-BACKEND_TOL = {"AMXBF16": 1e-2, "AMXInt8": 3e-2}  # as test_cpu_ops: bf16 weights / int8 weights
-
-
-def _ids(n=12, seed=0):
-    return torch.randint(0, 300, (1, n), generator=torch.Generator().manual_seed(seed))
-
-
-def _rel(got, ref) -> float:
-    return (got - ref).abs().max().item() / ref.abs().max().item()
-
-
-def _hf_on(source):
-    """The unmodified HF model with every weight dequantized from ``source``."""
-    from accelerate import init_empty_weights
-
-    with init_empty_weights():  # parameters on meta, buffers (rotary tables) real
-        model = AutoModelForCausalLM.from_config(source.config())
-    sd = {k: source.tensor(k, dtype=torch.float32) for k in model.state_dict()}
-    model.load_state_dict(sd, assign=True, strict=True)
-    return model.eval()
+AMX_BACKENDS = ("AMXBF16", "AMXInt8")  # bf16 weights / int8 weights
 
 
 @pytest.fixture(autouse=True)
@@ -88,15 +73,8 @@ def _one_thread(one_torch_thread):
 
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_load_model_picks_the_family_rules(arch, tiny_model_dir):
-    from transformers import AutoConfig
-
     name, stem, block_cls, router_cls = FAMILIES[arch]
-    d = tiny_model_dir(arch)
-    cfg = AutoConfig.from_pretrained(d)
-    assert cfg.architectures == [name]
-    assert default_rule_file(cfg, cuda=False) == RULES_DIR / f"{stem}-cpu.yaml"
-    assert default_rule_file(cfg, cuda=True) == RULES_DIR / f"{stem}.yaml"
-    model = load_model(d, model_path=d, allow_unmatched=False)
+    _, model = load_with_picked_rules(tiny_model_dir(arch), name, stem)
     sparse = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")]
     assert sparse
     for mlp in sparse:
@@ -120,21 +98,17 @@ def test_glm4moe_dense_first_layers_and_shared_experts(tiny_model_dir):
         ref = hf.model.layers[1].mlp(x)
         got = moe(x)
         ref_routed = ref - hf.model.layers[1].mlp.shared_experts(x)
-    assert _rel(got, ref) <= 1e-5
+    assert rel_err(got, ref) <= 1e-5
     assert (ref - ref_routed).abs().max() > 1e-3  # the shared expert contributes
 
 
-@pytest.mark.parametrize("backend", list(BACKEND_TOL))
+@pytest.mark.parametrize("backend", AMX_BACKENDS)
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_other_expert_backends(arch, backend, tiny_model_dir):
-    stem = FAMILIES[arch][1]
-    rules = (RULES_DIR / f"{stem}-cpu.yaml").read_text().replace("backend: llamafile", f"backend: {backend}")
+    old, new, tol = BACKEND_SWAPS[backend]
     d = tiny_model_dir(arch)
-    model = load_model(d, model_path=d, rules=rules, allow_unmatched=False)
-    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-    ids = _ids(24, seed=3)
-    with torch.no_grad():
-        assert _rel(model(ids).logits, hf(ids).logits) <= BACKEND_TOL[backend]
+    model = model_with_backend(d, RULES_DIR / f"{FAMILIES[arch][1]}-cpu.yaml", (old, new))
+    check_expert_backend(model, AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval(), tol)
 
 
 @pytest.mark.parametrize("arch", GGUF_CONFIG_KEYS)
@@ -142,26 +116,9 @@ def test_gguf_from_our_converter(arch, tiny_model_dir, tmp_path):
     """F32: the config comes back from the metadata alone and logits match the HF model; Q8_0 through
     the shipped rules (CPU kernels on the Q8_0 bytes) is close to the HF model on the dequantized file
     (figures in the module docstring)."""
-    from ktransformers.convert import convert
-    from ktransformers.weights.gguf_source import GGUFSource
-
     d = tiny_model_dir(arch)
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-    f32 = convert(d, tmp_path / "f32.gguf", "F32", "F32", "F32")
-    src = GGUFSource(f32)
-    src.validate()
-    cfg = src.config()
-    for key in GGUF_CONFIG_KEYS[arch]:
-        assert getattr(cfg, key) == getattr(hf.config, key), key
-    ids = _ids()
-    with torch.no_grad():
-        ref = hf(ids).logits
-        assert _rel(load_model(f32, allow_unmatched=False)(ids).logits, ref) <= 1e-4
-        q8 = convert(d, tmp_path / "q8.gguf", "Q8_0", "Q8_0", "Q8_0")
-        deq = _hf_on(GGUFSource(q8))(ids).logits
-        d = (load_model(q8, allow_unmatched=False)(ids).logits - deq).abs()[0]
-    # the kernels quantize activations to 8 bits: llama.cpp's own bar (fixtures README, test_gguf_inject)
-    assert d.mean() <= 0.05 and d.max(1).values.median() <= 0.2 and d.max() <= 0.75
+    check_our_converter_f32_and_q8(d, hf, tmp_path, GGUF_CONFIG_KEYS[arch])
 
 
 @pytest.mark.skipif(not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file(),
@@ -178,23 +135,16 @@ def test_gguf_from_llama_cpp_converter(arch, tiny_model_dir, tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     model = load_model(out, allow_unmatched=False)
     assert model.config.num_hidden_layers == hf.config.num_hidden_layers
-    ids = _ids()
+    ids = prompt_ids()
     with torch.no_grad():
-        assert _rel(model(ids).logits, hf(ids).logits) <= 1e-4
+        assert rel_err(model(ids).logits, hf(ids).logits) <= 1e-4
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CPU+GPU rule files)")
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_gpu_rules_cross_device_parity(arch, tiny_model_dir):
     d = tiny_model_dir(arch)
-    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-    model = load_model(d, model_path=d, allow_unmatched=False)
-    assert any(p.generate_device.type == "cuda" for p in model.kt_plan.placements.values())
-    ids = _ids()
-    with torch.no_grad():
-        assert _rel(model(ids).logits.cpu(), hf(ids).logits) <= 1e-3
-    a = model.generate(ids[:, :4], max_new_tokens=16, do_sample=False).cpu()
-    assert torch.equal(a, hf.generate(ids[:, :4], max_new_tokens=16, do_sample=False))
+    check_gpu_rules_cross_device_parity(d, AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval())
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -202,17 +152,7 @@ def test_generator_stream_equals_hf_greedy(arch, tiny_model_dir):
     """The project's engine (chunked prefill of 5 tokens, then decode) on the shipped rules gives the
     unmodified model's greedy tokens: for Qwen3.5-MoE the linear-attention state carries across the
     prefill chunks and the decode steps in the cache."""
-    from transformers import AutoTokenizer
-
-    from ktransformers.generation import Generator, SamplingParams
-
     d = tiny_model_dir(arch)
-    tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
-    gen = Generator(load_model(d, model_path=d), tok, chunk_size=5)
-    gen.eos_ids = set()
-    ids = gen.apply_chat_template([{"role": "user", "content": "Hello there, how are you today?"}])
-    ours = [e.token_id for e in gen.stream(ids, SamplingParams(max_new_tokens=16))][:-1]
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-    ref = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=None,
-                      pad_token_id=0)[0, len(ids):].tolist()
+    ours, ref = generator_greedy(load_model(d, model_path=d), hf, d, chunk_size=5, min_prompt=0)
     assert ours == ref

@@ -18,12 +18,10 @@ from transformers import AutoModelForCausalLM
 from ktransformers import load_model
 from ktransformers.util.tiny_models import TINY_CONFIGS, VISION_ARCHS
 
+from tests.operators.family_checks import assert_greedy_equal, check_gpu_rules_cross_device_parity, prompt_ids
+
 # vision-language families take images with the text: their parity is in tests/multimodal/
 ARCHS = [a for a in TINY_CONFIGS if a not in VISION_ARCHS]
-
-
-def _ids(n=12, seed=0):
-    return torch.randint(0, 300, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -32,15 +30,13 @@ def test_fp32_logits_and_greedy_match_hf(arch, tiny_model_dir):
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     model = load_model(d, model_path=d, allow_unmatched=False)
     assert model.kt_plan.injected(), "the shipped rules inject operators"
-    ids = _ids()
+    ids = prompt_ids()
     with torch.no_grad():
         ref = hf(ids).logits
         got = model(ids).logits
     scale = ref.abs().max().item()
     assert (got - ref).abs().max().item() <= 1e-4 * scale
-    a = model.generate(ids[:, :4], max_new_tokens=16, do_sample=False)
-    b = hf.generate(ids[:, :4], max_new_tokens=16, do_sample=False)
-    assert torch.equal(a, b)
+    assert_greedy_equal(model, hf, ids)
 
 
 # sparse-attention families: their bf16 check replays the reference's top-k keys and experts
@@ -54,7 +50,7 @@ def test_bf16_close_to_hf_bf16(arch, tiny_model_dir):
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).eval()
     model = load_model(d, model_path=d, dtype=torch.bfloat16)
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
-    ids = _ids()
+    ids = prompt_ids()
     with torch.no_grad():
         ref = hf(ids).logits.float()
         got = model(ids).logits.float()
@@ -121,7 +117,7 @@ def test_inject_into_own_script(tiny_model_dir):
     model = build_model(config)
     assert model.lm_head.weight.device.type == "meta"
     model = inject(model, "ktransformers/optimize_rules/Qwen3Moe-cpu.yaml", d)
-    out = model.generate(_ids()[:, :3], max_new_tokens=4, do_sample=False)
+    out = model.generate(prompt_ids()[:, :3], max_new_tokens=4, do_sample=False)
     assert out.shape == (1, 7)
 
 
@@ -138,7 +134,7 @@ def test_model_built_under_meta_device_gets_its_buffers(tiny_model_dir):
     model = inject(model, "ktransformers/optimize_rules/Dense-cpu.yaml", d)
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
     with torch.no_grad():
-        assert torch.allclose(model(_ids()).logits, hf(_ids()).logits, atol=1e-5)
+        assert torch.allclose(model(prompt_ids()).logits, hf(prompt_ids()).logits, atol=1e-5)
 
 
 def test_leftover_meta_tensors_are_named(tiny_model_dir, tmp_path):
@@ -159,13 +155,4 @@ def test_leftover_meta_tensors_are_named(tiny_model_dir, tmp_path):
 def test_gpu_rules_cross_device_parity(arch, tiny_model_dir):
     """Experts on the CPU, everything else on cuda:0: activations hop devices at the boundaries."""
     d = tiny_model_dir(arch)
-    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-    model = load_model(d, model_path=d, allow_unmatched=False)  # picks the CUDA variant
-    assert any(p.generate_device.type == "cuda" for p in model.kt_plan.placements.values())
-    ids = _ids()
-    with torch.no_grad():
-        ref = hf(ids).logits
-        got = model(ids).logits.cpu()
-    assert (got - ref).abs().max().item() <= 1e-3 * ref.abs().max().item()  # TF32-free fp32 on GPU
-    a = model.generate(ids[:, :4], max_new_tokens=16, do_sample=False).cpu()
-    assert torch.equal(a, hf.generate(ids[:, :4], max_new_tokens=16, do_sample=False))
+    check_gpu_rules_cross_device_parity(d, AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval())

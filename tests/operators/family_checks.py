@@ -1,6 +1,8 @@
-"""What the family tests (gpt-oss, Qwen3-Next, Qwen3.5-MoE, DeepSeek-V3.2 / GLM-5, DeepSeek-V4) share: the
-expert-backend swaps of a shipped ``-cpu`` rule file, prompt ids, the error measure their
-tolerances are stated in, the engine-vs-transformers greedy check and the server's fallback."""
+"""What the family tests (gpt-oss, Qwen3-Next, Qwen3.5-MoE, DeepSeek-V3.2 / GLM-5, DeepSeek-V4; also
+tests/generation/test_families.py and test_parity.py) share: the expert-backend swaps of a shipped
+``-cpu`` rule file and their check, prompt ids, the error measure their tolerances are stated in,
+the greedy checks against transformers, the rules ``load_model`` picks, the GPU rule files'
+cross-device parity, our converter's F32 / Q8_0 files and the server's fallback."""
 
 from __future__ import annotations
 
@@ -25,6 +27,29 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return (got - ref).abs().max().item() / ref.abs().max().item()
 
 
+def assert_greedy_equal(model, hf, ids: torch.Tensor) -> None:
+    """16 greedy tokens after the prompt's first four: ours (brought to the CPU) equal transformers'
+    ``generate``."""
+    a = model.generate(ids[:, :4], max_new_tokens=16, do_sample=False).cpu()
+    assert torch.equal(a, hf.generate(ids[:, :4], max_new_tokens=16, do_sample=False))
+
+
+def load_with_picked_rules(model_dir, architecture: str, stem: str):
+    """The folder's config names ``architecture``; ``default_rule_file`` picks the shipped
+    ``{stem}-cpu.yaml`` (``{stem}.yaml`` where CUDA is present) and ``load_model`` places every
+    module by it.  Returns (config, our model)."""
+    from transformers import AutoConfig
+
+    from ktransformers import load_model
+    from ktransformers.optimize_rules import RULES_DIR, default_rule_file
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    assert cfg.architectures == [architecture]
+    assert default_rule_file(cfg, cuda=False) == RULES_DIR / f"{stem}-cpu.yaml"
+    assert default_rule_file(cfg, cuda=True) == RULES_DIR / f"{stem}.yaml"
+    return cfg, load_model(model_dir, model_path=model_dir, allow_unmatched=False)
+
+
 def generator_greedy(model, hf, model_dir, chunk_size: int, min_prompt: int, new_tokens: int = 16):
     """(ours, transformers') greedy continuations of one chat prompt: ours through the project's
     engine with prefill in ``chunk_size`` chunks (the state a family keeps in its cache must carry
@@ -42,6 +67,73 @@ def generator_greedy(model, hf, model_dir, chunk_size: int, min_prompt: int, new
     ref = hf.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
                       pad_token_id=0)[0, len(ids):].tolist()
     return ours, ref
+
+
+def check_gpu_rules_cross_device_parity(model_dir, hf) -> None:
+    """The shipped CPU+GPU rule file (``load_model`` picks it where CUDA is present): something
+    placed on the GPU, logits within 1e-3 of max |logit| of transformers' and 16 greedy tokens equal."""
+    from ktransformers import load_model
+
+    model = load_model(model_dir, model_path=model_dir, allow_unmatched=False)
+    assert any(p.generate_device.type == "cuda" for p in model.kt_plan.placements.values())
+    ids = prompt_ids()
+    with torch.no_grad():
+        assert rel_err(model(ids).logits.cpu(), hf(ids).logits) <= 1e-3
+    assert_greedy_equal(model, hf, ids)
+
+
+def check_expert_backend(model, hf, tol: float, int8_worst: float | None = None) -> None:
+    """Our model (its routed experts on some backend) against transformers on a 24-token prompt:
+    every position's logits within ``tol`` of max |logit|; with ``int8_worst``, the median position
+    within ``tol`` and the worst within ``int8_worst`` (int8 weights may flip a router's choice at a
+    near tie).  Where ``tol`` <= 1e-4, 16 greedy tokens equal too."""
+    ids = prompt_ids(24, seed=3)
+    with torch.no_grad():
+        got, ref = model(ids).logits[0], hf(ids).logits[0]
+    per_pos = (got - ref).abs().amax(-1) / ref.abs().max()
+    if int8_worst is None:
+        assert per_pos.max() <= tol
+    else:
+        assert per_pos.median() <= tol and per_pos.max() <= int8_worst
+    if tol <= 1e-4:
+        assert_greedy_equal(model, hf, ids)
+
+
+def our_f32_file(model_dir, hf, tmp_path, config_keys):
+    """Our converter's F32 file of a tiny folder, validated, with ``config_keys`` coming back from its
+    metadata alone as transformers' config has them.  Returns (path, source)."""
+    from ktransformers.convert import convert
+    from ktransformers.weights.gguf_source import GGUFSource
+
+    f32 = convert(model_dir, tmp_path / "f32.gguf", "F32", "F32", "F32")
+    src = GGUFSource(f32)
+    src.validate()
+    cfg = src.config()
+    for key in config_keys:
+        assert getattr(cfg, key) == getattr(hf.config, key), key
+    return f32, src
+
+
+def check_our_converter_f32_and_q8(model_dir, hf, tmp_path, config_keys):
+    """Our converter on a tiny folder.  F32: ``config_keys`` come back from the metadata alone and the
+    logits are within 1e-4 of max |logit| of transformers'.  Q8_0 through the shipped rules (the CPU
+    kernels on the Q8_0 bytes, activations quantized to 8 bits) against transformers on the file's
+    dequantized weights: llama.cpp's own bar (fixtures README, test_gguf_inject): mean |diff| <= 0.05,
+    median per-position max <= 0.2, max <= 0.75.  Returns the F32 file's source."""
+    from ktransformers import load_model
+    from ktransformers.convert import convert
+    from ktransformers.weights.gguf_source import GGUFSource
+
+    f32, src = our_f32_file(model_dir, hf, tmp_path, config_keys)
+    ids = prompt_ids()
+    with torch.no_grad():
+        ref = hf(ids).logits
+        assert rel_err(load_model(f32, allow_unmatched=False)(ids).logits, ref) <= 1e-4
+        q8 = convert(model_dir, tmp_path / "q8.gguf", "Q8_0", "Q8_0", "Q8_0")
+        deq = hf_on_gguf(GGUFSource(q8))(ids).logits
+        diff = (load_model(q8, allow_unmatched=False)(ids).logits - deq).abs()[0]
+    assert diff.mean() <= 0.05 and diff.max(1).values.median() <= 0.2 and diff.max() <= 0.75
+    return src
 
 
 def assert_server_serves_one_at_a_time(model_dir, caplog, reason: str) -> None:

@@ -43,9 +43,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ktransformers import load_model
-from ktransformers.optimize_rules import RULES_DIR, default_rule_file
+from ktransformers.optimize_rules import RULES_DIR
 
-from .family_checks import BACKEND_SWAPS, model_with_backend, prompt_ids, rel_err
+from .family_checks import (BACKEND_SWAPS, assert_greedy_equal, check_gpu_rules_cross_device_parity,
+                            check_our_converter_f32_and_q8, gguf_model_keys, gguf_tensors, hf_on_gguf,
+                            load_with_picked_rules, model_with_backend, prompt_ids, rel_err)
 
 # model_type -> (architecture, shipped rule stem, attention class)
 FAMILIES = {
@@ -97,15 +99,8 @@ def _one_thread(one_torch_thread):
 
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_load_model_picks_the_family_rules(arch, tiny_model_dir):
-    from transformers import AutoConfig
-
     name, stem, attn_cls = FAMILIES[arch]
-    d = tiny_model_dir(arch)
-    cfg = AutoConfig.from_pretrained(d)
-    assert cfg.architectures == [name]
-    assert default_rule_file(cfg, cuda=False) == RULES_DIR / f"{stem}-cpu.yaml"
-    assert default_rule_file(cfg, cuda=True) == RULES_DIR / f"{stem}.yaml"
-    model = load_model(d, model_path=d, allow_unmatched=False)
+    cfg, model = load_with_picked_rules(tiny_model_dir(arch), name, stem)
     sparse = 0
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
@@ -150,8 +145,7 @@ def test_expert_backends(arch, backend, tiny_model_dir):
     if backend == "KExpertsTorch":  # exact: ours chooses its own top-k
         with torch.no_grad():
             assert rel_err(model(ids).logits, hf(ids).logits) <= tol
-        a = model.generate(ids[:, :4], max_new_tokens=16, do_sample=False)
-        assert torch.equal(a, hf.generate(ids[:, :4], max_new_tokens=16, do_sample=False))
+        assert_greedy_equal(model, hf, ids)
     else:
         got, ref = _forward_with_reference_choices(model, hf, ids)
         assert rel_err(got, ref) <= tol
@@ -217,55 +211,21 @@ def test_continuous_batching_refuses_it_by_name(arch, tiny_model_dir, caplog):
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_gpu_rules_cross_device_parity(arch, tiny_model_dir):
     d = tiny_model_dir(arch)
-    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-    model = load_model(d, model_path=d, allow_unmatched=False)  # picks the CUDA variant
-    assert any(p.generate_device.type == "cuda" for p in model.kt_plan.placements.values())
-    ids = prompt_ids()
-    with torch.no_grad():
-        assert rel_err(model(ids).logits.cpu(), hf(ids).logits) <= 1e-3
-    a = model.generate(ids[:, :4], max_new_tokens=16, do_sample=False).cpu()
-    assert torch.equal(a, hf.generate(ids[:, :4], max_new_tokens=16, do_sample=False))
-
-
-def _hf_on(source):
-    """The unmodified HF model with every weight dequantized from ``source``."""
-    from accelerate import init_empty_weights
-
-    with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(source.config())
-    model.load_state_dict({k: source.tensor(k, dtype=torch.float32) for k in model.state_dict()}, assign=True,
-                          strict=True)
-    return model.eval()
+    check_gpu_rules_cross_device_parity(d, AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval())
 
 
 @pytest.mark.parametrize("arch,gguf_arch", [("deepseek_v32", "deepseek32"), ("glm_moe_dsa", "glm-dsa")])
 def test_gguf_from_our_converter(arch, gguf_arch, tiny_model_dir, tmp_path):
     """F32: the config (indexer included) comes back from the metadata alone and the logits match;
     Q8_0 through the shipped rules is close to the HF model on the dequantized file."""
-    from ktransformers.convert import convert
-    from ktransformers.weights.gguf_source import GGUFSource
-
     d = tiny_model_dir(arch)
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-    f32 = convert(d, tmp_path / "f32.gguf", "F32", "F32", "F32")
-    src = GGUFSource(f32)
-    src.validate()
-    assert src.metadata["general.architecture"] == gguf_arch
-    cfg = src.config()
-    for key in ("num_hidden_layers", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+    keys = ("num_hidden_layers", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
                 "v_head_dim", "first_k_dense_replace", "n_shared_experts", "n_group", "topk_group",
                 "routed_scaling_factor", "norm_topk_prob", "index_n_heads", "index_head_dim", "index_topk",
-                "rope_parameters", "mlp_layer_types") + (("indexer_types",) if arch == "glm_moe_dsa" else ()):
-        assert getattr(cfg, key) == getattr(hf.config, key), key
-    ids = prompt_ids()
-    with torch.no_grad():
-        ref = hf(ids).logits
-        assert rel_err(load_model(f32, allow_unmatched=False)(ids).logits, ref) <= 1e-4
-        q8 = convert(d, tmp_path / "q8.gguf", "Q8_0", "Q8_0", "Q8_0")
-        deq = _hf_on(GGUFSource(q8))(ids).logits
-        diff = (load_model(q8, allow_unmatched=False)(ids).logits - deq).abs()[0]
-    # the kernels quantize activations to 8 bits: llama.cpp's own bar (as tests/generation/test_families.py)
-    assert diff.mean() <= 0.05 and diff.max(1).values.median() <= 0.2 and diff.max() <= 0.75
+                "rope_parameters", "mlp_layer_types") + (("indexer_types",) if arch == "glm_moe_dsa" else ())
+    src = check_our_converter_f32_and_q8(d, hf, tmp_path, keys)
+    assert src.metadata["general.architecture"] == gguf_arch
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
@@ -279,49 +239,25 @@ def test_converter_writes_llama_cpps_file(arch, tmp_path):
     from ktransformers.weights.gguf_source import GGUFSource
 
     fixture = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / f"{arch}.gguf"
-    _hf_on(GGUFSource(fixture)).save_pretrained(tmp_path / "hf")
+    hf_on_gguf(GGUFSource(fixture)).save_pretrained(tmp_path / "hf")
     out = convert(tmp_path / "hf", tmp_path / "ours.gguf", "F32", "F32", "F32", tokenizer=False)
-    ours, theirs = gguf.GGUFReader(out), gguf.GGUFReader(fixture)
-
-    def layout(r):
-        return {t.name: (t.tensor_type.name, tuple(int(d) for d in t.shape)) for t in r.tensors}
-
-    def model_keys(r):  # but the writer's own (general.*) and the vocabulary
-        return {f.name: f.contents() for f in r.fields.values()
-                if not f.name.startswith(("GGUF.", "general.", "tokenizer."))}
-
-    assert layout(ours) == layout(theirs)
-    assert model_keys(ours) == model_keys(theirs)
-    ref = {t.name: np.array(t.data) for t in theirs.tensors}
-    for t in ours.tensors:
+    assert gguf_tensors(out) == gguf_tensors(fixture)
+    assert gguf_model_keys(out) == gguf_model_keys(fixture)
+    ref = {t.name: np.array(t.data) for t in gguf.GGUFReader(fixture).tensors}
+    for t in gguf.GGUFReader(out).tensors:
         np.testing.assert_array_equal(np.array(t.data), ref[t.name], err_msg=t.name)
 
 
 def test_softmax_router_in_the_file_is_named(tmp_path):
     """A ``deepseek32`` file saying softmax routing (``expert_gating_func`` 1): the model only routes
     with sigmoid, so one error naming the key, not a model that silently routes otherwise."""
-    import gguf
-    import numpy as np
+    from gguf_files import copy_gguf
 
     from ktransformers.errors import WeightError
     from ktransformers.weights.gguf_source import GGUFSource
 
     fixture = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "deepseek_v32.gguf"
-    reader = gguf.GGUFReader(fixture)
-    out = tmp_path / "softmax.gguf"
-    w = gguf.GGUFWriter(out, arch="deepseek32")
-    for f in reader.fields.values():
-        if f.name.startswith("GGUF.") or f.name == "general.architecture":
-            continue
-        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-        value = 1 if f.name == "deepseek32.expert_gating_func" else f.contents()
-        w.add_key_value(f.name, value, f.types[0], sub_type=sub)
-    for t in reader.tensors:
-        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    out = copy_gguf(fixture, tmp_path / "softmax.gguf", keys={"deepseek32.expert_gating_func": 1})
     with pytest.raises(WeightError, match=r"'deepseek32\.expert_gating_func' is 1; .* sigmoid"):
         GGUFSource(out).config()
 
@@ -360,32 +296,15 @@ def test_fp8_release_loads_dequantized(tmp_path):
     """The FP8 block-quantized release format (as DeepSeek-V3's, test_deepseek_fp8.py): the shipped
     rules take the linears and experts dequantized at load and match the HF model on the
     dequantized weights."""
-    import json
-
-    from safetensors.torch import load_file, save_file
-
     from ktransformers.util.tiny_models import write_tiny_model
-    from ktransformers.weights.fp8 import block_dequant, block_quant
+
+    from tests.weights._util import write_fp8_release
 
     src, fp8, deq = tmp_path / "bf", tmp_path / "fp8", tmp_path / "deq"
     # 128x128 scale blocks: sizes past one block
     write_tiny_model("deepseek_v32", src, seed=7, with_tokenizer=False, hidden_size=160, intermediate_size=288,
                      moe_intermediate_size=144, q_lora_rank=136)
-    qsd, dsd = {}, {}
-    for k, t in load_file(str(src / "model.safetensors")).items():
-        if t.dim() == 2 and k.startswith("model.layers.") and "norm" not in k and not k.endswith("mlp.gate.weight"):
-            q, s = block_quant(t)
-            qsd[k], qsd[k + "_scale_inv"] = q, s
-            dsd[k] = block_dequant(q, s)
-        else:
-            qsd[k] = dsd[k] = t
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                  "weight_block_size": [128, 128]}
-    for d, tensors in ((fp8, qsd), (deq, dsd)):
-        d.mkdir()
-        save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
-        (d / "config.json").write_text(json.dumps(cfg))
+    qsd = write_fp8_release(src, fp8, deq)
     assert sum(k.endswith("_scale_inv") for k in qsd) > 20
     ref = AutoModelForCausalLM.from_pretrained(str(deq), dtype=torch.float32).eval()
     model = load_model(fp8, model_path=fp8, allow_unmatched=False)

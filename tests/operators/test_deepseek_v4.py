@@ -35,8 +35,9 @@ from transformers import AutoModelForCausalLM
 from ktransformers import load_model
 from ktransformers.optimize_rules import RULES_DIR, default_rule_file
 
-from .family_checks import (BACKEND_SWAPS, assert_server_serves_one_at_a_time, generator_greedy, model_with_backend,
-                            prompt_ids, rel_err)
+from .family_checks import (BACKEND_SWAPS, assert_server_serves_one_at_a_time, check_expert_backend,
+                            check_gpu_rules_cross_device_parity, generator_greedy, model_with_backend, prompt_ids,
+                            rel_err)
 
 ARCH = "deepseek_v4"
 CPU_RULES = RULES_DIR / "DeepSeek-V4-cpu.yaml"
@@ -110,13 +111,7 @@ def test_hash_routed_block_gets_the_token_ids(hf, ours):
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_expert_backends(backend, tiny_model_dir, hf):
     old, new, tol = BACKENDS[backend]
-    model = model_with_backend(tiny_model_dir(ARCH), CPU_RULES, (old, new))
-    ids = prompt_ids(24, seed=3)
-    with torch.no_grad():
-        assert rel_err(model(ids).logits, hf(ids).logits) <= tol
-    if tol <= 1e-4:
-        a = model.generate(ids[:, :4], max_new_tokens=16, do_sample=False)
-        assert torch.equal(a, hf.generate(ids[:, :4], max_new_tokens=16, do_sample=False))
+    check_expert_backend(model_with_backend(tiny_model_dir(ARCH), CPU_RULES, (old, new)), hf, tol)
 
 
 def _release_tensors(d) -> dict[str, torch.Tensor]:
@@ -286,11 +281,4 @@ def test_check_and_explain_the_shipped_rules(stem, hf):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CPU+GPU rule files)")
 def test_gpu_rules_cross_device_parity(tiny_model_dir, hf):
-    d = tiny_model_dir(ARCH)
-    model = load_model(d, model_path=d, allow_unmatched=False)  # picks DeepSeek-V4.yaml
-    assert any(p.generate_device.type == "cuda" for p in model.kt_plan.placements.values())
-    ids = prompt_ids()
-    with torch.no_grad():
-        assert rel_err(model(ids).logits.cpu(), hf(ids).logits) <= 1e-3
-    a = model.generate(ids[:, :4], max_new_tokens=16, do_sample=False).cpu()
-    assert torch.equal(a, hf.generate(ids[:, :4], max_new_tokens=16, do_sample=False))
+    check_gpu_rules_cross_device_parity(tiny_model_dir(ARCH), hf)  # picks DeepSeek-V4.yaml

@@ -27,9 +27,10 @@ from transformers import AutoTokenizer
 
 from ktransformers import load_model
 from ktransformers.errors import WeightError
-from ktransformers.optimize_rules import RULES_DIR, default_rule_file
+from ktransformers.optimize_rules import RULES_DIR
 
-from .family_checks import BACKEND_SWAPS, EXPERTS_CPU, prompt_ids, rel_err
+from .family_checks import (BACKEND_SWAPS, EXPERTS_CPU, check_expert_backend, load_with_picked_rules,
+                            model_with_backend, rel_err)
 
 ARCH = "gpt_oss"
 CPU_RULES = RULES_DIR / "GptOss-cpu.yaml"
@@ -39,14 +40,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # hf: the shared fixtu
 
 
 def test_load_model_picks_the_gpt_oss_rules(tiny_model_dir):
-    from transformers import AutoConfig
-
-    d = tiny_model_dir(ARCH)
-    cfg = AutoConfig.from_pretrained(d)
-    assert cfg.architectures == ["GptOssForCausalLM"]
-    assert default_rule_file(cfg, cuda=False) == CPU_RULES
-    assert default_rule_file(cfg, cuda=True) == RULES_DIR / "GptOss.yaml"
-    model = load_model(d, model_path=d, allow_unmatched=False)
+    cfg, model = load_with_picked_rules(tiny_model_dir(ARCH), "GptOssForCausalLM", "GptOss")
     assert cfg.layer_types == ["sliding_attention", "full_attention"]
     for layer in model.model.layers:
         assert type(layer.mlp).__name__ == "GptOssMLP" and type(layer.mlp.router).__name__ == "GptOssTopKRouter"
@@ -60,23 +54,10 @@ def test_load_model_picks_the_gpt_oss_rules(tiny_model_dir):
 @pytest.mark.parametrize("backend", list(BACKEND_SWAPS))
 def test_other_expert_backends(backend, tiny_model_dir, hf):
     old, new, tol = BACKEND_SWAPS[backend]
-    rules = CPU_RULES.read_text()
-    assert old in rules
-    d = tiny_model_dir(ARCH)
-    model = load_model(d, model_path=d, rules=rules.replace(old, new), allow_unmatched=False)
-    ids = prompt_ids(24, seed=3)
-    with torch.no_grad():
-        got, ref = model(ids).logits[0], hf(ids).logits[0]
-    per_pos = (got - ref).abs().amax(-1) / ref.abs().max()
-    if backend == "AMXInt8":
-        # int8 weights flip the router's choice at a near tie (one position of 24 here, 0.37): the
-        # typical position is held to the tolerance, the worst one only to a sane bound
-        assert per_pos.median() <= tol and per_pos.max() <= 0.5
-    else:
-        assert per_pos.max() <= tol
-    if backend == "KExpertsTorch":
-        a = model.generate(ids[:, :4], max_new_tokens=16, do_sample=False)
-        assert torch.equal(a, hf.generate(ids[:, :4], max_new_tokens=16, do_sample=False))
+    model = model_with_backend(tiny_model_dir(ARCH), CPU_RULES, (old, new))
+    # AMXInt8: int8 weights flip the router's choice at a near tie (one position of 24 here, 0.37): the
+    # typical position is held to the tolerance, the worst one only to a sane bound
+    check_expert_backend(model, hf, tol, int8_worst=0.5 if backend == "AMXInt8" else None)
 
 
 @pytest.mark.parametrize("backend,tol", [("llamafile", 1e-5), ("KExpertsTorch", 1e-6), ("AMXBF16", 1e-2),

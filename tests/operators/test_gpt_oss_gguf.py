@@ -22,12 +22,14 @@ import numpy as np
 import pytest
 import torch
 
+from gguf_files import add_text_model_keys, finish
+
 from ktransformers import load_model
 from ktransformers.optimize_rules import RULES_DIR
 from ktransformers.weights.gguf_names import gpt_oss_metadata, name_map
 from ktransformers.weights.gguf_source import GGUFSource
 
-from .family_checks import EXPERTS_CPU, prompt_ids, rel_err
+from .family_checks import EXPERTS_CPU, assert_greedy_equal, prompt_ids, rel_err
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA_CPP = Path(os.environ.get("KT_LLAMA_CPP_DIR", "/nonexistent"))  # a llama.cpp source tree
@@ -57,12 +59,7 @@ def write_gpt_oss_gguf(model, path: Path, expert_type=gguf.GGMLQuantizationType.
     """A gpt-oss GGUF of ``model`` with gguf-py's writer: F32 tensors, expert weights in ``expert_type``."""
     c = model.config
     w = gguf.GGUFWriter(str(path), "gpt-oss")
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    add_text_model_keys(w, c)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     rope = c.rope_parameters
     w.add_rope_freq_base(rope["rope_theta"])
@@ -85,11 +82,7 @@ def write_gpt_oss_gguf(model, path: Path, expert_type=gguf.GGMLQuantizationType.
                 w.add_tensor(f"blk.{i}.{leaf}", gguf.quants.quantize(a, expert_type), raw_dtype=expert_type)
             else:
                 w.add_tensor(f"blk.{i}.{leaf}", a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return finish(w, path)
 
 
 def _hf_on_dequantized(hf, path: Path):
@@ -127,8 +120,7 @@ def test_f32_gguf_config_from_metadata_and_logits(hf, tmp_path):
     ids = prompt_ids()
     with torch.no_grad():
         assert rel_err(model(ids).logits, hf(ids).logits) <= 1e-4
-    a = model.generate(ids[:, :4], max_new_tokens=16, do_sample=False)
-    assert torch.equal(a, hf.generate(ids[:, :4], max_new_tokens=16, do_sample=False))
+    assert_greedy_equal(model, hf, ids)
 
 
 @pytest.mark.parametrize("op,tol", [("KExpertsCPU", 2e-2), ("KExpertsTorch", 1e-4)])

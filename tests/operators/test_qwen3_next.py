@@ -26,10 +26,11 @@ import pytest
 import torch
 
 from ktransformers import load_model
-from ktransformers.optimize_rules import RULES_DIR, default_rule_file
+from ktransformers.optimize_rules import RULES_DIR
 
-from .family_checks import (BACKEND_SWAPS, assert_server_serves_one_at_a_time, generator_greedy, model_with_backend,
-                            prompt_ids, rel_err)
+from .family_checks import (BACKEND_SWAPS, assert_server_serves_one_at_a_time, check_expert_backend,
+                            check_gpu_rules_cross_device_parity, generator_greedy, load_with_picked_rules,
+                            model_with_backend, rel_err)
 
 ARCH = "qwen3_next"
 CPU_RULES = RULES_DIR / "Qwen3Next-cpu.yaml"
@@ -44,14 +45,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # hf: the shared fixtu
 
 
 def test_load_model_picks_the_qwen3_next_rules(tiny_model_dir):
-    from transformers import AutoConfig
-
-    d = tiny_model_dir(ARCH)
-    cfg = AutoConfig.from_pretrained(d)
-    assert cfg.architectures == ["Qwen3NextForCausalLM"]
-    assert default_rule_file(cfg, cuda=False) == CPU_RULES
-    assert default_rule_file(cfg, cuda=True) == RULES_DIR / "Qwen3Next.yaml"
-    model = load_model(d, model_path=d, allow_unmatched=False)
+    cfg, model = load_with_picked_rules(tiny_model_dir(ARCH), "Qwen3NextForCausalLM", "Qwen3Next")
     linear, full, sparse = 0, 0, 0
     for i, layer in enumerate(model.model.layers):
         if cfg.layer_types[i] == "linear_attention":
@@ -94,19 +88,9 @@ def test_gated_shared_expert_in_the_block(tiny_model_dir, hf):
 def test_expert_backends(backend, tiny_model_dir, hf):
     old, new, tol = BACKENDS[backend]
     model = model_with_backend(tiny_model_dir(ARCH), CPU_RULES, (old, new))
-    ids = prompt_ids(24, seed=3)
-    with torch.no_grad():
-        got, ref = model(ids).logits[0], hf(ids).logits[0]
-    per_pos = (got - ref).abs().amax(-1) / ref.abs().max()
-    if backend == "AMXInt8":
-        # int8 weights flip the router's choice at a near tie (the last of 24 positions here, 8.5e-2):
-        # the typical position is held to the tolerance, the worst one only to a sane bound
-        assert per_pos.median() <= tol and per_pos.max() <= 0.25
-    else:
-        assert per_pos.max() <= tol
-    if tol <= 1e-4:
-        a = model.generate(ids[:, :4], max_new_tokens=16, do_sample=False)
-        assert torch.equal(a, hf.generate(ids[:, :4], max_new_tokens=16, do_sample=False))
+    # AMXInt8: int8 weights flip the router's choice at a near tie (the last of 24 positions here,
+    # 8.5e-2): the typical position is held to the tolerance, the worst one only to a sane bound
+    check_expert_backend(model, hf, tol, int8_worst=0.25 if backend == "AMXInt8" else None)
 
 
 def test_generator_carries_the_linear_attention_state(tiny_model_dir, hf):
@@ -134,11 +118,4 @@ def test_server_falls_back_to_one_request_at_a_time(tiny_model_dir, caplog):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CPU+GPU rule files)")
 def test_gpu_rules_cross_device_parity(tiny_model_dir, hf):
-    d = tiny_model_dir(ARCH)
-    model = load_model(d, model_path=d, allow_unmatched=False)  # picks Qwen3Next.yaml
-    assert any(p.generate_device.type == "cuda" for p in model.kt_plan.placements.values())
-    ids = prompt_ids()
-    with torch.no_grad():
-        assert rel_err(model(ids).logits.cpu(), hf(ids).logits) <= 1e-3
-    a = model.generate(ids[:, :4], max_new_tokens=16, do_sample=False).cpu()
-    assert torch.equal(a, hf.generate(ids[:, :4], max_new_tokens=16, do_sample=False))
+    check_gpu_rules_cross_device_parity(tiny_model_dir(ARCH), hf)  # picks Qwen3Next.yaml

@@ -38,7 +38,10 @@ from ktransformers.util.tiny_models import write_tiny_model
 from ktransformers.weights.dequant import dequantize
 from ktransformers.weights.gguf_source import GGUFSource
 
-from .family_checks import assert_converter_rewrites, assert_f16_as_llama_cpps, hf_on_gguf, prompt_ids, rel_err
+from gguf_files import copy_gguf
+
+from .family_checks import (assert_converter_rewrites, assert_f16_as_llama_cpps, hf_on_gguf, our_f32_file, prompt_ids,
+                            rel_err)
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "llamacpp" / "qwen3_next.gguf"
@@ -67,12 +70,7 @@ def test_converter_writes_llama_cpps_file(tmp_path):
 def test_config_from_metadata_and_f32_logits(tiny_model_dir, hf, tmp_path):
     """Our F32 file of the tiny model (a dense-MLP layer included): the config comes back from the
     metadata alone and the shipped rules give transformers' logits."""
-    f32 = convert(tiny_model_dir(ARCH), tmp_path / "f32.gguf", "F32", "F32", "F32")
-    src = GGUFSource(f32)
-    src.validate()
-    cfg = src.config()
-    for key in CONFIG_KEYS:
-        assert getattr(cfg, key) == getattr(hf.config, key), key
+    f32, _ = our_f32_file(tiny_model_dir(ARCH), hf, tmp_path, CONFIG_KEYS)
     ids = prompt_ids()
     model = load_model(f32, allow_unmatched=False)
     assert type(model.model.layers[0].linear_attn).__name__ == "Qwen3NextGatedDeltaNet"
@@ -121,26 +119,7 @@ def test_halves_of_different_types(tiny_model_dir, tmp_path):
 def _rewrite(out: Path, keys: dict | None = None, drop: tuple[str, ...] = (), add: dict | None = None) -> Path:
     """The fixture with metadata ``keys`` replaced or added (u32 / bool arrays), tensors ``drop`` left
     out and ``add`` appended."""
-    reader = gguf.GGUFReader(FIXTURE)
-    w = gguf.GGUFWriter(out, arch="qwen3next")
-    keys = dict(keys or {})
-    for f in reader.fields.values():
-        if f.name.startswith("GGUF.") or f.name == "general.architecture":
-            continue
-        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(f.name, keys.pop(f.name, f.contents()), f.types[0], sub_type=sub)
-    for k, v in keys.items():
-        w.add_uint32(k, v)
-    for t in reader.tensors:
-        if t.name not in drop:
-            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
-    for name, data in (add or {}).items():
-        w.add_tensor(name, data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
+    return copy_gguf(FIXTURE, out, keys=keys, tensor=lambda n, data, qt: None if n in drop else (data, qt), add=add)
 
 
 def test_missing_gate_half_is_named(tmp_path):

@@ -40,3 +40,36 @@ def gemma_gguf() -> Path:
     GEMMA_PATH.parent.mkdir(parents=True, exist_ok=True)
     assemble(str(GEMMA_PATH))
     return GEMMA_PATH
+
+
+def is_fp8_target(key: str, t) -> bool:
+    """DeepSeek's FP8 release: every linear under the layers is FP8 except the router (and norms,
+    embeddings, lm_head)."""
+    return (t.dim() == 2 and key.startswith("model.layers.") and key.endswith(".weight")
+            and "norm" not in key and not key.endswith("mlp.gate.weight"))
+
+
+def write_fp8_release(src: Path, fp8: Path, deq: Path) -> dict:
+    """From the tiny folder ``src`` (one safetensors file): ``fp8`` in DeepSeek's FP8 release format
+    (128x128 block-quantized linears beside their ``_scale_inv``, the ``quantization_config``) and
+    ``deq`` the same weights dequantized (the reference).  Returns the FP8 folder's tensors."""
+    from safetensors.torch import load_file, save_file
+
+    from ktransformers.weights.fp8 import block_dequant, block_quant
+
+    qsd, dsd = {}, {}
+    for k, t in load_file(str(src / "model.safetensors")).items():
+        if is_fp8_target(k, t):
+            q, s = block_quant(t)
+            qsd[k], qsd[k + "_scale_inv"] = q, s
+            dsd[k] = block_dequant(q, s)
+        else:
+            qsd[k] = dsd[k] = t
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                  "weight_block_size": [128, 128]}
+    for d, tensors in ((fp8, qsd), (deq, dsd)):
+        d.mkdir()
+        save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+        (d / "config.json").write_text(json.dumps(cfg))
+    return qsd

@@ -3,18 +3,18 @@ dequantization, and a tiny model saved in FP8 that must match its own dequantize
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 import ktransformers
 from ktransformers.operators.fp8_linear import KLinearFP8
 from ktransformers.weights import open_weights
 from ktransformers.weights.fp8 import SCALE_SUFFIX, FP8DequantSource, block_dequant, block_quant, is_fp8
 from ktransformers.util.tiny_models import write_tiny_model
+
+from ._util import write_fp8_release
 
 RULES = Path(ktransformers.__file__).parent / "optimize_rules"
 
@@ -72,34 +72,12 @@ def test_dequant_hook():
 FP8_OVERRIDES = dict(hidden_size=160, intermediate_size=288, moe_intermediate_size=144, q_lora_rank=136)
 
 
-def _is_fp8_target(key: str, t: torch.Tensor) -> bool:
-    # DeepSeek's release: every linear under the layers is FP8 except the router (and norms,
-    # embeddings, lm_head)
-    return (t.dim() == 2 and key.startswith("model.layers.") and key.endswith(".weight")
-            and "norm" not in key and not key.endswith("mlp.gate.weight"))
-
-
 @pytest.fixture(scope="module")
 def fp8_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fp8")
     src, fp8, deq = root / "bf", root / "fp8", root / "deq"
     write_tiny_model("deepseek_v3", src, seed=7, with_tokenizer=False, **FP8_OVERRIDES)
-    sd = load_file(str(src / "model.safetensors"))
-    qsd, dsd = {}, {}
-    for k, t in sd.items():
-        if _is_fp8_target(k, t):
-            q, s = block_quant(t)
-            qsd[k], qsd[k + "_scale_inv"] = q, s
-            dsd[k] = block_dequant(q, s)
-        else:
-            qsd[k] = dsd[k] = t
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                  "weight_block_size": [128, 128]}
-    for d, tensors in ((fp8, qsd), (deq, dsd)):
-        d.mkdir()
-        save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
-        (d / "config.json").write_text(json.dumps(cfg))
+    qsd = write_fp8_release(src, fp8, deq)
     n_fp8 = sum(1 for k in qsd if k.endswith("_scale_inv"))
     assert any(".experts.0.gate_proj.weight_scale_inv" in k for k in qsd) and n_fp8 > 20
     return fp8, deq
