@@ -18,9 +18,11 @@ from typing import Any
 
 from ..errors import WeightError
 from ..weights import EXPERT_PROJS, open_weights
+from ..weights.ggml_types import KERNEL_TYPES
 from ..weights.gguf_names import EXPERT_GGUF
 
-_FLOAT_TYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+#: torch dtype name -> the float ggml type of the kernels that holds it (F32, F16, BF16: the type table's)
+_FLOAT_TYPES = {t.torch_dtype: t.name for t in KERNEL_TYPES.values() if t.block_elems == 1 and t.torch_dtype}
 
 
 @dataclass
