@@ -597,9 +597,9 @@ class BatchRunner:
       ``ValueError``/``KeyError``) is raised before any state changed; an error inside the forward
       gives the new pages back and leaves the sequences as they were.
       ``images`` (``{seq_id: VisionInputs}``, multimodal/prompt.py): a vision-language model's prompt
-      with pictures, read whole (from its first token) as the only chunk of its step, by the model's
-      own forward with the pictures; its later tokens take M-RoPE positions shifted by the
-      pictures' offset, in any step.
+      with pictures, read whole (from its first token, or from the end of a cached start given to
+      ``begin``) as the only chunk of its step, by the model's own forward with the pictures; its
+      later tokens take M-RoPE positions shifted by the pictures' offset, in any step.
     * ``pages_needed(seq_id, n_new)``: pages a step appending ``n_new`` tokens would allocate.
     * ``seq_len`` / ``seq_pages``: tokens held / block table (prefix pages first).
     * ``release(seq_id)``: decref every page of the sequence at once and forget it.
@@ -693,7 +693,8 @@ class BatchRunner:
         """Logits of each chunk's last token.  ``prompt``: ids of the sequences whose chunk is prompt
         tokens; such a chunk is read by the prompt forward even when it is one token, so a prompt's
         cache is the same bits whatever the chunking (a one-token chunk of another sequence is a
-        decoding row).  ``images``: ``{seq_id: VisionInputs}`` of a whole prompt with pictures."""
+        decoding row).  ``images``: ``{seq_id: VisionInputs}`` of a whole prompt with pictures (the
+        rest of it after a cached start)."""
         chunks = self._check_chunks(chunks)
         images = dict(images or {})
         is_prompt = [sid in prompt or sid in images for sid, _ in chunks]
@@ -701,9 +702,10 @@ class BatchRunner:
             return torch.empty(0, self.vocab_size)
         if images:
             sid = chunks[0][0]
-            if len(chunks) != 1 or set(images) != {sid} or self._seqs[sid].length != 0:
-                raise ValueError("a prompt with images is read whole, from its first token, as the only chunk "
-                                 f"of its step (got chunks of {[c[0] for c in chunks]}, images of {list(images)})")
+            if len(chunks) != 1 or set(images) != {sid}:
+                raise ValueError("a prompt with images is read whole, from its first token or its cached start, as "
+                                 f"the only chunk of its step (got chunks of {[c[0] for c in chunks]}, images of "
+                                 f"{list(images)})")
         need = [self.pages_needed(sid, len(toks)) for sid, toks in chunks]
         fresh = self.pool.reserve(sum(need))
         delta = None
@@ -720,7 +722,7 @@ class BatchRunner:
                 batch = _PagedBatch(self.pool, tables, is_prompt)
                 tokens = [t for _, toks in chunks for t in toks]
                 if images:
-                    logits, delta = self._image_forward(batch, tokens, images[chunks[0][0]])
+                    logits, delta = self._image_forward(batch, tokens, images[chunks[0][0]], tables[0][1])
                 else:
                     shift = [self._seqs[sid].rope_delta for sid, _ in chunks] if shifted else None
                     logits = self._forward(batch, tokens, shift)
@@ -763,11 +765,12 @@ class BatchRunner:
         out[rest] = other
         return out
 
-    def _image_forward(self, batch: _PagedBatch, tokens: list[int], vision) -> tuple[torch.Tensor, int]:
-        """(logits, M-RoPE shift) of a whole prompt with pictures: the model's own forward with them,
-        at the positions of its ``get_rope_index`` (multimodal/prompt.py)."""
+    def _image_forward(self, batch: _PagedBatch, tokens: list[int], vision, past: int) -> tuple[torch.Tensor, int]:
+        """(logits, M-RoPE shift) of a prompt with pictures from cache row ``past`` on: the model's
+        own forward with them, at the positions of its ``get_rope_index`` over the whole prompt
+        (multimodal/prompt.py)."""
         ids = torch.tensor([tokens], dtype=torch.long, device=module_device(self.model.get_input_embeddings()))
-        kwargs, delta = vision.batch_kwargs(self.model, ids)
+        kwargs, delta = vision.batch_kwargs(self.model, ids, past)
         return self._forward(batch, tokens, position_ids=kwargs.pop("position_ids"), extra=kwargs), delta
 
     def _forward(self, batch: _PagedBatch, tokens: list[int], shift: list[int] | None = None, *,

@@ -179,7 +179,8 @@ class BatchRunner:
     def step(self, chunks: list[tuple[int, list[int]]], prompt=(), images=None) -> torch.Tensor:
         """``BatchRunner.step``'s contract; ``prompt`` changes nothing here (every chunk is one call
         of the model's forward).  ``images``: ``{seq_id: VisionInputs}`` of whole prompts with
-        pictures (multimodal/prompt.py), read by the model's forward with them."""
+        pictures (multimodal/prompt.py; the rest after a cached start), read by the model's forward
+        with them."""
         images = images or {}
         need = sum(self.pages_needed(sid, len(ids)) for sid, ids in chunks)
         if need > self.pool.free_count() and self.pool.on_pressure is not None:
@@ -196,9 +197,7 @@ class BatchRunner:
                 pos = torch.arange(seq.length, seq.length + len(ids), device=self.device).unsqueeze(0)
                 kwargs = {}
                 if sid in images:
-                    if seq.length:
-                        raise KTError(f"sequence {sid}: a prompt with images is read whole, from its first token")
-                    kwargs, seq.rope_delta = images[sid].batch_kwargs(self.model, x)
+                    kwargs, seq.rope_delta = images[sid].batch_kwargs(self.model, x, seq.length)
                     pos = kwargs.pop("position_ids")
                 elif seq.rope_delta:
                     pos = torch.cat([pos[None], (pos + seq.rope_delta)[None].expand(3, 1, -1)])

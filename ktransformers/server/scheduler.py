@@ -39,7 +39,7 @@ class Sequence:
     cached_tokens: int | None = None   # prompt tokens the prefix cache gave at first admission
     preemptions: int = 0
     owner: Any = None            # the engine's per-request state
-    vision: Any = None           # a prompt with pictures (multimodal/prompt.py VisionInputs): read whole, uncached
+    vision: Any = None           # a prompt with pictures (multimodal/prompt.py VisionInputs): read whole
 
     @property
     def tokens(self) -> list[int]:
@@ -114,12 +114,24 @@ class Scheduler:
         self._remember(seq)
         self.drop(seq)
 
+    def _images(self, seq: Sequence) -> dict | None:
+        """The prefix cache's keyword for ``seq``'s pictures: ``{}`` for text, ``{"images": spans}``
+        (multimodal/prompt.py ``VisionInputs.spans``) for a prompt with pictures, None where the
+        prompt's ids are not known to its pictures (never cached).  A picture's image tokens are the
+        same placeholder ids whatever the picture: the spans' content digests in the keys keep pages
+        made with one picture from answering another."""
+        if seq.vision is None:
+            return {}
+        if getattr(seq.vision, "ids", None) != seq.prompt:
+            return None
+        return {"images": seq.vision.spans()}
+
     def _remember(self, seq: Sequence) -> None:
-        # a prompt with pictures is never cached: its image tokens are the same placeholder ids
-        # whatever the picture, so its pages must not answer another prompt of the same ids
-        if (self.prefix_cache is not None and seq.vision is None and seq.begun
-                and seq.computed >= self.pool.page_size):
-            self.prefix_cache.insert(seq.tokens[:seq.computed], list(self.runner.seq_pages(seq.seq_id)))
+        if self.prefix_cache is None or not seq.begun or seq.computed < self.pool.page_size:
+            return
+        images = self._images(seq)
+        if images is not None:
+            self.prefix_cache.insert(seq.tokens[:seq.computed], list(self.runner.seq_pages(seq.seq_id)), **images)
 
     # ---- pages -----------------------------------------------------------------------
     def _free(self) -> int:
@@ -161,10 +173,19 @@ class Scheduler:
         self.preemptions += 1
         self._insert_waiting(seq)
 
-    def _admit(self, seq: Sequence) -> None:
-        pages, n = [], 0
-        if self.prefix_cache is not None and seq.vision is None:
+    def _match(self, seq: Sequence) -> tuple[list[int], int]:
+        """The prefix cache's pages for ``seq``'s start (a reference held on each) and their tokens."""
+        images = self._images(seq) if self.prefix_cache is not None else None
+        if images == {}:
             pages, n, _tiers = self.prefix_cache.match(seq.tokens)
+        elif images is not None:  # a cached start within the prompt: the runner reads the rest by its ids
+            pages, n, _tiers = self.prefix_cache.match(seq.prompt, **images)
+        else:
+            pages, n = [], 0
+        return pages, n
+
+    def _admit(self, seq: Sequence, matched: tuple[list[int], int] | None = None) -> None:
+        pages, n = self._match(seq) if matched is None else matched
         try:
             self.runner.begin(seq.seq_id, pages, n)
         finally:
@@ -193,19 +214,27 @@ class Scheduler:
             self.preempt(self.running[-1])  # everyone is stuck on pages: the youngest gives way
 
     def _whole(self) -> list[tuple[Sequence, int]] | None:
-        """A step of its own for a prompt with pictures (read whole: the vision tower's features fill
-        its image tokens in one forward), running or at the head of the queue, when its pages are
-        free (keeping a page per decoding request in hand); None otherwise."""
+        """A step of its own for a prompt with pictures (read whole, from the end of its cached start:
+        the vision tower's features fill its image tokens in one forward), running or at the head of
+        the queue, when its pages are free (keeping a page per decoding request in hand); None
+        otherwise."""
         decoding = sum(1 for s in self.running if s.decoding)
         for s in self.running:
             if s.vision is not None and not s.decoding and s.pending > 0:
                 return [(s, s.pending)] if self._available(self.runner.pages_needed(s.seq_id, s.pending)) else None
         head = self.waiting[0] if self.waiting else None
-        if (head is not None and head.vision is not None and len(self.running) < self.max_batch_size
-                and self._available(self._pages_for_new(head.total_len) + decoding)):
-            self._admit(head)
-            return [(head, head.pending)]
-        return None
+        if head is None or head.vision is None or len(self.running) >= self.max_batch_size:
+            return None
+        # its cached start first: the references held keep the pool's pressure from evicting the
+        # pages it is about to reuse while room is made for the rest (a lookup that finds no room
+        # is given back and counted again at the next try)
+        pages, n = self._match(head)
+        if not self._available(self._pages_for_new(head.total_len) - len(pages) + decoding):
+            for p in pages:
+                self.pool.decref(p)
+            return None
+        self._admit(head, (pages, n))
+        return [(head, head.pending)]
 
     def _plan(self) -> list[tuple[Sequence, int]]:
         self._reserved = 0

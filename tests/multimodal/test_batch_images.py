@@ -2,8 +2,9 @@
 read whole, in a step of its own, by the model's own forward with the pictures; its decode steps
 share the batch with other requests at M-RoPE positions shifted by the pictures' offset.  Every
 answer is token for token transformers' generate() on the unmodified tiny Qwen3-VL-MoE for that
-request alone, whatever runs beside it, after a preemption too, and with the prefix cache on (a
-prompt with pictures is never cached: two pictures under the same text give two answers)."""
+request alone, whatever runs beside it, after a preemption too, and with the prefix cache on (its
+keys hold the pictures' content: two pictures under the same text give two answers; more in
+test_image_prefix_cache.py)."""
 
 from __future__ import annotations
 
@@ -115,7 +116,8 @@ def test_preempted_picture_prompt_is_read_again_with_its_pictures(vl):
 
 def test_prefix_cache_never_answers_another_picture(vl, tmp_path):
     """Same text, different pictures, prefix cache on: each answer is its own (the one it gets
-    alone); a prompt with pictures neither reads nor fills the cache, text prompts still share it."""
+    alone); the other picture hits only the text before it, the same picture hits through it, text
+    prompts still share the cache."""
     from PIL import ImageOps
 
     from ktransformers.server.prefix_cache import PrefixCache
@@ -130,7 +132,8 @@ def test_prefix_cache_never_answers_another_picture(vl, tmp_path):
         pool, fingerprint="t", page_size=4, ram_bytes=2 ** 26))
     got = _serve(engine, [a, b, a], delays=[0.0, 0.5, 1.0])
     assert [g for g, _ in got] == [want[0], want[1], want[0]]
-    assert [c for _, c in got] == [0, 0, 0]
+    (start, _, _), = a.vision.spans()
+    assert [c for _, c in got] == [0, start // 4 * 4, (len(a) - 1) // 4 * 4]
     text = _prompt(tok, support, "Tell me a story about the sea and the sky", [])
     again = _serve(engine, [text, text], delays=[0.0, 0.8])
     assert again[0][0] == again[1][0] == _reference(hf, text) and again[1][1] > 0
