@@ -3,7 +3,9 @@
 A page (``page_size`` token slots in every attention layer of the :class:`PagePool`) is addressed
 by a *chain hash*: ``key(page i) = H(key(page i-1), token ids of page i)`` with the chain rooted
 in the model fingerprint and the page size, so a key depends on every earlier token and on the
-exact model that computed it.  Only full pages are cached.
+exact model that computed it.  A page holding image tokens hashes its pictures' content digests
+too (:func:`image_salts`): their placeholder ids are the same whatever the picture.  Only full
+pages are cached.
 
 Three tiers, searched in this order for each page of a prompt:
 
