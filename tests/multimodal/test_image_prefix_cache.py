@@ -221,3 +221,18 @@ def test_server_usage_counts_image_and_cached_tokens(tiny_vl, tmp_path, vl):
     assert u1.prompt_tokens_details.cached_tokens == 0
     assert u2.prompt_tokens_details.cached_tokens == (len(prompt) - 1) // ps * ps >= end
     assert u3.prompt_tokens_details.cached_tokens == start // ps * ps
+
+
+def test_bad_cached_starts_and_ids_are_one_line_errors(vl):
+    from ktransformers.multimodal.prompt import VisionInputs
+
+    tok, support, _, model = vl
+    prompt = _prompt(tok, support, [photo_like()])
+    with pytest.raises(ValueError, match=r"mm_token_type_ids covers \d+ tokens, the prompt has \d+"):
+        VisionInputs(prompt.vision.inputs, ids=list(prompt)[:-1])
+    tail = torch.tensor([list(prompt)[-3:]])
+    for past in (len(prompt) + 1, -1):
+        with pytest.raises(ValueError, match="the cached start must lie within its prompt"):
+            prompt.vision.batch_kwargs(model, tail, past)
+    with pytest.raises(ValueError, match="the cached start must lie within its prompt of unknown"):
+        VisionInputs(prompt.vision.inputs).batch_kwargs(model, tail, 4)
