@@ -47,13 +47,15 @@ def _mtp_params(config, ckpt: Checkpoint, arch: str) -> list[tuple[str, tuple[in
     table maps it (``model.layers.{n}.*``, n = ``num_hidden_layers``: a decoder layer as the model's
     own, and its own tensors as llama.cpp writes them: ``blk.{n}.nextn.*``); else none.  Its copies
     of the embedding and output head are left out (the drafter reads the model's)."""
+    if arch not in gn.NEXTN_ARCHS:
+        return []
     import copy
 
     from ..generation.mtp import MTP_TENSORS
 
     n, H = int(config.num_hidden_layers), int(config.hidden_size)
     p = f"model.layers.{n}."
-    if arch not in gn.NEXTN_ARCHS or not ckpt.has(p + MTP_TENSORS[0]):
+    if not ckpt.has(p + MTP_TENSORS[0]):
         return []
     cfg = copy.deepcopy(config)
     cfg.num_hidden_layers = n + 1
