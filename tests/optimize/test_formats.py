@@ -354,3 +354,21 @@ def test_mxfp4_experts_say_their_type_from_the_header(tmp_path):
     src.inner.tensor = no_read
     for name in names:
         assert F.stored_type(src, name) == expected[name], name
+
+
+def test_a_prefill_copy_in_another_format_is_shown_beside_the_generate_one(mixed):
+    """Experts computed on the CPU kernels and prefilled by torch on a GPU: each tensor row names both
+    formats and both devices (explained on any machine: the plan is made to be read)."""
+    from ktransformers.loading import plan_load
+
+    rules = """
+- match: {name: "experts$"}
+  replace: {class: KTransformersExperts, kwargs: {generate_device: cpu, generate_op: KExpertsCPU,
+            prefill_device: "cuda:0", prefill_op: KExpertsTorch}}
+  recursive: false
+"""
+    planned = plan_load(mixed, None, rules, device="cpu", plan_only=True)
+    ex = explain_plan(planned.model, planned.plan, planned.source)
+    row = next(r for r in ex.tensors if r.tensor == "model.layers.1.mlp.experts.down_proj")
+    copy = F.float_format(next(planned.model.parameters()).dtype).label
+    assert (row.stored, row.format, row.devices) == ("Q6_K", f"raw Q6_K | prefill: {copy}", "cpu+cuda:0")
