@@ -1,17 +1,44 @@
-"""Checks shared by the decode step's family tests (test_decode_step_mla.py, test_decode_step_glm.py)."""
+"""Checks shared by the decode step's tests (test_decode_step_mla.py, test_decode_step_glm.py,
+test_lean_decode.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+import ktransformers
 from ktransformers.generation import Generator, SamplingParams
 from ktransformers.generation.decode_step import decode_step_for
+from ktransformers.util.tiny_models import write_tiny_model
 
 from .test_invariance import _NoText
+
+_PAIRS: dict[Path, tuple] = {}
+
+
+def tiny_pair(folder: Path, arch: str, rules: Path, **overrides):
+    """(unmodified transformers model, injected model) of a tiny random ``arch`` (seed 3) written to
+    ``folder`` and loaded through ``rules``, built once per folder."""
+    if folder not in _PAIRS:
+        hf = write_tiny_model(arch, folder, seed=3, **overrides)
+        _PAIRS[folder] = (hf, ktransformers.load_model(folder, model_path=folder, rules=rules))
+    return _PAIRS[folder]
 
 
 def prompt(n=12, seed=0):
     return [int(i) for i in torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed))]
+
+
+def prefilled_cache(step, g, ids, room: int):
+    """A new cache of Generator ``g`` with ``room`` positions after ``ids``, prefilled: the step
+    refuses it before the prefill (its layers not initialised) and takes it after.  Call in
+    inference mode."""
+    cache = g.new_cache(len(ids) + room)
+    assert not step.accepts(cache)  # layers not initialised before the prefill
+    g.prefill(ids, cache)
+    assert step.accepts(cache)
+    return cache
 
 
 def own_forward(model, tok, pos, cache):

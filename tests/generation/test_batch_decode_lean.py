@@ -13,9 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ktransformers import load_model
 from ktransformers.generation.decode_step import decode_step_for
 from ktransformers.generation.paged import BatchRunner
+
+from .conftest import tiny_loader
 
 TOL = 1e-5
 LEAN_ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "gemma3_text", "deepseek_v2", "deepseek_v3",
@@ -24,19 +25,8 @@ LEAN_ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "gemma3_text"
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from ktransformers.util.tiny_models import write_tiny_model
-
-    made = {}
-
-    def get(arch, **overrides):
-        key = (arch, repr(sorted(overrides.items())))
-        if key not in made:
-            d = tmp_path_factory.mktemp(f"lean-batch-{arch}")
-            write_tiny_model(arch, d, seed=0, **overrides)
-            made[key] = load_model(d, model_path=d)
-        return made[key]
-
-    return get
+    """Tiny models of this file's own (seed 0): the tests wrap their decode step."""
+    return tiny_loader(tmp_path_factory, seed=0, prefix="lean-batch")
 
 
 def _prompt(n, seed):

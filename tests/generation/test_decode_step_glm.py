@@ -24,13 +24,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import ktransformers
 from ktransformers.generation.decode_step import DecodeStep
-from ktransformers.util.tiny_models import write_tiny_model
+from ktransformers.optimize_rules import RULES_DIR
 
-from .step_checks import check_greedy_against_transformers, step_against_own_forward
+from .step_checks import check_greedy_against_transformers, step_against_own_forward, tiny_pair
 
-RULES = Path(ktransformers.__file__).parent / "optimize_rules"
 CASES = {
     "glm45": {},
     "air": dict(use_qk_norm=False, n_group=1, topk_group=1),
@@ -39,8 +37,6 @@ CASES = {
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-_MODELS: dict[str, tuple] = {}
-
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
@@ -48,12 +44,7 @@ def root(tmp_path_factory):
 
 
 def pair(case: str, root: Path):
-    """(unmodified transformers model, injected model) of a case, built once per session."""
-    if case not in _MODELS:
-        d = root / case
-        hf = write_tiny_model("glm4_moe", d, seed=3, **CASES[case])
-        _MODELS[case] = (hf, ktransformers.load_model(d, model_path=d, rules=RULES / "Glm4Moe-cpu.yaml"))
-    return _MODELS[case]
+    return tiny_pair(root / case, "glm4_moe", RULES_DIR / "Glm4Moe-cpu.yaml", **CASES[case])
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -29,17 +29,15 @@ import torch
 import ktransformers
 from ktransformers.generation import Generator, SamplingParams
 from ktransformers.generation.decode_step import DecodeStep, decode_step_for
-from ktransformers.util.tiny_models import write_tiny_model
 
-from .step_checks import check_greedy_against_transformers, prompt, step_against_own_forward
+from .step_checks import (check_greedy_against_transformers, prefilled_cache, prompt, step_against_own_forward,
+                          tiny_pair)
 from .test_invariance import _NoText
 
 # the tiny MLA variants (V2, V3, Moonlight-like, V2-Chat-like) and their rule files: one table
 from tests.operators.test_mla_attention import CASES, RULES  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-_MODELS: dict[str, tuple] = {}
 
 
 @pytest.fixture(scope="module")
@@ -48,13 +46,8 @@ def root(tmp_path_factory):
 
 
 def pair(case: str, root: Path):
-    """(unmodified transformers model, injected model) of a case, built once per session."""
-    if case not in _MODELS:
-        arch, rule, over = CASES[case]
-        d = root / case
-        hf = write_tiny_model(arch, d, seed=3, **over)
-        _MODELS[case] = (hf, ktransformers.load_model(d, model_path=d, rules=RULES / rule))
-    return _MODELS[case]
+    arch, rule, over = CASES[case]
+    return tiny_pair(root / case, arch, RULES / rule, **over)
 
 
 _prompt = prompt
@@ -116,10 +109,7 @@ def test_unserved_cache_states_take_the_generic_forward(root):
     g = Generator(model, _NoText())
     ids = _prompt()
     with torch.inference_mode():
-        cache = g.new_cache(len(ids) + 2)
-        assert not step.accepts(cache)  # layers not initialised before the prefill
-        g.prefill(ids, cache)
-        assert step.accepts(cache)
+        cache = prefilled_cache(step, g, ids, 2)
         assert step.step(5, len(ids) + 1, cache) is None  # not the next position
         assert step.step_rows([5, 6, 7], len(ids), cache) is None  # no room for three rows
         assert step.step(5, len(ids), cache) is not None

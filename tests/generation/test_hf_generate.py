@@ -21,15 +21,9 @@ from ktransformers import load_model
 from ktransformers.generation import Generator, SamplingParams
 from ktransformers.generation.decode_step import DecodeStep
 
+from .test_invariance import _NoText
+
 ARCHS = ["llama", "qwen3", "gemma3_text", "qwen3_moe"]
-
-
-class _NoText:
-    eos_token_id = None
-    chat_template = None
-
-    def decode(self, ids, **kw):
-        return ""
 
 
 def _prompt(n=10, seed=3):

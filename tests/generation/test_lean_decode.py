@@ -26,29 +26,16 @@ from ktransformers import load_model
 from ktransformers.generation import Generator, SamplingParams
 from ktransformers.generation.decode_step import DecodeStep, decode_step_for
 
+from .step_checks import own_forward, prefilled_cache
+from .test_invariance import _NoText
+
 LEAN_ARCHS = ["llama", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe"]
 MOE_ARCHS = ("qwen3_moe", "qwen2_moe")
 GEMMA = Path(__file__).resolve().parents[2] / ".cache" / "models" / "gemma-3-270m-q4_k_m.gguf"
 
 
-class _NoText:
-    eos_token_id = None
-    chat_template = None
-
-    def decode(self, ids, **kw):
-        return ""
-
-
 def _prompt(n=12, seed=0):
     return [int(i) for i in torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(seed))]
-
-
-def _generic(model, tok, pos, cache):
-    """The model's own forward: a loaded model's ``forward`` answers such a call with the lean step
-    itself (generation/hf_generate.py)."""
-    own = model.__dict__.get("_kt_lean_forward") or model
-    return own(input_ids=torch.tensor([[tok]]), cache=cache, position_ids=torch.tensor([[pos]]),
-               use_cache=True, logits_to_keep=1).logits[0, -1].float()
 
 
 @pytest.mark.parametrize("arch", LEAN_ARCHS)
@@ -69,7 +56,7 @@ def test_lean_step_equals_generic_forward(arch, tiny_model_dir, one_torch_thread
         gen.prefill(ids, cb)
         tok = int(ref.argmax())
         for pos in range(len(ids), len(ids) + 20):  # gemma3's tiny window is 8: the roll branch runs
-            want = _generic(model, tok, pos, ca)
+            want = own_forward(model, tok, pos, ca)
             assert step.accepts(cb)
             got = step.step(tok, pos, cb)[0]
             worst = max(worst, (got - want).abs().max().item() / want.abs().max().item())
@@ -114,10 +101,7 @@ def test_gate_falls_back_to_the_generic_forward(tiny_model_dir, monkeypatch, one
     gen = Generator(model, _NoText())
     ids = _prompt()
     with torch.inference_mode():
-        cache = gen.new_cache(len(ids) + 4)
-        assert not step.accepts(cache)  # layers not initialised before the prefill
-        gen.prefill(ids, cache)
-        assert step.accepts(cache)
+        cache = prefilled_cache(step, gen, ids, 4)
         dyn = DynamicCache(config=model.config)
         model(input_ids=torch.tensor([ids]), cache=dyn, use_cache=True)
         assert step.accepts(dyn)  # served too (tests/generation/test_hf_generate.py)
@@ -163,7 +147,7 @@ def test_gemma3_q4km_within_the_generic_paths_own_spread():
                 out = {}
                 for impl in ("sdpa", "eager"):
                     model.config._attn_implementation = cfg._attn_implementation = impl
-                    out[impl] = _generic(model, tok, pos, caches[impl]).clone()
+                    out[impl] = own_forward(model, tok, pos, caches[impl]).clone()
                 out["lean"] = step.step(tok, pos, caches["lean"])[0].clone()
                 rows.append(out)
                 tok = int(out["sdpa"].argmax())
