@@ -236,3 +236,27 @@ def test_bad_cached_starts_and_ids_are_one_line_errors(vl):
             prompt.vision.batch_kwargs(model, tail, past)
     with pytest.raises(ValueError, match="the cached start must lie within its prompt of unknown"):
         VisionInputs(prompt.vision.inputs).batch_kwargs(model, tail, 4)
+
+
+def test_preempted_picture_prompt_reads_its_cached_prompt_back(vl):
+    """A pool too small for both answers: the younger request is preempted; read again, its prompt's
+    pages come from the cache (indexed when its prompt was read) and only the prompt's last tokens
+    and the text it generated are read, at the positions after its picture."""
+    from ktransformers.server.prefix_cache import PrefixCache
+
+    tok, support, hf, model = vl
+    prompts = [_prompt(tok, support, [photo_like()]), _prompt(tok, support, [photo_like(seed=3)])]
+    want = [_reference(hf, p) for p in prompts]
+    ps = 4
+    assert list(prompts[0]) == list(prompts[1])  # the same ids: only the pictures differ
+    shared = prompts[0].vision.spans()[0][0] // ps  # the text pages before the picture, read by both
+    pages = sum((len(p) + ps - 1) // ps for p in prompts) - shared + 2  # both prompts, not both answers
+    engine = _engine(model, tok, support, page_size=ps, num_pages=pages,
+                     prefix_cache=lambda pool: PrefixCache(pool, fingerprint="t", page_size=ps))
+    got = _serve(engine, prompts)
+    assert [g for g, _ in got] == want
+    assert engine.scheduler.preemptions > 0
+    # the second request shares the first one's text pages; its read after the preemption found
+    # its own prompt's pages too (cached_tokens reports the first admission)
+    assert [c for _, c in got] == [0, shared * ps]
+    assert engine.prefix_cache.stats()["matched_tokens"] > shared * ps
