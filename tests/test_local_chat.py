@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -143,6 +144,21 @@ def _spawn(*args, timeout=120):
     child = pexpect.spawn(sys.executable, ["-m", "ktransformers.local_chat", *map(str, args)], cwd=str(ROOT),
                           env=_env(), encoding="utf-8", timeout=timeout, dimensions=(50, 400))
     return pexpect, child
+
+
+@contextmanager
+def chat_session(*args):
+    """local_chat started with ``args``, at its first ``Chat: ``; leaving the block ends its input,
+    and it must exit with status 0."""
+    pexpect, child = _spawn(*args)
+    try:
+        child.expect_exact("Chat: ")
+        yield child
+        child.sendeof()
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0, child.before
 
 
 def test_interactive_two_turns_and_multiline_block(tiny_model_dir, tmp_path):

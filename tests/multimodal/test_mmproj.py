@@ -17,18 +17,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+from transformers import AutoConfig
 
 from ktransformers import load_model
 from ktransformers.errors import WeightError
-from ktransformers.generation.engine import Generator
-from ktransformers.generation.sampling import SamplingParams
-from ktransformers.multimodal.processor import image_prompt, load_processor
-from ktransformers.multimodal.prompt import ImagePrompt
+from ktransformers.multimodal.processor import load_processor
 from ktransformers.weights import open_weights
 
-from .conftest import photo_like
-from .test_local_chat_image import QUESTION, expected  # noqa: F401 - the fixture, for local_chat's answer
+from test_local_chat import chat_session
+
+from .test_local_chat_image import expected  # noqa: F401 - the fixture, for local_chat's answer
+from .vl_checks import ask_about_picture, chat_inputs, check_greedy_tokens_equal_generate, png, reference, rel
 from .vl_gguf import write_lm_gguf, write_mmproj
 
 #: logits vs transformers', relative to max |logit| (measured, one picture / two): F32 files 5.8e-7 /
@@ -50,25 +49,11 @@ def files(tiny_vl, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ref(tiny_vl):
-    tok = AutoTokenizer.from_pretrained(tiny_vl)
-    cfg = AutoConfig.from_pretrained(tiny_vl)
-    processor = load_processor(tiny_vl, cfg, tok)
-    hf = AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32).eval()
-    return tok, processor, hf
+    return reference(tiny_vl)[1:]
 
 
 def _load(files, q="f32", **kw):
     return load_model(files["lm"], mmproj=files[q], allow_unmatched=False, **kw)
-
-
-def _inputs(tok, processor, images=1):
-    content = [{"type": "image"}] * images + [{"type": "text", "text": "What is in the picture?"}]
-    text = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
-    return image_prompt(processor, text, [photo_like(seed=i) for i in range(images)])
-
-
-def _rel(got, want) -> float:
-    return (got - want).abs().max().item() / want.abs().max().item()
 
 
 def test_config_is_the_folders(files, tiny_vl):
@@ -103,7 +88,7 @@ def test_image_processor_from_the_mmproj(files, ref):
     tok, processor, _ = ref
     src = open_weights(files["lm"], mmproj=files["f32"])
     mine = load_processor(None, src.config(), tok, src)
-    a, b = _inputs(tok, processor), _inputs(tok, mine)
+    a, b = chat_inputs(tok, processor), chat_inputs(tok, mine)
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
@@ -111,35 +96,29 @@ def test_image_processor_from_the_mmproj(files, ref):
 
 def test_f32_logits_bitwise_equal_the_safetensors_load(files, ref, tiny_vl):
     tok, processor, hf = ref
-    inputs = _inputs(tok, processor, images=2)
+    inputs = chat_inputs(tok, processor, images=2)
     model = _load(files)
     st = load_model(tiny_vl, model_path=tiny_vl, allow_unmatched=False)
     with torch.no_grad():
         got, same, want = model(**inputs).logits, st(**inputs).logits, hf(**inputs).logits
     assert torch.equal(got, same)
-    assert _rel(got, want) < TOL["f32"]
+    assert rel(got, want) < TOL["f32"]
 
 
 @pytest.mark.parametrize("q", ["f16", "q8_0"])
 def test_quantized_mmproj_logits_within_tolerance(files, ref, q):
     tok, processor, hf = ref
-    inputs = _inputs(tok, processor)
+    inputs = chat_inputs(tok, processor)
     with torch.no_grad():
         got, want = _load(files, q)(**inputs).logits, hf(**inputs).logits
         blank = hf(**dict(inputs, pixel_values=torch.zeros_like(inputs["pixel_values"]))).logits
-    assert _rel(got, want) < TOL[q]
-    assert _rel(blank, want) > 10 * TOL[q]  # the tolerance is far below what the picture changes
+    assert rel(got, want) < TOL[q]
+    assert rel(blank, want) > 10 * TOL[q]  # the tolerance is far below what the picture changes
 
 
 def test_generator_greedy_tokens_equal_generate(files, ref):
     tok, processor, hf = ref
-    inputs = _inputs(tok, processor)
-    n = inputs["input_ids"].shape[1]
-    with torch.no_grad():
-        want = hf.generate(**inputs, max_new_tokens=12, do_sample=False, eos_token_id=None)[0, n:].tolist()
-    _, ids, _ = Generator(_load(files), tok).generate(ImagePrompt.from_processor(inputs),
-                                                      SamplingParams(max_new_tokens=12))
-    assert ids == want
+    check_greedy_tokens_equal_generate(_load(files), tok, processor, hf)
 
 
 def test_split_qkv_reads_as_the_fused(files, tiny_vl):
@@ -162,7 +141,7 @@ def test_language_model_alone_is_a_text_model(files, ref):
     with torch.no_grad():
         got = load_model(src, allow_unmatched=True)(input_ids=ids).logits
         want = hf(input_ids=ids).logits
-    assert _rel(got, want) < TOL["f32"]
+    assert rel(got, want) < TOL["f32"]
 
 
 # ---- bad input ---------------------------------------------------------------------------------
@@ -236,28 +215,13 @@ def test_missing_file_is_one_line(files):
 def test_local_chat_gguf_with_mmproj(files, tmp_path, expected):
     """``--gguf_path lm.gguf --mmproj mmproj.gguf``, no folder: config, tokenizer, chat template and
     image processor from the two files; ``/image`` gives transformers' greedy answer."""
-    from test_local_chat import STATS_RE, _spawn
-
     n_prompt, answer = expected
     pic = tmp_path / "pic.png"
-    photo_like().save(pic, format="PNG")
-    pexpect, child = _spawn("--gguf_path", files["lm"], "--mmproj", files["f32"], "--max_new_tokens", 6,
-                            "--cpu_infer", 1)
-    try:
+    pic.write_bytes(png())
+    with chat_session("--gguf_path", files["lm"], "--mmproj", files["f32"], "--max_new_tokens", 6,
+                    "--cpu_infer", 1) as child:
+        ask_about_picture(child, pic, n_prompt, answer)
         child.expect_exact("Chat: ")
-        child.sendline(f"/image {pic}")
-        child.expect_exact("pic.png: 90x60 attached to your next message (1 waiting)")
-        child.expect_exact("Chat: ")
-        child.sendline(QUESTION)
-        child.expect_exact(answer)
-        child.expect(STATS_RE)
-        assert int(child.match.group(1)) == n_prompt
-        child.expect_exact("Chat: ")
-        child.sendeof()
-        child.expect(pexpect.EOF)
-    finally:
-        child.close()
-    assert child.exitstatus == 0, child.before
 
 
 def test_local_chat_mmproj_refusals(files, tiny_vl):
@@ -290,8 +254,8 @@ def test_server_engine_gguf_with_mmproj(files, ref):
     support = engine.images
     assert support is not None and support.markup == "<|vision_start|><|image_pad|><|vision_end|>"
     tok, processor, _ = ref
-    a = _inputs(tok, processor)
-    b = _inputs(tok, support.processor)
+    a = chat_inputs(tok, processor)
+    b = chat_inputs(tok, support.processor)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -331,7 +295,7 @@ def test_llama_cpp_converter_mmproj(files, ref, tiny_vl, q):
         if not k.startswith("general.") and k not in ("clip.vision.image_min_pixels", "clip.vision.image_max_pixels"):
             assert theirs.metadata.get(k) == mine.metadata.get(k), k
     tok, processor, _ = ref
-    inputs = _inputs(tok, processor)
+    inputs = chat_inputs(tok, processor)
     with torch.no_grad():
         a = load_model(open_weights(files["lm"], mmproj=out), allow_unmatched=False)(**inputs).logits
         b = _load(files, q)(**inputs).logits

@@ -10,38 +10,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 
 from ktransformers import load_model
-from ktransformers.generation.engine import Generator
-from ktransformers.generation.sampling import SamplingParams
-from ktransformers.multimodal.processor import image_prompt, load_processor
-from ktransformers.multimodal.prompt import ImagePrompt
+from ktransformers.multimodal.processor import image_prompt
 from ktransformers.optimize_rules import RULES_DIR, default_rule_file
 
-from .conftest import photo_like
+from .vl_checks import (chat_inputs, check_greedy_tokens_equal_generate, check_logits_on_pictures,
+                        check_text_only_greedy, reference, rel)
 
 TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
 def loaded(tiny_vl):
-    cfg = AutoConfig.from_pretrained(tiny_vl)
-    tok = AutoTokenizer.from_pretrained(tiny_vl)
-    processor = load_processor(tiny_vl, cfg, tok)
-    hf = AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32).eval()
-    model = load_model(tiny_vl, model_path=tiny_vl, allow_unmatched=False)
-    return cfg, tok, processor, hf, model
-
-
-def _inputs(tok, processor, question="What is in the picture?", images=1):
-    content = [{"type": "image"}] * images + [{"type": "text", "text": question}]
-    text = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
-    return image_prompt(processor, text, [photo_like(seed=i) for i in range(images)])
-
-
-def _rel(got, ref) -> float:
-    return (got - ref).abs().max().item() / ref.abs().max().item()
+    return (*reference(tiny_vl), load_model(tiny_vl, model_path=tiny_vl, allow_unmatched=False))
 
 
 def test_rules_place_experts_on_cpu_kernels_and_vision_tower(loaded):
@@ -60,37 +42,18 @@ def test_rules_place_experts_on_cpu_kernels_and_vision_tower(loaded):
 @pytest.mark.parametrize("images", [1, 2])
 def test_logits_match_transformers_on_image_and_text(loaded, images):
     _, tok, processor, hf, model = loaded
-    inputs = _inputs(tok, processor, images=images)
-    assert int(inputs["mm_token_type_ids"].sum()) == int(inputs["image_grid_thw"].prod(-1).sum()) // 4
-    with torch.no_grad():
-        ref = hf(**inputs).logits
-        got = model(**inputs).logits
-        blank = hf(**dict(inputs, pixel_values=torch.zeros_like(inputs["pixel_values"]))).logits
-    assert _rel(got, ref) < TOL
-    assert _rel(blank, ref) > 100 * TOL  # the image is read, not ignored
+    assert hf.config.vision_config.spatial_merge_size == 2  # four patches to an image token
+    check_logits_on_pictures(model, hf, tok, processor, images, TOL, blank_factor=100)
 
 
 def test_generator_greedy_tokens_equal_generate(loaded):
     _, tok, processor, hf, model = loaded
-    inputs = _inputs(tok, processor)
-    n = inputs["input_ids"].shape[1]
-    with torch.no_grad():
-        ref = hf.generate(**inputs, max_new_tokens=12, do_sample=False, eos_token_id=None)[0, n:].tolist()
-    gen = Generator(model, tok)
-    _, ids, finish = gen.generate(ImagePrompt.from_processor(inputs), SamplingParams(max_new_tokens=12))
-    assert ids == ref and finish == "length"
-    assert gen.last_stats.prompt_tokens == n
+    check_greedy_tokens_equal_generate(model, tok, processor, hf)
 
 
 def test_generator_text_only_prompt_on_the_vision_model(loaded):
     _, tok, _, hf, model = loaded
-    text = tok.apply_chat_template([{"role": "user", "content": "Hello there"}], tokenize=False,
-                                   add_generation_prompt=True)
-    ids = tok.encode(text, add_special_tokens=False)
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None)[0, len(ids):]
-    _, got, _ = Generator(model, tok).generate(ids, SamplingParams(max_new_tokens=8))
-    assert got == ref.tolist()
+    check_text_only_greedy(model, tok, hf)
 
 
 def test_gpu_rule_file_mapped_to_cpu_matches_transformers(loaded, tiny_vl):
@@ -99,9 +62,9 @@ def test_gpu_rule_file_mapped_to_cpu_matches_transformers(loaded, tiny_vl):
     _, tok, processor, hf, _ = loaded
     model = load_model(tiny_vl, model_path=tiny_vl, rules=RULES_DIR / "Qwen3VLMoe.yaml", device_map="cuda=cpu",
                        allow_unmatched=False)
-    inputs = _inputs(tok, processor)
+    inputs = chat_inputs(tok, processor)
     with torch.no_grad():
-        assert _rel(model(**inputs).logits, hf(**inputs).logits) < TOL
+        assert rel(model(**inputs).logits, hf(**inputs).logits) < TOL
 
 
 def test_processor_refusals_are_image_errors(loaded):

@@ -5,7 +5,6 @@ prompt on the unmodified model; usage counts the image tokens; bad images are 40
 from __future__ import annotations
 
 import base64
-import io
 
 import pytest
 import torch
@@ -13,15 +12,9 @@ import torch
 from server.conftest import start_server, stop_server
 
 from .conftest import photo_like
+from .vl_checks import QUESTION, png
 
-QUESTION = "What is in the picture?"
 MAX_TOKENS = 8
-
-
-def _png(img) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def _data_url(data: bytes) -> str:
@@ -81,7 +74,7 @@ def test_openai_client_image_url(vl_server, expected):
     n_prompt, text, n_image = expected
     client = openai.OpenAI(base_url=vl_server + "/v1", api_key="unused", max_retries=0, timeout=60)
     r = client.chat.completions.create(model="tiny-vl", temperature=0, max_tokens=MAX_TOKENS, messages=[
-        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(_png(photo_like()))}},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(png(photo_like()))}},
                                      {"type": "text", "text": QUESTION}]}])
     assert r.choices[0].message.content == text
     assert r.usage.prompt_tokens == n_prompt and n_image > 0
@@ -94,20 +87,20 @@ def test_ollama_client_images(vl_server, expected):
     n_prompt, text, _ = expected
     client = ollama.Client(host=vl_server, timeout=60)
     r = client.chat(model="tiny-vl", options={"temperature": 0, "num_predict": MAX_TOKENS},
-                    messages=[{"role": "user", "content": QUESTION, "images": [_png(photo_like())]}])
+                    messages=[{"role": "user", "content": QUESTION, "images": [png(photo_like())]}])
     assert r.message.content == text and r.prompt_eval_count == n_prompt
-    g = client.generate(model="tiny-vl", prompt=QUESTION, images=[_png(photo_like())],
+    g = client.generate(model="tiny-vl", prompt=QUESTION, images=[png(photo_like())],
                         options={"temperature": 0, "num_predict": MAX_TOKENS})
     assert g.response == text
 
 
 @pytest.mark.parametrize("url, why", [
-    (_data_url(_png(photo_like())[:200]), "corrupt or truncated"),
+    (_data_url(png(photo_like())[:200]), "corrupt or truncated"),
     ("data:image/png;base64," + base64.b64encode(b"hello, not a picture").decode(), "not an image"),
     ("https://example.com/cat.png", "remote URLs are not fetched"),
     ("file:///etc/hostname", "file:// URLs are off"),
-    (_data_url(_png(photo_like(400, 300))), "over the limit of 100000 .--max_image_pixels"),
-    (_data_url(_png(photo_like(1000, 1))), r"the model's processor refused them: absolute aspect ratio"),
+    (_data_url(png(photo_like(400, 300))), "over the limit of 100000 .--max_image_pixels"),
+    (_data_url(png(photo_like(1000, 1))), r"the model's processor refused them: absolute aspect ratio"),
 ])
 def test_openai_bad_images_are_400s(vl_server, url, why):
     import openai
@@ -123,7 +116,7 @@ def test_image_count_limit_and_ollama_bad_base64(vl_server):
 
     client = ollama.Client(host=vl_server, timeout=60)
     with pytest.raises(ollama.ResponseError, match=r"more than 2 images in one request .--max_images") as e:
-        client.chat(model="tiny-vl", messages=[{"role": "user", "content": "hi", "images": [_png(photo_like())] * 3}])
+        client.chat(model="tiny-vl", messages=[{"role": "user", "content": "hi", "images": [png(photo_like())] * 3}])
     assert e.value.status_code == 400
     with pytest.raises(ollama.ResponseError, match="not valid base64") as e:
         client.chat(model="tiny-vl", messages=[{"role": "user", "content": "hi", "images": ["***"]}])
@@ -138,12 +131,12 @@ def test_responses_input_image_and_continuation(vl_server, expected, reference):
     n_prompt, text, _ = expected
     client = openai.OpenAI(base_url=vl_server + "/v1", api_key="unused", max_retries=0, timeout=60)
     r = client.responses.create(model="tiny-vl", temperature=0, max_output_tokens=MAX_TOKENS, input=[
-        {"role": "user", "content": [{"type": "input_image", "image_url": _data_url(_png(photo_like()))},
+        {"role": "user", "content": [{"type": "input_image", "image_url": _data_url(png(photo_like()))},
                                      {"type": "input_text", "text": QUESTION}]}])
     assert r.output_text == text and r.usage.input_tokens == n_prompt
     stored = client.responses.input_items.list(r.id).data[0].content
     assert [p.type for p in stored] == ["input_image", "input_text"]
-    assert stored[0].image_url == _data_url(_png(photo_like()))
+    assert stored[0].image_url == _data_url(png(photo_like()))
     follow = "And the colours?"
     r2 = client.responses.create(model="tiny-vl", temperature=0, max_output_tokens=MAX_TOKENS,
                                  previous_response_id=r.id, input=follow)
@@ -159,7 +152,7 @@ def test_conversation_items_keep_the_picture(vl_server, expected):
     _, text, _ = expected
     client = openai.OpenAI(base_url=vl_server + "/v1", api_key="unused", max_retries=0, timeout=60)
     conv = client.conversations.create(items=[{"type": "message", "role": "user", "content": [
-        {"type": "input_image", "image_url": _data_url(_png(photo_like()))}, {"type": "input_text", "text": QUESTION}]}])
+        {"type": "input_image", "image_url": _data_url(png(photo_like()))}, {"type": "input_text", "text": QUESTION}]}])
     items = client.conversations.items.list(conv.id).data
     assert [p.type for p in items[0].content] == ["input_image", "input_text"]
     # no new input: the conversation's items alone are the prompt
@@ -172,7 +165,7 @@ def test_conversation_items_keep_the_picture(vl_server, expected):
     ({"type": "input_image", "image_url": "https://example.com/cat.png"},
      r"input\[0\]\.content\[0\]\.image_url: remote URLs are not fetched"),
     ({"type": "input_image", "file_id": "file-abc"}, r"input\[0\]\.content\[0\]\.file_id: this server stores no files"),
-    ({"type": "input_image", "image_url": _data_url(_png(photo_like())[:200])}, "corrupt or truncated"),
+    ({"type": "input_image", "image_url": _data_url(png(photo_like())[:200])}, "corrupt or truncated"),
 ])
 def test_responses_bad_images_are_400s(vl_server, part, why):
     import openai
@@ -183,7 +176,7 @@ def test_responses_bad_images_are_400s(vl_server, part, why):
             {"role": "user", "content": [part, {"type": "input_text", "text": "hi"}]}])
     with pytest.raises(openai.BadRequestError, match=r"more than 2 images in one request .--max_images"):
         client.responses.create(model="tiny-vl", max_output_tokens=2, input=[
-            {"role": "user", "content": [{"type": "input_image", "image_url": _data_url(_png(photo_like()))}] * 3}])
+            {"role": "user", "content": [{"type": "input_image", "image_url": _data_url(png(photo_like()))}] * 3}])
 
 
 def test_assistants_image_url_message_and_run(vl_server, expected):
@@ -195,7 +188,7 @@ def test_assistants_image_url_message_and_run(vl_server, expected):
         a = c.post("/assistants", json={"model": "tiny-vl"}).json()
         t = c.post("/threads").json()
         m = c.post(f"/threads/{t['id']}/messages", json={"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": _data_url(_png(photo_like()))}},
+            {"type": "image_url", "image_url": {"url": _data_url(png(photo_like()))}},
             {"type": "text", "text": QUESTION}]})
         assert m.status_code == 200, m.text
         assert [p["type"] for p in m.json()["content"]] == ["image_url", "text"]
@@ -240,7 +233,7 @@ def test_web_page_sends_an_attached_image(vl_server, tmp_path):
     import httpx
 
     path = tmp_path / "photo.png"
-    path.write_bytes(_png(photo_like()))
+    path.write_bytes(png(photo_like()))
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"])
         try:
@@ -263,4 +256,4 @@ def test_web_page_sends_an_attached_image(vl_server, tmp_path):
     threads = httpx.get(vl_server + "/v1/threads").json()["data"]
     msgs = httpx.get(vl_server + f"/v1/threads/{threads[0]['id']}/messages", params={"order": "asc"}).json()["data"]
     assert [p["type"] for p in msgs[0]["content"]] == ["image_url", "text"]
-    assert msgs[0]["content"][0]["image_url"]["url"] == _data_url(_png(photo_like()))
+    assert msgs[0]["content"][0]["image_url"]["url"] == _data_url(png(photo_like()))

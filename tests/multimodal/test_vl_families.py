@@ -17,21 +17,18 @@ a picture and on a text-only prompt; local_chat's ``/image`` answers as generate
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 
 from ktransformers import load_model
-from ktransformers.generation.engine import Generator
-from ktransformers.generation.sampling import SamplingParams
 from ktransformers.multimodal.chat import image_support
-from ktransformers.multimodal.processor import image_prompt, load_processor
-from ktransformers.multimodal.prompt import ImagePrompt
 from ktransformers.optimize_rules import RULES_DIR, default_rule_file
 
+from test_local_chat import chat_session
+
 from .conftest import photo_like
+from .vl_checks import (QUESTION, ask_about_picture, chat_answer, chat_inputs, check_greedy_tokens_equal_generate,
+                        check_logits_on_pictures, check_text_only_greedy, png, reference, rel, text_prompt_ids)
 
 TOL = 1e-4
 
@@ -51,22 +48,7 @@ FAMILIES = {
 def family(request, tiny_model_dir):
     arch = request.param
     folder = tiny_model_dir(arch)
-    cfg = AutoConfig.from_pretrained(folder)
-    tok = AutoTokenizer.from_pretrained(folder)
-    processor = load_processor(folder, cfg, tok)
-    hf = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
-    model = load_model(folder, model_path=folder, allow_unmatched=False)
-    return arch, folder, cfg, tok, processor, hf, model
-
-
-def _inputs(tok, processor, question="What is in the picture?", images=1):
-    content = [{"type": "image"}] * images + [{"type": "text", "text": question}]
-    text = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
-    return image_prompt(processor, text, [photo_like(seed=i) for i in range(images)])
-
-
-def _rel(got, ref) -> float:
-    return (got - ref).abs().max().item() / ref.abs().max().item()
+    return (arch, folder, *reference(folder), load_model(folder, model_path=folder, allow_unmatched=False))
 
 
 def test_rules_place_experts_on_cpu_kernels_and_vision_tower(family):
@@ -95,41 +77,20 @@ def test_rules_place_experts_on_cpu_kernels_and_vision_tower(family):
 @pytest.mark.parametrize("images", [1, 2])
 def test_logits_match_transformers_on_image_and_text(family, images):
     _, _, _, tok, processor, hf, model = family
-    inputs = _inputs(tok, processor, images=images)
-    merge = hf.config.vision_config.spatial_merge_size ** 2
-    assert int(inputs["mm_token_type_ids"].sum()) == int(inputs["image_grid_thw"].prod(-1).sum()) // merge
-    with torch.no_grad():
-        ref = hf(**inputs).logits
-        got = model(**inputs).logits
-        blank = hf(**dict(inputs, pixel_values=torch.zeros_like(inputs["pixel_values"]))).logits
-    assert _rel(got, ref) < TOL
-    assert _rel(blank, ref) > 10 * TOL  # the image is read, not ignored
+    check_logits_on_pictures(model, hf, tok, processor, images, TOL, blank_factor=10)
 
 
 def test_generator_greedy_tokens_equal_generate(family):
     _, _, _, tok, processor, hf, model = family
-    inputs = _inputs(tok, processor)
-    n = inputs["input_ids"].shape[1]
-    with torch.no_grad():
-        ref = hf.generate(**inputs, max_new_tokens=12, do_sample=False, eos_token_id=None)[0, n:].tolist()
-    gen = Generator(model, tok)
-    _, ids, finish = gen.generate(ImagePrompt.from_processor(inputs), SamplingParams(max_new_tokens=12))
-    assert ids == ref and finish == "length"
-    assert gen.last_stats.prompt_tokens == n
+    check_greedy_tokens_equal_generate(model, tok, processor, hf)
 
 
 def test_generator_text_only_prompt_on_the_vision_model(family):
     _, _, _, tok, _, hf, model = family
-    text = tok.apply_chat_template([{"role": "user", "content": "Hello there"}], tokenize=False,
-                                   add_generation_prompt=True)
-    ids = tok.encode(text, add_special_tokens=False)
+    ids = torch.tensor([text_prompt_ids(tok)])
     with torch.no_grad():
-        ref_logits = hf(torch.tensor([ids])).logits
-        got_logits = model(torch.tensor([ids])).logits
-        ref = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None)[0, len(ids):]
-    assert _rel(got_logits, ref_logits) < TOL
-    _, got, _ = Generator(model, tok).generate(ids, SamplingParams(max_new_tokens=8))
-    assert got == ref.tolist()
+        assert rel(model(ids).logits, hf(ids).logits) < TOL
+    check_text_only_greedy(model, tok, hf)
 
 
 def test_gpu_rule_file_mapped_to_cpu_matches_transformers(family):
@@ -138,45 +99,20 @@ def test_gpu_rule_file_mapped_to_cpu_matches_transformers(family):
     arch, folder, _, tok, processor, hf, _ = family
     model = load_model(folder, model_path=folder, rules=RULES_DIR / f"{FAMILIES[arch][0]}.yaml",
                        device_map="cuda=cpu", allow_unmatched=False)
-    inputs = _inputs(tok, processor)
+    inputs = chat_inputs(tok, processor)
     with torch.no_grad():
-        assert _rel(model(**inputs).logits, hf(**inputs).logits) < TOL
+        assert rel(model(**inputs).logits, hf(**inputs).logits) < TOL
 
 
 def test_local_chat_image_command(family, tmp_path):
     """``/image PATH`` then a question: the answer and prompt length of transformers' generate() on
     the picture's markup, a newline and the question."""
-    from test_local_chat import STATS_RE, _spawn
-
     _, folder, cfg, tok, _, hf, _ = family
-    question = "What is in the picture?"
-    support = image_support(cfg, tok, folder)
-    text = tok.apply_chat_template([{"role": "user", "content": f"{support.markup}\n{question}"}], tokenize=False,
-                                   add_generation_prompt=True)
-    prompt = support.prompt(text, [photo_like()])
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([list(prompt)]), **prompt.vision.inputs, max_new_tokens=6, do_sample=False,
-                          eos_token_id=None)
-    answer = tok.decode(out[0, len(prompt):], skip_special_tokens=True)
+    n_prompt, answer = chat_answer(image_support(cfg, tok, folder), tok, hf)
     pic = tmp_path / "pic.png"
-    buf = io.BytesIO()
-    photo_like().save(buf, format="PNG")
-    pic.write_bytes(buf.getvalue())
-    pexpect, child = _spawn("--model_path", folder, "--max_new_tokens", 6, "--cpu_infer", 1)
-    try:
-        child.expect_exact("Chat: ")
-        child.sendline(f"/image {pic}")
-        child.expect_exact("pic.png: 90x60 attached to your next message (1 waiting)")
-        child.expect_exact("Chat: ")
-        child.sendline(question)
-        child.expect_exact(answer)
-        child.expect(STATS_RE)
-        assert int(child.match.group(1)) == len(prompt)
-        child.sendeof()
-        child.expect(pexpect.EOF)
-    finally:
-        child.close()
-    assert child.exitstatus == 0, child.before
+    pic.write_bytes(png())
+    with chat_session("--model_path", folder, "--max_new_tokens", 6, "--cpu_infer", 1) as child:
+        ask_about_picture(child, pic, n_prompt, answer)
 
 
 def test_batching_engine_pictures_beside_text(family):
@@ -186,6 +122,6 @@ def test_batching_engine_pictures_beside_text(family):
 
     _, folder, cfg, tok, _, hf, model = family
     support = image_support(cfg, tok, folder)
-    prompts = [_prompt(tok, support, "What is in the picture?", [photo_like()]), _prompt(tok, support, "Hello there", [])]
+    prompts = [_prompt(tok, support, QUESTION, [photo_like()]), _prompt(tok, support, "Hello there", [])]
     results = _serve(_engine(model, tok, support), prompts)
     assert [toks for toks, _ in results] == [_reference(hf, p) for p in prompts]

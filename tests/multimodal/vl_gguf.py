@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gguf_files import add_text_model_keys, finish
+
 _BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
           "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp"}
@@ -47,12 +49,7 @@ def write_lm_gguf(folder: Path, out: Path, n_deepstack: int | None = None, arch:
     A = arch
     w = gguf.GGUFWriter(str(out), arch=A)
     w.add_name("tiny-qwen3-vl-moe")
-    w.add_block_count(tc.num_hidden_layers)
-    w.add_context_length(tc.max_position_embeddings)
-    w.add_embedding_length(tc.hidden_size)
-    w.add_feed_forward_length(tc.intermediate_size)
-    w.add_head_count(tc.num_attention_heads)
-    w.add_head_count_kv(tc.num_key_value_heads)
+    add_text_model_keys(w, tc)
     w.add_key_length(tc.head_dim)
     w.add_value_length(tc.head_dim)
     w.add_rope_freq_base(tc.rope_parameters["rope_theta"])
@@ -87,11 +84,7 @@ def write_lm_gguf(folder: Path, out: Path, n_deepstack: int | None = None, arch:
         _add(w, f"blk.{i}.ffn_gate_exps.weight", gu[:, :inter])
         _add(w, f"blk.{i}.ffn_up_exps.weight", gu[:, inter:])
         _add(w, f"blk.{i}.ffn_down_exps.weight", sd[f"{p}mlp.experts.down_proj"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
+    return finish(w, out)
 
 
 def write_mmproj(folder: Path, out: Path, qtype: str = "f32", meta: dict | None = None,
@@ -184,8 +177,4 @@ def write_mmproj(folder: Path, out: Path, qtype: str = "f32", meta: dict | None 
     for name, t, q in tensors:
         if name not in drop:
             _add(w, name, t, q)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
+    return finish(w, out)
