@@ -50,6 +50,18 @@ def load_with_picked_rules(model_dir, architecture: str, stem: str):
     return cfg, load_model(model_dir, model_path=model_dir, allow_unmatched=False)
 
 
+def assert_moe_block_on_cpu_kernels(mlp, router: str, shared_linear: str | None = None,
+                                    block: str = "KMoEBlock") -> None:
+    """A placed sparse block: a ``block`` with a ``router`` router, its routed experts on the CPU
+    kernels (llamafile) and, with ``shared_linear`` (e.g. ``shared_experts.down_proj``), that shared
+    expert linear on KLinearCPU."""
+    assert type(mlp).__name__ == block and type(mlp.gate).__name__ == router
+    op = mlp.experts.generate_op
+    assert op.name == "KExpertsCPU" and op.backend == "llamafile"
+    if shared_linear is not None:
+        assert mlp.get_submodule(shared_linear).generate_op.name == "KLinearCPU"
+
+
 def generator_greedy(model, hf, model_dir, chunk_size: int, min_prompt: int, new_tokens: int = 16):
     """(ours, transformers') greedy continuations of one chat prompt: ours through the project's
     engine with prefill in ``chunk_size`` chunks (the state a family keeps in its cache must carry
