@@ -343,38 +343,39 @@ class _UnpermutedQK(_Plain):
         return RawTensor(name, data, t.type, self.shape)
 
 
-class _OffsetNorm(_Plain):
+class _FromStored(_Plain):
+    """An entry whose value llama.cpp stores transformed: served computed from the stored values
+    (read as F32), so it has no raw bytes to hand out and no stored type of its own."""
+
+    def compute(self, stored: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} names no transform")
+
+    def load(self, src, dtype, device):
+        t = src._tensors[self.parts[0]]
+        return self.compute(src._deq(t, t.data, t.shape, torch.float32, device)).to(dtype)
+
+    def raw(self, src, name):
+        return None
+
+    def stored_type(self, src):
+        return None  # computed from the stored values, as raw() says
+
+    def natural_dtype(self, src):
+        return torch.float32
+
+
+class _OffsetNorm(_FromStored):
     """gemma3 / qwen3next / qwen35moe norms: llama.cpp stores ``w + 1``."""
 
-    def load(self, src, dtype, device):
-        t = src._tensors[self.parts[0]]
-        return (src._deq(t, t.data, t.shape, torch.float32, device) - 1.0).to(dtype)
-
-    def raw(self, src, name):
-        return None
-
-    def stored_type(self, src):
-        return None  # computed from the stored values, as raw() says
-
-    def natural_dtype(self, src):
-        return torch.float32
+    def compute(self, stored):
+        return stored - 1.0
 
 
-class _ALog(_Plain):
+class _ALog(_FromStored):
     """qwen3next / qwen35moe ``ssm_a``: llama.cpp stores ``A = -exp(A_log)``; HF holds ``A_log``."""
 
-    def load(self, src, dtype, device):
-        t = src._tensors[self.parts[0]]
-        return torch.log(-src._deq(t, t.data, t.shape, torch.float32, device)).to(dtype)
-
-    def raw(self, src, name):
-        return None
-
-    def stored_type(self, src):
-        return None  # computed from the stored values, as raw() says
-
-    def natural_dtype(self, src):
-        return torch.float32
+    def compute(self, stored):
+        return torch.log(-stored)
 
 
 class _VHeadOrder(_Entry):
