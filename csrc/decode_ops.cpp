@@ -15,6 +15,8 @@
 
 #include "cpu_features.h"
 #include "exp2_simd.h"
+#include "flash_attn.h"
+#include "flash_attn_impl.h"
 #include "thread_pool.h"
 
 namespace py = pybind11;
@@ -112,9 +114,8 @@ void rope_prompt(CPUInfer& ci, uintptr_t x, int T, int H, int d, int64_t st, int
   });
 }
 
-// Decode attention (attend_rows below): keys in chunks of kChunk at absolute positions, each chunk
-// a pool task, merged in order.
-constexpr int kChunk = 256;
+// Decode attention (attend_rows below): keys in chunks of kChunk (flash_attn_impl.h) at absolute
+// positions, each chunk a pool task, merged in order (merge_chunk).
 constexpr float kLog2e = 1.4426950408889634f;
 
 // 2^x for x <= 0 (a score minus its max): exp2_simd.h
@@ -277,6 +278,7 @@ struct Rows {
   const int64_t* lo;       // [N] first position each row's query sees
   float scale;
   float* out;  // [N, hq d]
+  bool flash, bf16_pv;  // chunks on the prompt kernel's arithmetic (flash_decode_chunk), its bf16 P V
 
   size_t width() const { return static_cast<size_t>(hq + 2 * hkv) * d; }
   int64_t slot(int r, int64_t p) const {
@@ -307,6 +309,15 @@ struct Rows {
   // the group's query heads of row r over chunk c of its keys, partials into part [group][d + 2]
   void attend(ChunkFn fn, int r, int g, int c, float* part) const {
     const int64_t c0 = lo[r] / kChunk;
+    if (flash) {
+      const float* q = qkv + r * width();
+      const int p = static_cast<int>(pos[r]), l = static_cast<int>(lo[r]);
+      const FlashArgs a{q, 0, static_cast<size_t>(d), keys, values, head, tok, nullptr, 0, 0, hq, hkv, 1, d, p,
+                        l > 0 ? p - l + 1 : 0, scale, page_size > 0 ? pages + offsets[r] : nullptr, page_size,
+                        page_size > 0 ? 0 : l};
+      flash_decode_chunk(a, g, static_cast<int>((c0 + c) * kChunk), bf16_pv, part);
+      return;
+    }
     const int64_t a = std::max(lo[r], (c0 + c) * kChunk), b = std::min(pos[r] + 1, (c0 + c + 1) * kChunk);
     thread_local const float* kr[kChunk];
     thread_local const float* vr[kChunk];
@@ -332,14 +343,15 @@ struct Rows {
 void attend_rows(CPUInfer& ci, uintptr_t qkv, int n_rows, int hq, int hkv, int d, uintptr_t qk_w, float qk_eps,
                  uintptr_t cos, uintptr_t sin, uintptr_t keys, uintptr_t values, int64_t tok, int64_t head,
                  int page_size, uintptr_t pages, uintptr_t offsets, uintptr_t pos, uintptr_t lo, int roll, int cap,
-                 uintptr_t len, float scale, uintptr_t out) {
+                 uintptr_t len, float scale, uintptr_t out, bool bf16_pv) {
   if (n_rows < 1 || hq < 1 || hkv < 1 || hq % hkv || d < 2 || d % 2 || tok < 1 || head < 0 || page_size < 0)
     throw std::invalid_argument("attend_rows: bad shape (rows, hq % hkv, even d, strides)");
   if (page_size == 0 && (n_rows != 1 || cap < 1)) throw std::invalid_argument("attend_rows: a cache layer takes one row");
   const Rows R{ptr<float>(qkv), hq, hkv, d, ptr<const float>(qk_w), qk_eps, ptr<const float>(cos),
                ptr<const float>(sin), ptr<float>(keys), ptr<float>(values), static_cast<size_t>(tok),
                static_cast<size_t>(head), page_size, ptr<const int64_t>(pages), ptr<const int64_t>(offsets),
-               ptr<const int64_t>(pos), ptr<const int64_t>(lo), scale, ptr<float>(out)};
+               ptr<const int64_t>(pos), ptr<const int64_t>(lo), scale, ptr<float>(out), flash_decode_supported(d),
+               bf16_pv};
   for (int r = 0; r < n_rows; ++r)
     if (R.lo[r] < 0 || R.lo[r] > R.pos[r] || (page_size == 0 && R.pos[r] - R.lo[r] >= cap))
       throw std::invalid_argument("attend_rows: need 0 <= lo <= pos (and pos - lo < cap)");
@@ -399,60 +411,60 @@ void attend_rows(CPUInfer& ci, uintptr_t qkv, int n_rows, int hq, int hkv, int d
   if (len) ++*ptr<int64_t>(len);
   for (int r = 0; r < n_rows; ++r) {  // merge each head's chunks in order
     const int nc = ns[r];
+    thread_local std::vector<float> tot;
+    tot.resize(static_cast<size_t>(d) + 2);
     for (int hi = 0; hi < hq; ++hi) {
       const int g = hi / group, h = hi % group;
       const float* p0 = P + part_at[r] + (static_cast<size_t>(g) * nc * group + h) * (d + 2);
       const size_t stride = static_cast<size_t>(group) * (d + 2);
-      float M = -INFINITY;
-      for (int c = 0; c < nc; ++c) M = p0[c * stride + d] > M ? p0[c * stride + d] : M;
-      float* o = R.out + (static_cast<size_t>(r) * hq + hi) * d;
-      std::memset(o, 0, sizeof(float) * d);
-      float denom = 0;
       for (int c = 0; c < nc; ++c) {
         const float* pc = p0 + c * stride;
-        const float w = std::exp2(pc[d] - M);
-        denom += w * pc[d + 1];
-        for (int i = 0; i < d; ++i) o[i] += w * pc[i];
+        merge_chunk(tot.data(), &tot[d], &tot[d + 1], pc, pc[d], pc[d + 1], d, c == 0);
       }
-      const float inv = 1.0f / denom;
-      for (int i = 0; i < d; ++i) o[i] *= inv;
+      finish_row(tot.data(), tot[d + 1], R.out + (static_cast<size_t>(r) * hq + hi) * d, d);
     }
   }
 }
 
-// The softmax-top-k router of transformers' Qwen2/3-MoE for one token: p = softmax(logits[E]),
-// the k largest p in descending order (the lower expert id first on equal p) -> ids[k] (int64),
-// their p -> w[k], divided by their sum when `norm` (norm_topk_prob).  Top-k by k passes over E:
-// k and E are small (8 of 128), and no sort / allocation is needed.
-void moe_route(uintptr_t logits, int E, int k, bool norm, uintptr_t ids, uintptr_t w) {
+// The softmax-top-k router of transformers' Qwen2/3-MoE for `rows` tokens (row r's logits at
+// logits + r * stride): p = softmax(logits[E]), the k largest p in descending order (the lower
+// expert id first on equal p) -> ids[r][k] (int64), their p -> w[r][k], divided by their sum when
+// `norm` (norm_topk_prob).  Each row alone, in one fixed order: the prompt's MoE block and the
+// decode step route a token to the same bits.  Top-k by k passes over E: k and E are small (8 of
+// 128), and no sort / allocation is needed.
+void moe_route(uintptr_t logits, int E, int k, bool norm, uintptr_t ids, uintptr_t w, int rows, int stride) {
   if (E <= 0 || k <= 0 || k > E) throw std::invalid_argument("moe_route: need 0 < k <= E");
-  const float* l = ptr<const float>(logits);
+  if (rows < 1 || (stride != 0 && stride < E)) throw std::invalid_argument("moe_route: need rows >= 1, stride >= E");
+  if (stride == 0) stride = E;
   thread_local std::vector<float> p;
   if (static_cast<int>(p.size()) < E) p.resize(E);
-  float m = -INFINITY;
-  for (int e = 0; e < E; ++e) m = l[e] > m ? l[e] : m;
-  float sum = 0;
-  for (int e = 0; e < E; ++e) {
-    p[e] = std::exp(l[e] - m);
-    sum += p[e];
+  for (int r = 0; r < rows; ++r) {
+    const float* l = ptr<const float>(logits) + static_cast<size_t>(r) * stride;
+    float m = -INFINITY;
+    for (int e = 0; e < E; ++e) m = l[e] > m ? l[e] : m;
+    float sum = 0;
+    for (int e = 0; e < E; ++e) {
+      p[e] = std::exp(l[e] - m);
+      sum += p[e];
+    }
+    const float inv = 1.0f / sum;
+    for (int e = 0; e < E; ++e) p[e] *= inv;
+    int64_t* id = ptr<int64_t>(ids) + static_cast<size_t>(r) * k;
+    float* wt = ptr<float>(w) + static_cast<size_t>(r) * k;
+    float tot = 0;
+    for (int j = 0; j < k; ++j) {
+      int best = -1;
+      for (int e = 0; e < E; ++e)
+        if (p[e] >= 0.f && (best < 0 || p[e] > p[best])) best = e;  // chosen ones are marked -1 (NaN logits: never chosen)
+      if (best < 0) throw std::invalid_argument("moe_route: router logits are not finite");
+      id[j] = best;
+      wt[j] = p[best];
+      tot += p[best];
+      p[best] = -1.f;
+    }
+    if (norm)
+      for (int j = 0; j < k; ++j) wt[j] = wt[j] / tot;
   }
-  const float inv = 1.0f / sum;
-  for (int e = 0; e < E; ++e) p[e] *= inv;
-  int64_t* id = ptr<int64_t>(ids);
-  float* wt = ptr<float>(w);
-  float tot = 0;
-  for (int j = 0; j < k; ++j) {
-    int best = -1;
-    for (int e = 0; e < E; ++e)
-      if (p[e] >= 0.f && (best < 0 || p[e] > p[best])) best = e;  // chosen ones are marked -1 (NaN logits: never chosen)
-    if (best < 0) throw std::invalid_argument("moe_route: router logits are not finite");
-    id[j] = best;
-    wt[j] = p[best];
-    tot += p[best];
-    p[best] = -1.f;
-  }
-  if (norm)
-    for (int j = 0; j < k; ++j) wt[j] = wt[j] / tot;
 }
 
 }  // namespace
@@ -470,9 +482,9 @@ void register_decode_ops(py::module_& m) {
         py::arg("hkv"), py::arg("d"), py::arg("qk_w"), py::arg("qk_eps"), py::arg("cos"), py::arg("sin"),
         py::arg("keys"), py::arg("values"), py::arg("tok_stride"), py::arg("head_stride"), py::arg("page_size"),
         py::arg("pages"), py::arg("offsets"), py::arg("pos"), py::arg("lo"), py::arg("roll"), py::arg("cap"),
-        py::arg("len"), py::arg("scale"), py::arg("out"));
+        py::arg("len"), py::arg("scale"), py::arg("out"), py::arg("bf16_pv") = false);
   d.def("moe_route", &moe_route, py::arg("logits"), py::arg("num_experts"), py::arg("top_k"), py::arg("norm"),
-        py::arg("ids"), py::arg("weights"));
+        py::arg("ids"), py::arg("weights"), py::arg("rows") = 1, py::arg("stride") = 0);
 }
 
 }  // namespace kt

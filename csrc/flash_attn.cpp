@@ -1,8 +1,11 @@
-// Causal prompt attention: checks and the tier's kernel (flash_attn_avx512.cpp on AVX512-BF16 and
-// up, flash_attn_avx2.cpp on AVX2 + FMA).  Compiled at the baseline: nothing here may run an
-// instruction the CPU lacks before the tier is known.
+// Causal prompt attention and the decode step's chunks: checks and the tier's kernel
+// (flash_attn_avx512.cpp on AVX512-BF16 and up, flash_attn_avx2.cpp on AVX2 + FMA), and the chunk
+// merge both share.  Compiled at the baseline: nothing here may run an instruction the CPU lacks
+// before the tier is known, and the merge's arithmetic (no fma contraction) is one for every tier.
 #include "flash_attn.h"
 
+#include <algorithm>
+#include <cmath>
 #include <stdexcept>
 #include <string>
 
@@ -12,6 +15,38 @@
 namespace kt {
 
 bool flash_attn_supported() { return active_tier() >= IsaTier::AVX2 && cpu_features().fma; }
+
+bool flash_decode_supported(int D) { return flash_attn_supported() && D > 0 && D % 64 == 0 && D <= 512; }
+
+// noinline: the build links with LTO, which would otherwise inline this into the tier files and
+// compile it there with FMA contraction (a*x + b*y as one fma) -- other bits than the callers at
+// the baseline get.  Here it is one body, compiled without FMA, for every caller.
+__attribute__((noinline)) void merge_chunk(float* O, float* M, float* L, const float* o, float m, float l, int D,
+                                           bool first) {
+  if (first) {
+    std::copy(o, o + D, O);
+    *M = m;
+    *L = l;
+    return;
+  }
+  const float mn = *M > m ? *M : m;
+  const float a = std::exp2(*M - mn), b = std::exp2(m - mn);
+  *M = mn;
+  *L = *L * a + l * b;
+  for (int i = 0; i < D; ++i) O[i] = O[i] * a + o[i] * b;
+}
+
+__attribute__((noinline)) void finish_row(const float* O, float L, float* out, int D) {
+  const float inv = 1.f / L;
+  for (int i = 0; i < D; ++i) out[i] = O[i] * inv;
+}
+
+void flash_decode_chunk(const FlashArgs& a, int g, int c0, bool bf16_pv, float* part) {
+  if (active_tier() >= IsaTier::AVX512BF16)
+    flash_decode_chunk_avx512(a, g, c0, bf16_pv, part);
+  else
+    flash_decode_chunk_avx2(a, g, c0, part);
+}
 
 void flash_attn_prefill(ThreadPool& pool, const float* q, size_t q_tok, size_t q_head, const float* k, const float* v,
                         size_t kv_head, size_t kv_tok, float* out, size_t o_tok, size_t o_head, int H, int Hkv, int T,

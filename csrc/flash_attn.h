@@ -25,4 +25,14 @@ void flash_attn_prefill(ThreadPool& pool, const float* q, size_t q_tok, size_t q
                         int D, int start, int window, float scale, bool bf16_pv, const int64_t* pages = nullptr,
                         int page_size = 0, int key_first = 0);
 
+struct FlashArgs;
+// Whether the decode step reads head size D with the prompt kernel's arithmetic (flash_decode_chunk).
+bool flash_decode_supported(int D);
+// One decode row (a.T == 1: its query at position a.start, keys from max(0, start - window + 1);
+// a.out unused) over the keys of chunk [c0, c0 + kChunk) (flash_attn_impl.h), kv head g: the
+// group's unnormalised O, max and sum per head into part [H / Hkv][D + 2], bit for bit what the
+// prompt kernel (same tier, same bf16_pv) computes for that row over that chunk; the partials of a
+// row's chunks folded in order by merge_chunk and finish_row give the prompt kernel's output.
+void flash_decode_chunk(const FlashArgs& a, int g, int c0, bool bf16_pv, float* part);
+
 }  // namespace kt

@@ -44,108 +44,111 @@ inline float hmax(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
 }
 
-void attend_block(const FlashArgs& a, int g, int t0, int nq, Scratch& s) {
-  const int D = a.D, G = a.H / a.Hkv, rows = G * kQ;
-  s.start(a, g, t0, nq);
-  const int pos_first = a.start + t0, pos_last = a.start + t0 + nq - 1;
-  const int lo = a.window > 0 ? std::max(0, pos_first - a.window + 1) : 0;
-  const int hi = pos_last + 1;
+// The item's rows (kv head g, query tokens [t0, t0 + nq)) over keys [jl, jh] of block [j0, j0 + kK):
+// one step of each row's online softmax within the current chunk.
+// noinline: one body serves the prompt and the decode rows (the same instructions for both)
+__attribute__((noinline)) void attend_block(const FlashArgs& a, Scratch& s, int g, int t0, int nq, int j0, int jl, int jh) {
+  const int D = a.D;
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  for (int j0 = (lo / kK) * kK; j0 < hi; j0 += kK) {
-    const int n = std::min(kK, hi - j0);
-    s.pack_keys(a, g, j0, n);
-    const float* kp = s.kp.data();
-    for (int r0 = 0; r0 < rows; r0 += kR) {
-      int kl[kR], kh[kR];
-      if (!visible_keys<kR>(a, t0, nq, j0, n, r0, kl, kh)) continue;
-      const float* qrow[kR];
-      for (int r = 0; r < kR; ++r) qrow[r] = s.q.data() + static_cast<size_t>(r0 + r) * D;
-      for (int half = 0; half < 2; ++half) {  // S = Q K^T, 32 keys per pass
-        __m256 acc[kR][4];
-        for (int r = 0; r < kR; ++r)
-          for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
-        for (int d = 0; d < D; ++d) {
-          const float* kd = kp + static_cast<size_t>(d) * kK + half * 32;
-          const __m256 k0 = _mm256_loadu_ps(kd), k1 = _mm256_loadu_ps(kd + 8);
-          const __m256 k2 = _mm256_loadu_ps(kd + 16), k3 = _mm256_loadu_ps(kd + 24);
-          for (int r = 0; r < kR; ++r) {
-            const __m256 qb = _mm256_set1_ps(qrow[r][d]);
-            acc[r][0] = _mm256_fmadd_ps(k0, qb, acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(k1, qb, acc[r][1]);
-            acc[r][2] = _mm256_fmadd_ps(k2, qb, acc[r][2]);
-            acc[r][3] = _mm256_fmadd_ps(k3, qb, acc[r][3]);
-          }
-        }
-        for (int r = 0; r < kR; ++r)
-          for (int c = 0; c < 4; ++c) _mm256_storeu_ps(s.sc[r] + half * 32 + 8 * c, acc[r][c]);
-      }
-      float alpha[kR];
-      for (int r = 0; r < kR; ++r) {  // online softmax per row
-        const int row = r0 + r;
-        if (kh[r] < kl[r]) {  // nothing visible here: keep the row as it is
-          alpha[r] = 1.f;
-          std::memset(s.pf[r], 0, sizeof(s.pf[r]));
-          continue;
-        }
-        __m256 mx = _mm256_set1_ps(kMasked);
-        float* sr = s.sc[r];
-        for (int c = 0; c < 8; ++c) {
-          const __m256i j = _mm256_add_epi32(_mm256_set1_epi32(j0 + 8 * c), lane);
-          const __m256i ok = _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(kl[r]), j),
-                                                 _mm256_andnot_si256(_mm256_cmpgt_epi32(j, _mm256_set1_epi32(kh[r])),
-                                                                     _mm256_set1_epi32(-1)));
-          const __m256 v = _mm256_blendv_ps(_mm256_set1_ps(kMasked), _mm256_loadu_ps(sr + 8 * c), _mm256_castsi256_ps(ok));
-          _mm256_storeu_ps(sr + 8 * c, v);
-          mx = _mm256_max_ps(mx, v);
-        }
-        const float m_old = s.m[row], m_new = std::max(m_old, hmax(mx));
-        alpha[r] = std::isinf(m_old) ? 0.f : std::exp2(m_old - m_new);
-        s.m[row] = m_new;
-        const __m256 mv = _mm256_set1_ps(m_new);
-        __m256 sum = _mm256_setzero_ps();
-        for (int c = 0; c < 8; c += 2) {
-          const __m256 p0 = exp2_ps256(_mm256_sub_ps(_mm256_loadu_ps(sr + 8 * c), mv));
-          const __m256 p1 = exp2_ps256(_mm256_sub_ps(_mm256_loadu_ps(sr + 8 * c + 8), mv));
-          sum = _mm256_add_ps(sum, _mm256_add_ps(p0, p1));
-          _mm256_storeu_ps(s.pf[r] + 8 * c, p0);
-          _mm256_storeu_ps(s.pf[r] + 8 * c + 8, p1);
-        }
-        s.l[row] = s.l[row] * alpha[r] + hsum(sum);
-      }
-      const float* V = a.v + static_cast<size_t>(g) * a.kv_head;
-      for (int dh = 0; dh < D; dh += 32) {  // O = alpha O + P V, 32 d per pass
-        __m256 o[kR][4];
+  s.pack_keys(a, g, j0, jl, jh);
+  const float* kp = s.kp.data();
+  for (int r0 = 0; r0 < s.rows; r0 += kR) {
+    int kl[kR], kh[kR];
+    if (!visible_keys<kR>(a, s, t0, nq, jl, jh, r0, kl, kh)) continue;
+    const float* qrow[kR];
+    for (int r = 0; r < kR; ++r) qrow[r] = s.q.data() + static_cast<size_t>(r0 + r) * D;
+    for (int half = 0; half < 2; ++half) {  // S = Q K^T, 32 keys per pass
+      __m256 acc[kR][4];
+      for (int r = 0; r < kR; ++r)
+        for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
+      for (int d = 0; d < D; ++d) {
+        const float* kd = kp + static_cast<size_t>(d) * kK + half * 32;
+        const __m256 k0 = _mm256_loadu_ps(kd), k1 = _mm256_loadu_ps(kd + 8);
+        const __m256 k2 = _mm256_loadu_ps(kd + 16), k3 = _mm256_loadu_ps(kd + 24);
         for (int r = 0; r < kR; ++r) {
-          const __m256 al = _mm256_set1_ps(alpha[r]);
-          float* orow = s.o.data() + static_cast<size_t>(r0 + r) * D + dh;
-          for (int c = 0; c < 4; ++c) o[r][c] = _mm256_mul_ps(_mm256_loadu_ps(orow + 8 * c), al);
+          const __m256 qb = _mm256_set1_ps(qrow[r][d]);
+          acc[r][0] = _mm256_fmadd_ps(k0, qb, acc[r][0]);
+          acc[r][1] = _mm256_fmadd_ps(k1, qb, acc[r][1]);
+          acc[r][2] = _mm256_fmadd_ps(k2, qb, acc[r][2]);
+          acc[r][3] = _mm256_fmadd_ps(k3, qb, acc[r][3]);
         }
-        for (int j = 0; j < n; ++j) {
-          const float* vr = V + a.row(j0 + j) + dh;
-          const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
-          const __m256 v2 = _mm256_loadu_ps(vr + 16), v3 = _mm256_loadu_ps(vr + 24);
-          for (int r = 0; r < kR; ++r) {
-            const __m256 pb = _mm256_set1_ps(s.pf[r][j]);
-            o[r][0] = _mm256_fmadd_ps(v0, pb, o[r][0]);
-            o[r][1] = _mm256_fmadd_ps(v1, pb, o[r][1]);
-            o[r][2] = _mm256_fmadd_ps(v2, pb, o[r][2]);
-            o[r][3] = _mm256_fmadd_ps(v3, pb, o[r][3]);
-          }
-        }
+      }
+      for (int r = 0; r < kR; ++r)
+        for (int c = 0; c < 4; ++c) _mm256_storeu_ps(s.sc[r] + half * 32 + 8 * c, acc[r][c]);
+    }
+    float alpha[kR];
+    for (int r = 0; r < kR; ++r) {  // online softmax per row
+      const int row = r0 + r;
+      if (kh[r] < kl[r]) {  // nothing visible here: keep the row as it is
+        alpha[r] = 1.f;
+        std::memset(s.pf[r], 0, sizeof(s.pf[r]));
+        continue;
+      }
+      __m256 mx = _mm256_set1_ps(kMasked);
+      float* sr = s.sc[r];
+      for (int c = 0; c < 8; ++c) {
+        const __m256i j = _mm256_add_epi32(_mm256_set1_epi32(j0 + 8 * c), lane);
+        const __m256i ok = _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(kl[r]), j),
+                                               _mm256_andnot_si256(_mm256_cmpgt_epi32(j, _mm256_set1_epi32(kh[r])),
+                                                                   _mm256_set1_epi32(-1)));
+        const __m256 v = _mm256_blendv_ps(_mm256_set1_ps(kMasked), _mm256_loadu_ps(sr + 8 * c), _mm256_castsi256_ps(ok));
+        _mm256_storeu_ps(sr + 8 * c, v);
+        mx = _mm256_max_ps(mx, v);
+      }
+      const float m_old = s.m[row], m_new = std::max(m_old, hmax(mx));
+      alpha[r] = std::isinf(m_old) ? 0.f : std::exp2(m_old - m_new);
+      s.m[row] = m_new;
+      const __m256 mv = _mm256_set1_ps(m_new);
+      __m256 sum = _mm256_setzero_ps();
+      const __m256 masked = _mm256_set1_ps(kMasked);
+      for (int c = 0; c < 8; c += 2) {  // keys the row does not see: probability 0 exactly
+        const __m256 s0 = _mm256_loadu_ps(sr + 8 * c), s1 = _mm256_loadu_ps(sr + 8 * c + 8);
+        const __m256 p0 = _mm256_andnot_ps(_mm256_cmp_ps(s0, masked, _CMP_EQ_OQ), exp2_ps256(_mm256_sub_ps(s0, mv)));
+        const __m256 p1 = _mm256_andnot_ps(_mm256_cmp_ps(s1, masked, _CMP_EQ_OQ), exp2_ps256(_mm256_sub_ps(s1, mv)));
+        sum = _mm256_add_ps(sum, _mm256_add_ps(p0, p1));
+        _mm256_storeu_ps(s.pf[r] + 8 * c, p0);
+        _mm256_storeu_ps(s.pf[r] + 8 * c + 8, p1);
+      }
+      s.l[row] = s.l[row] * alpha[r] + hsum(sum);
+    }
+    const float* V = a.v + static_cast<size_t>(g) * a.kv_head;
+    for (int dh = 0; dh < D; dh += 32) {  // O = alpha O + P V, 32 d per pass
+      __m256 o[kR][4];
+      for (int r = 0; r < kR; ++r) {
+        const __m256 al = _mm256_set1_ps(alpha[r]);
+        float* orow = s.o.data() + static_cast<size_t>(r0 + r) * D + dh;
+        for (int c = 0; c < 4; ++c) o[r][c] = _mm256_mul_ps(_mm256_loadu_ps(orow + 8 * c), al);
+      }
+      for (int j = jl - j0; j <= jh - j0; ++j) {
+        const float* vr = V + a.row(j0 + j) + dh;
+        const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
+        const __m256 v2 = _mm256_loadu_ps(vr + 16), v3 = _mm256_loadu_ps(vr + 24);
         for (int r = 0; r < kR; ++r) {
-          float* orow = s.o.data() + static_cast<size_t>(r0 + r) * D + dh;
-          for (int c = 0; c < 4; ++c) _mm256_storeu_ps(orow + 8 * c, o[r][c]);
+          const __m256 pb = _mm256_set1_ps(s.pf[r][j]);
+          o[r][0] = _mm256_fmadd_ps(v0, pb, o[r][0]);
+          o[r][1] = _mm256_fmadd_ps(v1, pb, o[r][1]);
+          o[r][2] = _mm256_fmadd_ps(v2, pb, o[r][2]);
+          o[r][3] = _mm256_fmadd_ps(v3, pb, o[r][3]);
         }
+      }
+      for (int r = 0; r < kR; ++r) {
+        float* orow = s.o.data() + static_cast<size_t>(r0 + r) * D + dh;
+        for (int c = 0; c < 4; ++c) _mm256_storeu_ps(orow + 8 * c, o[r][c]);
       }
     }
   }
-  s.finish(a, g, t0, nq);
 }
 
 }  // namespace
 
 void flash_attn_prefill_avx2(ThreadPool& pool, const FlashArgs& a) {
-  run_items<Scratch>(pool, a, [&](Scratch& s, int g, int t0, int nq) { attend_block(a, g, t0, nq, s); });
+  run_items<Scratch>(pool, a, [&](Scratch& s, int g, int t0, int nq) { prompt_item(a, g, t0, nq, s, attend_block); });
+}
+
+void flash_decode_chunk_avx2(const FlashArgs& a, int g, int c0, float* part) {
+  thread_local Scratch s;
+  if (s.qn != 1 || s.rows < a.H / a.Hkv || s.kp.size() != static_cast<size_t>(a.D) * kK) s.size(a, 1);
+  decode_chunk(a, g, c0, s, part, attend_block);
 }
 
 }  // namespace kt

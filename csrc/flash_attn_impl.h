@@ -32,51 +32,98 @@ struct FlashArgs {
   }
 };
 
+// Keys per chunk, at absolute multiples: a row's softmax over the keys of one chunk is a partial
+// (unnormalised O, max m, sum l), and a row's partials are merged in chunk order (merge_chunk).  The
+// prompt (one work item walks a row's chunks in turn) and the decode step (a pool task per chunk)
+// cut a row's keys at the same places and run the same arithmetic per row, so a token gives the
+// same bits read as a prompt row or as a decode row.
+constexpr int kChunk = 256;
+
+// Folds a row's partial over one chunk (o [D], m, l) into its running total (O [D], M, L): the
+// first partial is copied; then M' = max(M, m), O = O 2^(M - M') + o 2^(m - M'), L likewise.
+// Compiled once at the baseline and never inlined (flash_attn.cpp: no fma contraction), for every
+// tier and caller.
+void merge_chunk(float* O, float* M, float* L, const float* o, float m, float l, int D, bool first);
+// out = O / L
+void finish_row(const float* O, float L, float* out, int D);
+
 namespace flash {
 namespace {  // internal linkage: each tier's file compiles these with its own flags
 
-constexpr int kQ = 32;  // query tokens per work item
-constexpr int kK = 64;  // keys per block (at absolute multiples of kK)
+constexpr int kQ = 32;  // query tokens per prompt work item
+constexpr int kK = 64;  // keys per block (at absolute multiples of kK; kChunk is a multiple)
+constexpr int kRowAlign = 4;  // rows rounded up to whole register tiles of every tier
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kMasked = -1e30f;
+static_assert(kChunk % kK == 0, "chunks are whole key blocks");
 
-// The fp32 state of one work item (kv head g, query tokens t0 .. t0 + nq - 1) that every tier keeps:
-// rows r = h * kQ + t (head h of the group, token t0 + t; rows past nq are computed on token
-// nq - 1 and dropped), the queries pre-scaled by scale * log2(e), the running O, max and sum.
+// The fp32 state of one work item (kv head g, query tokens t0 .. t0 + nq - 1, at most qn of them:
+// kQ for a prompt, 1 for a decode row) that every tier keeps: rows r = h * qn + t (head h of the
+// group, token t0 + t; rows past nq, and the rows that round the count up to whole register tiles,
+// are computed on token nq - 1 or on zero queries and dropped), the queries pre-scaled by
+// scale * log2(e), the running O, max and sum of the chunk being read, and each row's total over
+// the chunks closed so far.
 struct WorkRows {
+  int qn = kQ, rows = 0;
   std::vector<float> q, o, m, l;  // [rows][D], [rows][D], [rows], [rows]
+  std::vector<float> to, tm, tl;  // totals: [rows][D], [rows], [rows]
+  std::vector<uint8_t> has;       // [rows]: a total exists
   std::vector<float> kp;          // [D][kK]: a key block transposed
 
-  void size(const FlashArgs& a) {
-    const size_t rows = static_cast<size_t>(a.H / a.Hkv) * kQ, D = a.D;
+  void size(const FlashArgs& a, int tokens = kQ) {
+    qn = tokens;
+    const int G = a.H / a.Hkv;
+    rows = (G * qn + kRowAlign - 1) / kRowAlign * kRowAlign;
+    const size_t D = a.D;
     q.assign(rows * D, 0.f);
     o.assign(rows * D, 0.f);
     m.assign(rows, 0.f);
     l.assign(rows, 0.f);
+    to.assign(rows * D, 0.f);
+    tm.assign(rows, 0.f);
+    tl.assign(rows, 0.f);
+    has.assign(rows, 0);
     kp.assign(D * kK, 0.f);
   }
 
-  void start(const FlashArgs& a, int g, int t0, int nq) {
-    const int D = a.D, G = a.H / a.Hkv, rows = G * kQ;
-    const float qs = a.scale * kLog2e;
-    for (int h = 0; h < G; ++h)
-      for (int t = 0; t < kQ; ++t) {
-        const float* qr = a.q + static_cast<size_t>(g * G + h) * a.q_head +
-                          static_cast<size_t>(t0 + (t < nq - 1 ? t : nq - 1)) * a.q_tok;
-        float* dst = q.data() + static_cast<size_t>(h * kQ + t) * D;
-        for (int d = 0; d < D; ++d) dst[d] = qr[d] * qs;
-      }
-    std::fill(o.begin(), o.begin() + static_cast<size_t>(rows) * D, 0.f);
+  void reset_chunk(const FlashArgs& a) {
+    std::fill(o.begin(), o.begin() + static_cast<size_t>(rows) * a.D, 0.f);
     std::fill(m.begin(), m.begin() + rows, -INFINITY);
     std::fill(l.begin(), l.begin() + rows, 0.f);
   }
 
-  // keys [j0, j0 + n) of head g transposed into kp (zeros past n)
-  void pack_keys(const FlashArgs& a, int g, int j0, int n) {
+  void start(const FlashArgs& a, int g, int t0, int nq) {
+    const int D = a.D, G = a.H / a.Hkv;
+    const float qs = a.scale * kLog2e;
+    for (int h = 0; h < G; ++h)
+      for (int t = 0; t < qn; ++t) {
+        const float* qr = a.q + static_cast<size_t>(g * G + h) * a.q_head +
+                          static_cast<size_t>(t0 + (t < nq - 1 ? t : nq - 1)) * a.q_tok;
+        float* dst = q.data() + static_cast<size_t>(h * qn + t) * D;
+        for (int d = 0; d < D; ++d) dst[d] = qr[d] * qs;
+      }
+    reset_chunk(a);
+    std::fill(has.begin(), has.begin() + rows, 0);
+  }
+
+  // the chunk read so far into each row's total (rows that saw none of its keys keep theirs)
+  void close_chunk(const FlashArgs& a) {
+    const int D = a.D;
+    for (int r = 0; r < rows; ++r) {
+      if (std::isinf(m[r])) continue;
+      const size_t at = static_cast<size_t>(r) * D;
+      merge_chunk(to.data() + at, &tm[r], &tl[r], o.data() + at, m[r], l[r], D, !has[r]);
+      has[r] = 1;
+    }
+    reset_chunk(a);
+  }
+
+  // keys [j0, j0 + kK) of head g transposed into kp; only [jl, jh] read (zeros elsewhere)
+  void pack_keys(const FlashArgs& a, int g, int j0, int jl, int jh) {
     const int D = a.D;
     const float* K = a.k + static_cast<size_t>(g) * a.kv_head;
     for (int j = 0; j < kK; ++j) {
-      if (j < n) {
+      if (j0 + j >= jl && j0 + j <= jh) {
         const float* kr = K + a.row(j0 + j);
         for (int d = 0; d < D; ++d) kp[d * kK + j] = kr[d];
       } else {
@@ -85,31 +132,84 @@ struct WorkRows {
     }
   }
 
+  // the rows of the item's real tokens out, O / L of their totals
   void finish(const FlashArgs& a, int g, int t0, int nq) const {
     const int D = a.D, G = a.H / a.Hkv;
     for (int h = 0; h < G; ++h)
       for (int t = 0; t < nq; ++t) {
-        const int row = h * kQ + t;
-        const float inv = 1.f / l[row];
-        const float* src = o.data() + static_cast<size_t>(row) * D;
+        const int row = h * qn + t;
         float* dst = a.out + static_cast<size_t>(t0 + t) * a.o_tok + static_cast<size_t>(g * G + h) * a.o_head;
-        for (int d = 0; d < D; ++d) dst[d] = src[d] * inv;
+        finish_row(to.data() + static_cast<size_t>(row) * D, tl[row], dst, D);
       }
+  }
+
+  // a decode row's partial over one chunk: head h's O, m, l -> part[h * (D + 2) ..]
+  void partial(const FlashArgs& a, float* part) const {
+    const int D = a.D, G = a.H / a.Hkv;
+    for (int h = 0; h < G; ++h) {
+      const int row = h * qn;
+      float* p = part + static_cast<size_t>(h) * (D + 2);
+      std::copy(o.begin() + static_cast<size_t>(row) * D, o.begin() + static_cast<size_t>(row + 1) * D, p);
+      p[D] = m[row];
+      p[D + 1] = l[row];
+    }
   }
 };
 
-// The keys [kl[r], kh[r]] of block [j0, j0 + n) that rows r0 .. r0 + R - 1 see (causal, window);
+// The keys [kl[r], kh[r]] within [jl, jh] that rows r0 .. r0 + R - 1 of `s` see (causal, window);
 // false when none of them sees any
 template <int R>
-inline bool visible_keys(const FlashArgs& a, int t0, int nq, int j0, int n, int r0, int* kl, int* kh) {
+inline bool visible_keys(const FlashArgs& a, const WorkRows& s, int t0, int nq, int jl, int jh, int r0, int* kl,
+                         int* kh) {
   bool any = false;
   for (int r = 0; r < R; ++r) {
-    const int t = std::min((r0 + r) % kQ, nq - 1), pos = a.start + t0 + t;
-    kl[r] = std::max(j0, a.window > 0 ? pos - a.window + 1 : 0);
-    kh[r] = std::min(j0 + n - 1, pos);
+    const int t = std::min((r0 + r) % s.qn, nq - 1), pos = a.start + t0 + t;
+    kl[r] = std::max(jl, a.window > 0 ? pos - a.window + 1 : 0);
+    kh[r] = std::min(jh, pos);
     any |= kh[r] >= kl[r];
   }
   return any;
+}
+
+// The keys [lo, hi) that some query of tokens t0 .. t0 + nq - 1 sees
+inline void item_keys(const FlashArgs& a, int t0, int nq, int* lo, int* hi) {
+  const int pos_first = a.start + t0, pos_last = a.start + t0 + nq - 1;
+  *lo = a.window > 0 ? std::max(0, pos_first - a.window + 1) : 0;
+  *hi = pos_last + 1;
+}
+
+// The key blocks of [c0, c1) that the item sees, in order: block(j0, jl, jh), keys [jl, jh] of
+// block [j0, j0 + kK) seen by some row
+template <class Block>
+inline void each_block(int lo, int hi, int c0, int c1, Block block) {
+  const int end = std::min(c1, hi);
+  for (int j0 = std::max(c0, lo / kK * kK); j0 < end; j0 += kK)
+    block(j0, std::max(j0, lo), std::min(j0 + kK, end) - 1);
+}
+
+// A prompt work item: its rows over each chunk of their keys in turn, each chunk closed into the
+// rows' totals, then the rows out.
+template <class Scratch, class Block>
+void prompt_item(const FlashArgs& a, int g, int t0, int nq, Scratch& s, Block block) {
+  s.start(a, g, t0, nq);
+  int lo, hi;
+  item_keys(a, t0, nq, &lo, &hi);
+  for (int c0 = lo / kChunk * kChunk; c0 < hi; c0 += kChunk) {
+    each_block(lo, hi, c0, c0 + kChunk, [&](int j0, int jl, int jh) { block(a, s, g, t0, nq, j0, jl, jh); });
+    s.close_chunk(a);
+  }
+  s.finish(a, g, t0, nq);
+}
+
+// A decode row (a.T == 1, its token at a.start) over the chunk [c0, c0 + kChunk) of its keys: the
+// group's partials (O, m, l per head) into part [G][D + 2]
+template <class Scratch, class Block>
+void decode_chunk(const FlashArgs& a, int g, int c0, Scratch& s, float* part, Block block) {
+  s.start(a, g, 0, 1);
+  int lo, hi;
+  item_keys(a, 0, 1, &lo, &hi);
+  each_block(lo, hi, c0, c0 + kChunk, [&](int j0, int jl, int jh) { block(a, s, g, 0, 1, j0, jl, jh); });
+  s.partial(a, part);
 }
 
 // One work item per (query block, kv head) on the pool, the latest query blocks (most keys) first
@@ -130,7 +230,9 @@ void run_items(ThreadPool& pool, const FlashArgs& a, Item item) {
 
 // AVX512-BF16 tier and up: fp32, or P V on bf16 pairs (bf16_pv)
 void flash_attn_prefill_avx512(ThreadPool& pool, const FlashArgs& a, bool bf16_pv);
+void flash_decode_chunk_avx512(const FlashArgs& a, int g, int c0, bool bf16_pv, float* part);
 // AVX2 + FMA (and AVX-512 without BF16): fp32 throughout
 void flash_attn_prefill_avx2(ThreadPool& pool, const FlashArgs& a);
+void flash_decode_chunk_avx2(const FlashArgs& a, int g, int c0, float* part);
 
 }  // namespace kt

@@ -14,8 +14,9 @@ arithmetic with the layers' weights bound once, for every caller that decodes:
 Both run the same layer loop (``_rows``) on the same buffers; only where a row's keys live
 differs, and the attention reads both layouts through one C++ kernel
 (``decode_ops.attend_rows``: q/k norm, RoPE, the new key/value written, then the query over the
-row's keys in chunks of 256 at absolute positions, merged in order).  So a request's logits are
-the same bits whichever route decodes it and whatever rows run beside it:
+row's keys in chunks of 256 at absolute positions, merged in order, each row with the prompt flash
+kernel's arithmetic).  So a request's logits are the same bits whichever route decodes it and
+whatever rows run beside it, and a decoded token leaves the K/V it would leave read in a prompt:
 
 * q/k/v in one kernel call and gate/up+activation in one (``kernels.LinearGroupKernel``: the
   input is quantised once per row, all row blocks share one pool wake-up), into buffers
@@ -56,10 +57,12 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 
 import torch
 
+from ..operators.moe import SOFTMAX_TOPK_ROUTERS
 from .devices import module_device
 
 log = logging.getLogger("ktransformers.decode")
@@ -157,10 +160,6 @@ class _Proj:
         if self.bias is not None:
             out.add_(self.bias)
         return out
-
-
-#: routers whose forward is softmax -> top-k -> renormalise when ``norm_topk_prob`` (transformers')
-SOFTMAX_TOPK_ROUTERS = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter")
 
 
 #: DeepSeek routers (transformers' own, or ``KMoEGate`` over one): routed in the step by gate.py's functions
@@ -298,9 +297,9 @@ class _MoE:
         if self.deepseek is not None:
             self._route_deepseek(n, logits, ids, w)
             return logits
-        lp, ip, wp, k = logits.data_ptr(), ids.data_ptr(), w.data_ptr(), self.top_k
-        for r in range(n):
-            self._route(lp + 4 * r * self.width, self.num_experts, k, self.norm, ip + 8 * r * k, wp + 4 * r * k)
+        # each row alone, as the prompt's MoE block routes it (operators/moe.py: kernels.route_softmax_topk)
+        self._route(logits.data_ptr(), self.num_experts, self.top_k, self.norm, ids.data_ptr(), w.data_ptr(),
+                    rows=n, stride=self.width)
         return logits
 
     def _route_deepseek(self, n: int, logits: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> None:
@@ -673,6 +672,7 @@ class DecodeStep:
         self._dequantize = cpuinfer_ext.dequantize
         self._cpuinfer = self.head._pool  # attention runs on the kernels' pool
         self._lock = threading.Lock()
+        self._pv_mode = None  # (KT_FLASH_ATTN, bf16 P V): _pv_bf16
         #: when set (the MTP drafter, generation/mtp.py): each step leaves ``last_hidden`` =
         #: (positions, the rows' final hidden states after the final norm ``[n, hidden]``)
         self.keep_hidden = False
@@ -932,7 +932,7 @@ class DecodeStep:
                 kp, vp, cap, roll, n, lenp = slots[lay.idx]
                 self._ops.attend_rows(self._cpuinfer, q, 1, lay.hq, lay.hkv, lay.d, lay.qk_ptr, lay.qk_eps, cos, sin,
                                       kp, vp, lay.d, cap * lay.d, 0, _NO_ROWS.data_ptr(), _NO_ROWS.data_ptr(),
-                                      pos_t.data_ptr(), los[lay.idx].data_ptr(), roll, cap, lenp, lay.scaling, out)
+                                      pos_t.data_ptr(), los[lay.idx].data_ptr(), roll, cap, lenp, lay.scaling, out, bf16_pv=self._pv_bf16)
 
             logits = self._rows([token], [pos], keys_of)
             if after is not None:
@@ -1001,7 +1001,7 @@ class DecodeStep:
                     self._ops.attend_rows(self._cpuinfer, q + r * qw, 1, lay.hq, lay.hkv, lay.d, lay.qk_ptr,
                                           lay.qk_eps, cos + r * cw, sin + r * cw, kp, vp, lay.d, cap * lay.d, 0,
                                           _NO_ROWS.data_ptr(), _NO_ROWS.data_ptr(), pp, lop, roll, cap, lenp,
-                                          lay.scaling, out + r * ow)
+                                          lay.scaling, out + r * ow, bf16_pv=self._pv_bf16)
 
             logits = self._rows(list(tokens), list(range(pos, pos + n)), keys_of)
 
@@ -1050,7 +1050,7 @@ class DecodeStep:
                     self._ops.attend_rows(self._cpuinfer, q + r * qw, 1, lay.hq, lay.hkv, lay.d, lay.qk_ptr,
                                           lay.qk_eps, cos + r * cw, sin + r * cw, kp, vp, lay.d, cap * lay.d, 0,
                                           _NO_ROWS.data_ptr(), _NO_ROWS.data_ptr(), pp, lop, 0, cap, 0,
-                                          lay.scaling, out + r * ow)
+                                          lay.scaling, out + r * ow, bf16_pv=self._pv_bf16)
 
             logits = self._rows(tokens, list(range(pos, pos + n)), keys_of)
             self._finish_dynamic(after)
@@ -1152,10 +1152,22 @@ class DecodeStep:
             kp, vp = ptrs[lay.idx]
             self._ops.attend_rows(self._cpuinfer, q, n, lay.hq, lay.hkv, lay.d, lay.qk_ptr, lay.qk_eps, cos, sin, kp,
                                   vp, lay.hkv * lay.d, lay.d, ps, pages.data_ptr(), offs.data_ptr(), pos_t.data_ptr(),
-                                  los[lay.window].data_ptr(), 0, 0, 0, lay.scaling, out)
+                                  los[lay.window].data_ptr(), 0, 0, 0, lay.scaling, out, bf16_pv=self._pv_bf16)
 
         with self._lock:
             return self._rows(tokens, positions, keys_of)
+
+    @property
+    def _pv_bf16(self) -> bool:
+        """The prompt flash kernel's P V precision (``KT_FLASH_ATTN``), which the step's attention
+        takes too, so that a token gets the same bits read as a prompt row or as a decode row (the
+        keys of an answer that a later prompt finds in the prefix cache, a preempted request)."""
+        mode = os.environ.get("KT_FLASH_ATTN")
+        if self._pv_mode is None or self._pv_mode[0] != mode:
+            from ..operators.cpu_attention import flash_mode
+
+            self._pv_mode = (mode, bool(flash_mode()))
+        return self._pv_mode[1]
 
     def _rows(self, tokens: list[int], positions: list[int], attend) -> torch.Tensor:
         """The layer loop of every step: embeddings, per layer q/k/v over the rows, ``attend(layer,

@@ -19,6 +19,27 @@ LORA_BACKENDS = (IN_PLACE_BACKEND, "AMXInt8", "AMXBF16")
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "clamp_swiglu": 2, "clamp_silu": 3}
 
 
+def route_softmax_topk(logits, num_experts: int, top_k: int, norm: bool):
+    """transformers' Qwen2/3-MoE router after its linear: softmax over the first ``num_experts``
+    logits of each row of ``logits [T, >= num_experts]`` (fp32, contiguous rows), the ``top_k``
+    largest in descending order, renormalised to sum 1 when ``norm`` -> (weights ``[T, top_k]`` fp32,
+    ids ``[T, top_k]`` int64).  One C++ pass per row in a fixed order (``decode_ops.moe_route``): a
+    token's routing has the same bits in a prompt of any length and in the decode step."""
+    import torch
+
+    if (logits.dim() != 2 or logits.dtype != torch.float32 or logits.device.type != "cpu"
+            or logits.stride(1) != 1 or logits.shape[1] < num_experts):
+        raise ValueError(f"route_softmax_topk: need fp32 CPU logits [T, >= {num_experts}] with contiguous rows, "
+                         f"got {logits.dtype} {tuple(logits.shape)}")
+    T = int(logits.shape[0])
+    ids = torch.empty(T, top_k, dtype=torch.int64)
+    w = torch.empty(T, top_k, dtype=torch.float32)
+    if T:
+        _ext.decode_ops.moe_route(logits.data_ptr(), num_experts, top_k, bool(norm), ids.data_ptr(), w.data_ptr(),
+                                  rows=T, stride=int(logits.stride(0)))
+    return w, ids
+
+
 def _backend(b: Any) -> int:
     if b not in BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {b!r}")

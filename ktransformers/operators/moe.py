@@ -41,6 +41,12 @@ class KMoEBlock(BaseInjectedModule):
                                      f"(call the model with input_ids, not inputs_embeds)")
                 # the ids come from where the embeddings are (the CPU in the GPU rules), the router's table is here
                 _, top_k_weights, top_k_index = router(x, input_ids.to(x.device))
+            elif _routes_in_cpp(router, x):
+                from ..kernels.moe import route_softmax_topk
+
+                logits = F.linear(x, router.weight)
+                top_k_weights, top_k_index = route_softmax_topk(logits, int(router.num_experts), int(router.top_k),
+                                                                bool(router.norm_topk_prob))
             else:
                 _, top_k_weights, top_k_index = router(x)
         experts = self.experts
@@ -95,6 +101,23 @@ class KMoEBlock(BaseInjectedModule):
             yield
         finally:
             F.linear = _TORCH_LINEAR
+
+
+#: routers whose forward is linear -> softmax -> top-k -> renormalise when ``norm_topk_prob`` (transformers')
+SOFTMAX_TOPK_ROUTERS = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter")
+
+
+def _routes_in_cpp(router, x: torch.Tensor) -> bool:
+    """Whether the block routes ``x`` itself, by the router's own math in one fixed order per row
+    (``kernels.route_softmax_topk``, the decode step's routing too), instead of calling the router:
+    a softmax-top-k router with an fp32 weight, x fp32 on the CPU, no autograd.  torch's softmax
+    and top-k give a row other bits than the decode step's one-row routing."""
+    w = getattr(router, "weight", None)
+    return (type(router).__name__ in SOFTMAX_TOPK_ROUTERS and isinstance(w, torch.Tensor) and w.dim() == 2
+            and w.dtype == torch.float32 and w.device.type == "cpu" and x.dtype == torch.float32
+            and x.device.type == "cpu" and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+            and hasattr(router, "top_k") and hasattr(router, "norm_topk_prob")
+            and int(getattr(router, "num_experts", w.shape[0])) == w.shape[0])
 
 
 def _row_sigmoid(g: torch.Tensor) -> torch.Tensor:

@@ -124,6 +124,46 @@ def test_prefill_whole_chunked_or_after_a_prefix_gives_the_same_bits(tiny, arch,
     _same_cache(cache, want_cache, what)
 
 
+def _decode(model, ids, n):
+    """(logits after the last of ``n`` greedy tokens, cache, the tokens): the prompt prefilled,
+    then each token read by the Generator's decode step (checked to be the lean step)."""
+    from ktransformers.generation import Generator
+
+    g = Generator(model, _NoText())
+    cache = g.new_cache(len(ids) + n + 8)
+    step = g._decode_step()
+    toks = []
+    with torch.inference_mode():
+        logits = g.prefill(ids, cache)
+        assert step is not None and step.accepts(cache), "the decode step does not serve this model"
+        for i in range(n):
+            toks.append(int(logits.argmax()))
+            logits = g._forward(torch.tensor([toks[-1:]]), len(ids) + i, cache)
+    return logits.clone(), cache, toks
+
+
+#: decode rows whose attention is not yet the prompt's arithmetic
+DECODE_NOT_INVARIANT = {a: "MLA's decode rows run the absorbed attention in torch, its prompt rows the "
+                           "64-position blocks of mla.causal_prompt_attention" for a in MLA}
+
+
+@pytest.mark.parametrize("arch", [a if a not in DECODE_NOT_INVARIANT else
+                                  pytest.param(a, marks=pytest.mark.xfail(strict=True, reason=DECODE_NOT_INVARIANT[a]))
+                                  for a in PAGED])
+def test_an_answer_read_back_as_a_prompt_gives_the_decoded_bits(tiny, arch):
+    """Tokens decoded one by one (the decode step's attention: a pool task per 256-key chunk) leave
+    the cache and logits that the same tokens read as a prompt leave (the prompt kernel), so an
+    answer found again in the prefix cache, or a preempted request read again, changes nothing.
+    250 prompt tokens + 12 decoded: the decode rows cross a chunk boundary (256); Gemma's window
+    (16) rolls throughout."""
+    model = _model(tiny, arch)
+    ids = _prompt(n=250)
+    got, cache, toks = _decode(model, ids, 12)
+    want, want_cache = _prefill(model, ids + toks, 8192)
+    assert torch.equal(got, want), f"{arch}: the last decode logits differ from the prompt's (max {(got - want).abs().max():.3g})"
+    _same_cache(cache, want_cache, f"{arch}: decoded vs read as a prompt")
+
+
 def _paged_rows(model, ids, prefix_from=None, page_size=4):
     """Logits of the prompt's last position and of one greedy decode step on a BatchRunner; with
     ``prefix_from``, another request first reads ``prefix_from`` and this one starts on its full

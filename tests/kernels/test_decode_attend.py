@@ -27,7 +27,7 @@ def _qkv(q, k_new, v_new):
     return torch.cat([q.reshape(-1), k_new.reshape(-1), v_new.reshape(-1)])[None].contiguous()
 
 
-def _layer(pool, q, k_new, v_new, K, V, pos, lo, scale, roll=0, length=None):
+def _layer(pool, q, k_new, v_new, K, V, pos, lo, scale, roll=0, length=None, bf16_pv=False):
     """One row over a cache layer K, V [hkv, cap, d] holding positions lo .. (slot = position - lo)."""
     hq, d = q.shape
     hkv, cap = K.shape[0], K.shape[1]
@@ -37,7 +37,7 @@ def _layer(pool, q, k_new, v_new, K, V, pos, lo, scale, roll=0, length=None):
     p, l = torch.tensor([pos]), torch.tensor([lo])
     ops.attend_rows(pool._c, qkv.data_ptr(), 1, hq, hkv, d, 0, 0.0, ones.data_ptr(), zeros.data_ptr(), K.data_ptr(),
                     V.data_ptr(), d, cap * d, 0, _NONE.data_ptr(), _NONE.data_ptr(), p.data_ptr(), l.data_ptr(), roll,
-                    cap, 0 if length is None else length.data_ptr(), scale, out.data_ptr())
+                    cap, 0 if length is None else length.data_ptr(), scale, out.data_ptr(), bf16_pv=bf16_pv)
     return out.view(hq, d)
 
 
@@ -145,6 +145,31 @@ def test_a_row_is_the_same_bits_in_a_cache_layer_and_in_pages_beside_other_rows(
                          keys.clone(), values.clone(), S, [tables[i] for i in order],
                          [pos if i == 0 else others[i - 1][0] for i in order], 0.07, window)
             assert torch.equal(out[order.index(0)], alone), f"threads {threads}, order {order}"
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 64), (4, 1, 256), (32, 4, 128), (6, 6, 64), (16, 1, 64)])
+@pytest.mark.parametrize("window", [0, 100])
+@pytest.mark.parametrize("bf16_pv", [False, True])
+def test_a_decode_row_gives_the_prompt_kernels_bits(hq, hkv, d, window, bf16_pv):
+    """A token decoded gives the bits the prompt flash kernel gives the same token in a prompt (same
+    tier, same P x V precision), for rows on both sides of chunk boundaries (256, 512) and of the
+    64-key blocks, with and without a sliding window -- so the K/V that later layers write for an
+    answer's tokens are those a prompt read of the same text writes."""
+    from ktransformers.kernels import flash_attention, flash_attention_supported
+
+    if not flash_attention_supported():
+        pytest.skip("no prompt flash kernel on this tier")
+    g = torch.Generator().manual_seed(hq * 31 + d + window)
+    T = 600
+    q = torch.randn(1, hq, T, d, generator=g) * 2
+    k, v = torch.randn(1, hkv, T, d, generator=g), torch.randn(1, hkv, T, d, generator=g)
+    scale = d ** -0.5
+    want = flash_attention(cpu_infer(2), q, k, v, 0, scale, window, bf16_pv=bf16_pv)[0]  # [T, H, D]
+    for t in (0, 1, 63, 64, 99, 100, 255, 256, 257, 300, 511, 512, 599):
+        lo = max(0, t - window + 1) if window else 0
+        K, V = k[0, :, lo : t + 1].clone(), v[0, :, lo : t + 1].clone()  # positions lo .. t; t written by the row
+        got = _layer(cpu_infer(2), q[0, :, t], k[0, :, t], v[0, :, t], K, V, t, lo, scale, bf16_pv=bf16_pv)
+        assert torch.equal(got, want[t]), f"row {t}: max {(got - want[t]).abs().max():.3g}"
 
 
 def test_attend_refuses_bad_shapes():
