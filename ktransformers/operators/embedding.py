@@ -30,18 +30,11 @@ class EmbeddingOp(Op):
         self.num_embeddings = int(orig_module.num_embeddings)
         self.embedding_dim = int(orig_module.embedding_dim)
         self.padding_idx = orig_module.padding_idx
+        self.weight_shape = (self.num_embeddings, self.embedding_dim)
 
     @classmethod
     def weight_names(cls, key: str) -> tuple[str, ...]:
         return (f"{key}.weight",)
-
-    def check_shape(self, weights, name: str) -> None:
-        shape = tuple(weights.shape(name))
-        if shape != (self.num_embeddings, self.embedding_dim):
-            from ..errors import WeightError
-
-            raise WeightError(f"{weights.path}: tensor '{name}' has shape {list(shape)}, the model expects "
-                              f"{[self.num_embeddings, self.embedding_dim]}")
 
 
 @register("KEmbeddingTorch")
@@ -49,10 +42,7 @@ class KEmbeddingTorch(EmbeddingOp):
     """The whole table dequantized once into the model dtype (any device)."""
 
     def load(self, weights, dtype):
-        name = f"{self.key}.weight"
-        self.check_shape(weights, name)
-        self.weight = weights.tensor(name, dtype=self.weight_format(weights, name, dtype).torch_dtype,
-                                     device=self.device)
+        self.weight = self.float_weight(weights, f"{self.key}.weight", dtype)
 
     def forward(self, ids):
         return F.embedding(ids, self.weight, self.padding_idx)

@@ -23,20 +23,11 @@ class LinearOp(Op):
         self.in_features = int(orig_module.in_features)
         self.out_features = int(orig_module.out_features)
         self.has_bias = getattr(orig_module, "bias", None) is not None
+        self.weight_shape = (self.out_features, self.in_features)
 
     @classmethod
     def weight_names(cls, key: str) -> tuple[str, ...]:
         return (f"{key}.weight",)
-
-    def check_shape(self, weights, name: str) -> None:
-        shape = tuple(weights.shape(name))
-        if shape != (self.out_features, self.in_features):
-            from ..errors import WeightError
-
-            raise WeightError(
-                f"{weights.path}: tensor '{name}' has shape {list(shape)}, the model expects "
-                f"{[self.out_features, self.in_features]}"
-            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError
@@ -47,10 +38,7 @@ class KLinearTorch(LinearOp):
     """Dequantized weight in the model dtype, ``torch.nn.functional.linear`` (CPU or CUDA)."""
 
     def load(self, weights, dtype):
-        name = f"{self.key}.weight"
-        self.check_shape(weights, name)
-        self.weight = weights.tensor(name, dtype=self.weight_format(weights, name, dtype).torch_dtype,
-                                     device=self.device)
+        self.weight = self.float_weight(weights, f"{self.key}.weight", dtype)
         self.bias = (
             weights.tensor(f"{self.key}.bias", dtype=dtype, device=self.device) if self.has_bias else None
         )

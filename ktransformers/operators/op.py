@@ -49,11 +49,28 @@ class Op:
         self.loaded = False
         #: weight name -> the plan's :class:`~.formats.WeightFormat` (set by the operator building the op)
         self.formats: dict[str, WeightFormat] = {}
+        #: the stored shape of the op's one weight tensor, which ``check_shape`` holds it to
+        self.weight_shape: tuple[int, ...] | None = None
 
     @classmethod
     def weight_names(cls, key: str) -> tuple[str, ...]:
         """The weight tensors an op of module ``key`` holds, whose formats the plan decides."""
         return ()
+
+    def check_shape(self, weights, name: str) -> None:
+        """A one-line WeightError naming the file and tensor when ``name`` is stored in another shape
+        than ``self.weight_shape`` (the model module's; set by ops of one weight tensor)."""
+        shape = tuple(weights.shape(name))
+        if shape != tuple(self.weight_shape):
+            from ..errors import WeightError
+
+            raise WeightError(f"{weights.path}: tensor '{name}' has shape {list(shape)}, the model expects "
+                              f"{list(self.weight_shape)}")
+
+    def float_weight(self, weights, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """``name``, its shape checked, as the plan's float copy on the op's device."""
+        self.check_shape(weights, name)
+        return weights.tensor(name, dtype=self.weight_format(weights, name, dtype).torch_dtype, device=self.device)
 
     @classmethod
     def decide_format(cls, weights, name: str, dtype: torch.dtype, kwargs: dict) -> WeightFormat:
