@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationError, WrapValidator,
-                      field_validator, model_validator)
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError,
+                      WrapValidator, field_validator, model_validator)
 
 #: a sampling seed: any integer; the engine reduces it modulo 2**64, the seeds a torch.Generator
 #: takes (OpenAI's and Ollama's are 64-bit), so every 64-bit seed keeps its meaning
@@ -269,13 +269,17 @@ class StreamOptions(_Req):
 
 
 MAX_STOP = 16
-StopType = str | Annotated[list[str], Field(json_schema_extra={"maxItems": MAX_STOP})] | None
 
 
 def _check_stop(v):
     if isinstance(v, list) and len(v) > MAX_STOP:
         raise ValueError(f"at most {MAX_STOP} stop sequences")
     return v
+
+
+#: a request's ``stop``: one string or at most MAX_STOP of them (checked wherever the type is used)
+StopType = Annotated[str | Annotated[list[str], Field(json_schema_extra={"maxItems": MAX_STOP})] | None,
+                     AfterValidator(_check_stop)]
 
 
 class SamplingFields(_Req):
@@ -290,11 +294,6 @@ class SamplingFields(_Req):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)  # accepted, not applied
     n: int | None = Field(None, ge=1, json_schema_extra={"maximum": 1})  # n > 1 gets its own 400
     user: str | None = None
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_limit(cls, v):
-        return _check_stop(v)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -502,11 +501,6 @@ class OllamaOptions(_Req):
     seed: Seed | None = None
     repeat_penalty: float | None = Field(None, gt=0.0)
     num_ctx: int | None = None  # accepted; the context is fixed at server start (--cache_lens)
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_limit(cls, v):
-        return _check_stop(v)
 
     @field_validator("num_predict")
     @classmethod
