@@ -44,11 +44,16 @@ class Base(DeclarativeBase):
     pass
 
 
-class Assistant(Base):
-    __tablename__ = "assistants"
+class StoredObject:
+    """The columns of every stored API object: its page order (``seq``), public id and creation time."""
+
     seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     id: Mapped[str] = mapped_column(String(64), unique=True, index=True)
     created_at: Mapped[int] = mapped_column(Integer)
+
+
+class Assistant(StoredObject, Base):
+    __tablename__ = "assistants"
     name: Mapped[str | None] = mapped_column(String(256), nullable=True)
     description: Mapped[str | None] = mapped_column(Text, nullable=True)
     model: Mapped[str] = mapped_column(String(256))
@@ -68,11 +73,8 @@ class Assistant(Base):
                 "response_format": self.response_format or "auto"}
 
 
-class Thread(Base):
+class Thread(StoredObject, Base):
     __tablename__ = "threads"
-    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    id: Mapped[str] = mapped_column(String(64), unique=True, index=True)
-    created_at: Mapped[int] = mapped_column(Integer)
     meta: Mapped[dict] = mapped_column("metadata", JSON, default=dict)
     tool_resources: Mapped[dict | None] = mapped_column(JSON, nullable=True)
 
@@ -81,12 +83,9 @@ class Thread(Base):
                 "tool_resources": self.tool_resources or {}}
 
 
-class Message(Base):
+class Message(StoredObject, Base):
     __tablename__ = "messages"
-    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    id: Mapped[str] = mapped_column(String(64), unique=True, index=True)
     thread_id: Mapped[str] = mapped_column(String(64), index=True)
-    created_at: Mapped[int] = mapped_column(Integer)
     role: Mapped[str] = mapped_column(String(16))
     content: Mapped[list] = mapped_column(JSON, default=list)
     status: Mapped[str] = mapped_column(String(16), default="completed")
@@ -113,13 +112,10 @@ class Message(Base):
                 "attachments": self.attachments or [], "metadata": self.meta or {}}
 
 
-class Run(Base):
+class Run(StoredObject, Base):
     __tablename__ = "runs"
-    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    id: Mapped[str] = mapped_column(String(64), unique=True, index=True)
     thread_id: Mapped[str] = mapped_column(String(64), index=True)
     assistant_id: Mapped[str] = mapped_column(String(64))
-    created_at: Mapped[int] = mapped_column(Integer)
     status: Mapped[str] = mapped_column(String(16), default="queued")
     model: Mapped[str] = mapped_column(String(256))
     instructions: Mapped[str | None] = mapped_column(Text, nullable=True)
@@ -303,12 +299,14 @@ class Database:
 
     # ---- helpers ----------------------------------------------------------------------
     @staticmethod
-    def get(s: Session, cls, obj_id: str, what: str, *, lock: bool = False):
-        """The row of ``cls`` with ``obj_id`` (404 when none); ``lock``: held until the write commits."""
+    def get(s: Session, cls, obj_id: str, what: str, *, lock: bool = False, missing: str | None = None):
+        """The row of ``cls`` with ``obj_id`` (404 when none); ``lock``: held until the write commits.
+        ``missing``: the 404's message where the API words it otherwise (``{id}`` for the id)."""
         q = select(cls).where(cls.id == obj_id)
         row = s.scalar(q.with_for_update() if lock else q)
         if row is None:
-            raise APIError(404, f"No {what} found with id '{obj_id}'.", param=f"{what}_id")
+            text = missing.format(id=obj_id) if missing else f"No {what} found with id '{obj_id}'."
+            raise APIError(404, text, param=f"{what}_id")
         return row
 
     @staticmethod

@@ -14,17 +14,14 @@ import time
 from sqlalchemy import JSON, Boolean, Integer, String, false, select
 from sqlalchemy.orm import Mapped, mapped_column
 
-from .db import Base, Database
+from .db import Base, Database, StoredObject
 from .errors import APIError
 
 UNFINISHED = ("queued", "in_progress")
 
 
-class ResponseRow(Base):
+class ResponseRow(StoredObject, Base):
     __tablename__ = "responses"
-    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    id: Mapped[str] = mapped_column(String(64), unique=True, index=True)
-    created_at: Mapped[int] = mapped_column(Integer)
     status: Mapped[str] = mapped_column(String(16))
     previous_response_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
     conversation_id: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
@@ -38,23 +35,17 @@ class ResponseRow(Base):
         return dict(self.data)
 
 
-class ConversationRow(Base):
+class ConversationRow(StoredObject, Base):
     __tablename__ = "conversations"
-    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    id: Mapped[str] = mapped_column(String(64), unique=True, index=True)
-    created_at: Mapped[int] = mapped_column(Integer)
     meta: Mapped[dict] = mapped_column("metadata", JSON, default=dict)
 
     def to_dict(self) -> dict:
         return {"id": self.id, "object": "conversation", "created_at": self.created_at, "metadata": self.meta or {}}
 
 
-class ConversationItemRow(Base):
+class ConversationItemRow(StoredObject, Base):
     __tablename__ = "conversation_items"
-    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    id: Mapped[str] = mapped_column(String(64), unique=True, index=True)
     conversation_id: Mapped[str] = mapped_column(String(64), index=True)
-    created_at: Mapped[int] = mapped_column(Integer)
     data: Mapped[dict] = mapped_column(JSON)  # the item (message, function_call, …) with its id
 
     def to_dict(self) -> dict:
