@@ -22,7 +22,7 @@ from fastapi.responses import StreamingResponse
 from sqlalchemy import delete, select
 from starlette.concurrency import run_in_threadpool
 
-from .common import SSE_HEADERS, Collected, check_model, new_id, pieces, sse
+from .common import SSE_HEADERS, Collected, JobRegistry, check_model, new_id, pieces, sse
 from .db import ACTIVE_RUN, Assistant, Database, Message, Run, Thread
 from .engine import Engine, GenerationRequest, QueueFull
 from .errors import STREAMS_SSE, APIError
@@ -247,11 +247,25 @@ def list_messages(thread_id: str, request: Request, limit: Limit = 20, order: Or
         return Database.page(s, Message, *filters, limit=limit, order=order, after=after, before=before)
 
 
+def _in_thread(s, cls, obj_id: str, what: str, thread_id: str, *, lock: bool = False):
+    """The message or run ``obj_id`` of thread ``thread_id`` (404 when none or another thread's)."""
+    row = Database.get(s, cls, obj_id, what, lock=lock)
+    if row.thread_id != thread_id:
+        raise APIError(404, f"No {what} found with id '{obj_id}' in thread '{thread_id}'.", param=f"{what}_id")
+    return row
+
+
 def _message(s, thread_id: str, message_id: str) -> Message:
-    m = Database.get(s, Message, message_id, "message")
-    if m.thread_id != thread_id:
-        raise APIError(404, f"No message found with id '{message_id}' in thread '{thread_id}'.", param="message_id")
-    return m
+    return _in_thread(s, Message, message_id, "message", thread_id)
+
+
+def _modify_metadata(request: Request, find, body: RunModify) -> dict:
+    """POST on a message or run: only its metadata changes (``find(session)`` reads the row)."""
+    with _db(request).write() as s:
+        row = find(s)
+        if body.metadata is not None:
+            row.meta = _meta(body.metadata)
+    return row.to_dict()
 
 
 @router.get("/threads/{thread_id}/messages/{message_id}")
@@ -262,11 +276,7 @@ def get_message(thread_id: str, message_id: str, request: Request):
 
 @router.post("/threads/{thread_id}/messages/{message_id}")
 def modify_message(thread_id: str, message_id: str, body: RunModify, request: Request):
-    with _db(request).write() as s:
-        m = _message(s, thread_id, message_id)
-        if body.metadata is not None:
-            m.meta = _meta(body.metadata)
-    return m.to_dict()
+    return _modify_metadata(request, lambda s: _message(s, thread_id, message_id), body)
 
 
 @router.delete("/threads/{thread_id}/messages/{message_id}")
@@ -287,30 +297,8 @@ class ActiveRun:
     task: asyncio.Task | None = None
 
 
-class RunRegistry:
-    """Runs executing in this process (their tasks, engine streams and SSE listeners)."""
-
-    def __init__(self):
-        self.active: dict[str, ActiveRun] = {}
-
-    def cancel(self, run_id: str) -> bool:
-        a = self.active.get(run_id)
-        if a is None:
-            return False
-        a.cancelled = True
-        if a.stream is not None:
-            a.stream.cancel()
-        return True
-
-    async def shutdown(self) -> None:
-        tasks = []
-        for a in list(self.active.values()):
-            self.cancel(a.run_id)
-            if a.task is not None:
-                tasks.append(a.task)
-        if tasks:
-            with contextlib.suppress(Exception):
-                await asyncio.wait(tasks, timeout=5)
+class RunRegistry(JobRegistry):
+    """Runs executing in this process (``ActiveRun`` by run id: their tasks, engine streams and SSE listeners)."""
 
 
 def _prompt_messages(s, run: Run) -> list[dict]:
@@ -559,10 +547,7 @@ def start_run(db: Database, thread_id: str, body: RunCreate, images=None) -> dic
 
 
 def _run(s, thread_id: str, run_id: str, *, lock: bool = False) -> Run:
-    r = Database.get(s, Run, run_id, "run", lock=lock)
-    if r.thread_id != thread_id:
-        raise APIError(404, f"No run found with id '{run_id}' in thread '{thread_id}'.", param="run_id")
-    return r
+    return _in_thread(s, Run, run_id, "run", thread_id, lock=lock)
 
 
 @router.get("/threads/{thread_id}/runs")
@@ -582,11 +567,7 @@ def get_run(thread_id: str, run_id: str, request: Request):
 
 @router.post("/threads/{thread_id}/runs/{run_id}")
 def modify_run(thread_id: str, run_id: str, body: RunModify, request: Request):
-    with _db(request).write() as s:
-        r = _run(s, thread_id, run_id)
-        if body.metadata is not None:
-            r.meta = _meta(body.metadata)
-    return r.to_dict()
+    return _modify_metadata(request, lambda s: _run(s, thread_id, run_id), body)
 
 
 @router.post("/threads/{thread_id}/runs/{run_id}/cancel")

@@ -111,6 +111,31 @@ async def cancel_on_disconnect(request: Request | None, stream: EngineStream):
             task.cancel()
 
 
+class JobRegistry:
+    """Generations running in this process (assistant runs, responses) by id, for ``cancel``.
+    Each job has ``cancelled``, ``stream`` (its EngineStream once submitted) and ``task``."""
+
+    def __init__(self):
+        self.active: dict = {}
+
+    def cancel(self, job_id: str) -> bool:
+        job = self.active.get(job_id)
+        if job is None:
+            return False
+        job.cancelled = True
+        if job.stream is not None:
+            job.stream.cancel()
+        return True
+
+    async def shutdown(self) -> None:
+        tasks = [j.task for j in self.active.values() if j.task is not None]
+        for job_id in list(self.active):
+            self.cancel(job_id)
+        if tasks:
+            with contextlib.suppress(Exception):
+                await asyncio.wait(tasks, timeout=5)
+
+
 async def collect(stream: EngineStream, request: Request | None = None) -> Collected:
     out = Collected()
     async with cancel_on_disconnect(request, stream):

@@ -48,11 +48,8 @@ def _images(request: Request):
 
 def conversation_row(s, conversation_id: str, *, lock: bool = False) -> ConversationRow:
     """The conversation (404 when none); ``lock``: no other writer adds to or deletes it until this write commits."""
-    q = select(ConversationRow).where(ConversationRow.id == conversation_id)
-    c = s.scalar(q.with_for_update() if lock else q)
-    if c is None:
-        raise APIError(404, f"Conversation with id '{conversation_id}' not found.", param="conversation_id")
-    return c
+    return Database.get(s, ConversationRow, conversation_id, "conversation", lock=lock,
+                        missing="Conversation with id '{id}' not found.")
 
 
 def _item(s, conversation_id: str, item_id: str) -> ConversationItemRow:

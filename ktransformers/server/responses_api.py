@@ -26,7 +26,7 @@ from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
 
 from . import conversations_api
-from .common import SSE_HEADERS, cancel_on_disconnect, check_model, new_id, sse, stop_list
+from .common import SSE_HEADERS, JobRegistry, cancel_on_disconnect, check_model, new_id, sse, stop_list
 from .db import Database
 from .engine import Engine, GenerationRequest, QueueFull
 from .errors import STREAMS_SSE, APIError
@@ -34,7 +34,7 @@ from .prompting import ChatPrompt
 from .response_items import items_to_messages, message_item, normalize_items, page_list  # noqa: F401 - public here too
 from .responses_store import (UNFINISHED, ConversationRow, ResponseRow, add_conversation_items,
                               conversation_items, expire_unfinished_responses, response_chain_items)
-from .schemas import (FUNCTION_TOOL_SCHEMA, INPUT_ITEM_SCHEMA, Metadata, ModelName, Seed, StopType, _check_stop, _Req,
+from .schemas import (FUNCTION_TOOL_SCHEMA, INPUT_ITEM_SCHEMA, Metadata, ModelName, Seed, StopType, _Req,
                       tool_name_problem)
 
 router = APIRouter()
@@ -86,11 +86,6 @@ class ResponseCreate(_Req):
     text: dict[str, Any] | None = None
     truncation: str | None = None
     user: str | None = None
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_limit(cls, v):
-        return _check_stop(v)
 
     @field_validator("input")
     @classmethod
@@ -277,28 +272,8 @@ class OutputBuilder:
         return evs
 
 
-class ResponseRegistry:
-    """Responses generating in this process, for ``cancel``."""
-
-    def __init__(self):
-        self.active: dict[str, Job] = {}
-
-    def cancel(self, response_id: str) -> bool:
-        job = self.active.get(response_id)
-        if job is None:
-            return False
-        job.cancelled = True
-        if job.stream is not None:
-            job.stream.cancel()
-        return True
-
-    async def shutdown(self) -> None:
-        tasks = [j.task for j in self.active.values() if j.task is not None]
-        for rid in list(self.active):
-            self.cancel(rid)
-        if tasks:
-            with contextlib.suppress(Exception):
-                await asyncio.wait(tasks, timeout=5)
+class ResponseRegistry(JobRegistry):
+    """Responses generating in this process (``Job`` by response id), for ``cancel``."""
 
 
 def _save(db: Database, job: Job, resp: dict, *, final: bool) -> bool:
@@ -550,11 +525,8 @@ async def _cancel_when_gone(request: Request, job: Job):
 
 
 def _row(s, response_id: str, *, lock: bool = False) -> ResponseRow:
-    q = select(ResponseRow).where(ResponseRow.id == response_id)
-    row = s.scalar(q.with_for_update() if lock else q)
-    if row is None:
-        raise APIError(404, f"Response with id '{response_id}' not found.", param="response_id")
-    return row
+    return Database.get(s, ResponseRow, response_id, "response", lock=lock,
+                        missing="Response with id '{id}' not found.")
 
 
 @router.get("/responses/{response_id}")
