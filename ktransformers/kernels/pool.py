@@ -17,16 +17,26 @@ _lock = threading.Lock()
 _pools: dict[tuple[int | None, int | None], "CPUInfer"] = {}
 
 
-def free_host_bytes() -> int | None:
-    """Bytes a new host allocation can take (Linux MemAvailable), or None when unknown."""
+def _proc_bytes(path: str, field: str) -> int | None:
+    """The ``field:  N kB`` line of a Linux /proc file in bytes, or None when unknown."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def free_host_bytes() -> int | None:
+    """Bytes a new host allocation can take (Linux MemAvailable), or None when unknown."""
+    return _proc_bytes("/proc/meminfo", "MemAvailable")
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory (Linux VmRSS), or None when unknown."""
+    return _proc_bytes("/proc/self/status", "VmRSS")
 
 
 def isa_tier() -> str:

@@ -271,21 +271,9 @@ def compact_tensor_rows(rows: list[TensorRow]) -> list[TensorRow]:
 
 def _memory_header() -> "MemoryPlan":
     from ..kernels.packed_cache import cache_dir
-    from ..kernels.pool import free_host_bytes
+    from ..kernels.pool import free_host_bytes, resident_bytes
 
     return MemoryPlan(cache_on=cache_dir() is not None, available=free_host_bytes(), runtime=resident_bytes())
-
-
-def resident_bytes() -> int | None:
-    """This process's resident memory (Linux VmRSS), or None when unknown."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def model_context(model: nn.Module) -> int:
