@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 
 import torch
+from e2e import best  # bench/e2e.py's best-of-N timer (bench/ is this script's folder)
 
 SMALL = {
     "qwen3_moe": dict(num_hidden_layers=4, hidden_size=512, num_attention_heads=8, num_key_value_heads=4,
@@ -33,15 +33,6 @@ SMALL = {
                         head_dim=64, intermediate_size=1536, vocab_size=1024, sliding_window=32,
                         max_position_embeddings=1024),
 }
-
-
-def best(fn, repeats=3):
-    out = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return min(out)
 
 
 def main(argv=None):
@@ -135,7 +126,7 @@ def main(argv=None):
             cb = ContinuousBatchingConfig(num_blocks=n * 16, page_size=16, max_batch_tokens=max(64, n * ctx))
             prompts = [prompt(i) for i in range(n)]
             model.generate_batch(prompts, generation_config=gc, continuous_batching_config=cb)
-            t = best(lambda: model.generate_batch(prompts, generation_config=gc, continuous_batching_config=cb))
+            t = best(lambda: model.generate_batch(prompts, generation_config=gc, continuous_batching_config=cb), 3)
             print(f"transformers generate_batch N={n}: {t * 1e3:.0f} ms for prefill + {args.steps} tokens each")
 
             runner = BatchRunner(model, page_size=16, num_pages=n * ((ctx + args.steps) // 16 + 2))
@@ -152,7 +143,7 @@ def main(argv=None):
                 for i in range(n):
                     runner.release(i)
 
-            t = best(ours)
+            t = best(ours, 3)
             print(f"BatchRunner same work          N={n}: {t * 1e3:.0f} ms")
 
 
