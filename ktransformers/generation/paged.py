@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -59,12 +59,9 @@ from ..kernels.attention import flash_attention_paged
 from ..operators.cpu_threads import kernel_pool
 from .decode_step import decode_step_for
 from .devices import module_device
+from .page_ids import OutOfPages, PageIds
 
 PAGED_ATTENTION = "kt_paged"
-
-
-class OutOfPages(Exception):
-    """The pool has fewer free pages than an allocation needs (after asking ``on_pressure``)."""
 
 
 class PoolTooLarge(ValueError):
@@ -94,15 +91,11 @@ class PageTensor:
     device: torch.device
 
 
-class PagePool:
-    """Pages with reference counts over per-layer storage tensors (one pool per model).
+class PagePool(PageIds):
+    """Pages with reference counts (``alloc``, ``reserve``, ``incref``/``decref``: :class:`PageIds`)
+    over per-layer storage tensors (one pool per model).
 
-    * ``alloc()`` returns a free page with refcount 1.  With no free page it first calls
-      ``on_pressure(1)`` (if set: "release up to n evictable pages", returns how many it released);
-      if still none is free it raises ``OutOfPages`` and nothing changed.
-    * ``incref`` / ``decref``: a page is free again when its count reaches 0 (its contents are left
-      as they are; a later owner overwrites them).  ``decref`` of a free page is a ``ValueError``.
-    * ``reserve(n)``: ``n`` pages at once or none (pressure asked once for the shortfall).
+    * A page freed keeps its contents as they are; a later owner overwrites them.
     * ``read_page`` / ``write_page``: every layer's rows of one page, keyed like the layout
       (``"layers.{i}.key"`` …), as CPU tensors ``[page_size, *shape]``; ``write_page`` needs exactly
       the layout's keys, shapes and dtypes and copies them onto each layer's device.
@@ -132,65 +125,10 @@ class PagePool:
             name: torch.zeros((slots, *spec.shape), dtype=spec.dtype, device=spec.device)
             for name, spec in self.layout.items()
         }
-        self._refs = [0] * self.num_pages
-        self._free = list(range(self.num_pages - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
-        self.on_pressure: Callable[[int], int] | None = None
-
-    # -- counts
-    def free_count(self) -> int:
-        return len(self._free)
-
-    def used_count(self) -> int:
-        return self.num_pages - len(self._free)
-
-    def refcount(self, page: int) -> int:
-        return self._refs[self._check(page)]
+        super().__init__(self.num_pages)
 
     def bytes_per_page(self) -> int:
         return sum(t[: self.page_size].nbytes for t in self.tensors.values())
-
-    # -- allocation
-    def _relieve(self, n: int) -> None:
-        if n > 0 and self.on_pressure is not None:
-            self.on_pressure(n)
-
-    def alloc(self) -> int:
-        if not self._free:
-            self._relieve(1)
-        if not self._free:
-            raise OutOfPages(f"page pool exhausted: all {self.num_pages} pages are in use")
-        page = self._free.pop()
-        self._refs[page] = 1
-        return page
-
-    def reserve(self, n: int) -> list[int]:
-        """``n`` fresh pages (refcount 1 each), or ``OutOfPages`` with none taken."""
-        if n <= 0:
-            return []
-        if len(self._free) < n:
-            self._relieve(n - len(self._free))
-        if len(self._free) < n:
-            raise OutOfPages(f"need {n} pages, {len(self._free)} of {self.num_pages} free")
-        return [self.alloc() for _ in range(n)]
-
-    def incref(self, page: int) -> None:
-        p = self._check(page)
-        if self._refs[p] == 0:
-            raise ValueError(f"page {page} is free: incref needs a page someone holds")
-        self._refs[p] += 1
-
-    def decref(self, page: int) -> None:
-        p = self._check(page)
-        if self._refs[p] == 0:
-            raise ValueError(f"page {page} is already free (decref without a matching reference)")
-        self._refs[p] -= 1
-        if self._refs[p] == 0:
-            self._free.append(p)
-
-    def _check(self, page) -> int:
-        if isinstance(page, bool) or not isinstance(page, int) or not 0 <= page < self.num_pages:
-            raise ValueError(f"page id {page!r} out of range 0..{self.num_pages - 1}")
-        return page
 
     # -- contents
     def page_rows(self, page: int) -> slice:

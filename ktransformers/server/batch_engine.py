@@ -22,6 +22,7 @@ import torch
 
 from .engine import _END, Engine, _Job
 from ..errors import ConfigError
+from ..generation.page_ids import OutOfPages
 from .errors import APIError
 from .scheduler import NoRoom, Scheduler, Sequence
 
@@ -37,17 +38,6 @@ def runner_class():
     return BatchRunner
 
 
-def out_of_pages_errors() -> tuple[type[BaseException], ...]:
-    from .reference_runner import OutOfPages
-
-    errors: list[type[BaseException]] = [OutOfPages]
-    try:
-        from ..generation.paged import OutOfPages as PagedOutOfPages
-
-        errors.append(PagedOutOfPages)
-    except ImportError:
-        pass
-    return tuple(errors)
 
 
 def _put_all(items) -> None:
@@ -84,7 +74,6 @@ class BatchEngine(Engine):
         self.scheduler = Scheduler(runner, max_batch_size=max_batch_size, chunk_size=chunk_size,
                                    prefix_cache=prefix_cache)
         self._jobs: list[_BatchJob] = []     # in the scheduler (waiting or running); worker-owned
-        self._out_of_pages = out_of_pages_errors()
         self._metrics = getattr(self, "metrics", None)  # the Engine's ServerMetrics (GET /metrics)
         self.steps = 0
 
@@ -226,7 +215,7 @@ class BatchEngine(Engine):
             logits = self.runner.step([(s.seq_id, s.chunk(n)) for s, n in chunks],
                                       prompt={s.seq_id for s, _ in chunks if not s.decoding},
                                       **({"images": images} if images else {}))
-        except self._out_of_pages as e:  # the planned pages were not there after all
+        except OutOfPages as e:  # the planned pages were not there after all
             youngest = self.scheduler.running[-1]
             if len(self.scheduler.running) > 1:
                 self.scheduler.preempt(youngest)

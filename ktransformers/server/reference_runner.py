@@ -15,56 +15,23 @@ from typing import Callable
 import torch
 
 from ..errors import KTError
+from ..generation.page_ids import OutOfPages, PageIds  # noqa: F401 - OutOfPages: public here too
 
 
-class OutOfPages(Exception):
-    """No free page, even after the pressure callback released what it could."""
-
-
-class PagePool:
-    """Reference-counted page ids; ``on_pressure(n)`` may release up to n evictable pages."""
+class PagePool(PageIds):
+    """Page ids counted as the paged runner's pool counts them (:class:`PageIds`); a page's K/V is
+    what was written to it, else read from its owner's cache (``reader``)."""
 
     def __init__(self, num_pages: int, page_size: int):
         if num_pages < 1 or page_size < 1:
             raise KTError(f"page pool needs at least 1 page of at least 1 token (got {num_pages} x {page_size})")
-        self.num_pages = int(num_pages)
+        super().__init__(num_pages)
         self.page_size = int(page_size)
-        self._ref = [0] * self.num_pages
-        self._free = list(range(self.num_pages - 1, -1, -1))  # pop() hands out low ids first
         self._stored: dict[int, dict[str, torch.Tensor]] = {}
-        self.on_pressure: Callable[[int], int] | None = None
         self.reader: Callable[[int], dict[str, torch.Tensor] | None] | None = None  # set by the runner
 
-    def alloc(self) -> int:
-        if not self._free and self.on_pressure is not None:
-            self.on_pressure(1)
-        if not self._free:
-            raise OutOfPages(f"all {self.num_pages} KV pages are in use")
-        p = self._free.pop()
-        self._ref[p] = 1
-        return p
-
-    def incref(self, page: int) -> None:
-        if self._ref[page] <= 0:
-            raise KTError(f"page {page} is free; only a held page can be shared")
-        self._ref[page] += 1
-
-    def decref(self, page: int) -> None:
-        if self._ref[page] <= 0:
-            raise KTError(f"page {page} is already free")
-        self._ref[page] -= 1
-        if self._ref[page] == 0:
-            self._stored.pop(page, None)
-            self._free.append(page)
-
-    def refcount(self, page: int) -> int:
-        return self._ref[page]
-
-    def free_count(self) -> int:
-        return len(self._free)
-
-    def used_count(self) -> int:
-        return self.num_pages - len(self._free)
+    def _freed(self, page: int) -> None:
+        self._stored.pop(page, None)
 
     def read_page(self, page: int) -> dict[str, torch.Tensor]:
         if page in self._stored:
@@ -75,7 +42,7 @@ class PagePool:
         return got
 
     def write_page(self, page: int, payload: dict[str, torch.Tensor]) -> None:
-        if self._ref[page] <= 0:
+        if self.refcount(page) <= 0:
             raise KTError(f"page {page} is free; allocate it before writing")
         self._stored[page] = {k: v.detach().to("cpu").clone() for k, v in payload.items()}
 
