@@ -189,71 +189,13 @@ __attribute__((target("avx512f,avx512vl,avx2,fma"))) void attend_chunk_avx512(co
   attend_chunk_body(a);
 }
 
-// Register-blocked chunk kernels for head sizes 64 / 128 / 256 (decode_attend.inc), one copy per tier.
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512vl,avx2,fma")
-namespace z512 {
-using vec = __m512;
-constexpr int W = 16, CB = 8;
-inline vec vzero() { return _mm512_setzero_ps(); }
-inline vec vset1(float x) { return _mm512_set1_ps(x); }
-inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
-inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
-inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
-inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
-inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
-inline float vhmax(vec v) { return _mm512_reduce_max_ps(v); }
-inline vec vexp2(vec x) { return exp2_ps512(x); }
-#include "decode_attend.inc"
-}  // namespace z512
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-namespace y256 {
-using vec = __m256;
-constexpr int W = 8, CB = 4;
-inline vec vzero() { return _mm256_setzero_ps(); }
-inline vec vset1(float x) { return _mm256_set1_ps(x); }
-inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
-inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline float vsum(vec v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
-inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
-inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
-inline float vhmax(vec v) {
-  const __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
-}
-inline vec vexp2(vec x) { return exp2_ps256(x); }
-#include "decode_attend.inc"
-}  // namespace y256
-#pragma GCC pop_options
-
 using ChunkFn = void (*)(const ChunkJob&);
-// The tier's kernel for head size d: register-blocked for 64 / 128 / 256, else the generic loops.
-ChunkFn chunk_fn(int d) {
+// The tier's generic chunk kernel: head sizes the prompt flash kernel does not read (not a multiple
+// of 64, or a tier without AVX2 + FMA); the others take flash_decode_chunk.
+ChunkFn chunk_fn() {
   const IsaTier t = active_tier();
-  if (t >= IsaTier::AVX512) {
-    if (d == 64) return z512::attend_chunk<4>;
-    if (d == 128) return z512::attend_chunk<8>;
-    if (d == 256) return z512::attend_chunk<16>;
-    return attend_chunk_avx512;
-  }
-  if (t >= IsaTier::AVX2 && cpu_features().fma) {
-    if (d == 64) return y256::attend_chunk<8>;
-    if (d == 128) return y256::attend_chunk<16>;
-    if (d == 256) return y256::attend_chunk<32>;
-    return attend_chunk_avx2;
-  }
+  if (t >= IsaTier::AVX512) return attend_chunk_avx512;
+  if (t >= IsaTier::AVX2 && cpu_features().fma) return attend_chunk_avx2;
   return attend_chunk_base;
 }
 
@@ -384,7 +326,7 @@ void attend_rows(CPUInfer& ci, uintptr_t qkv, int n_rows, int hq, int hkv, int d
   thread_local std::vector<float> part;
   part.resize(part_at[n_rows]);
   float* P = part.data();
-  const ChunkFn fn = chunk_fn(d);
+  const ChunkFn fn = chunk_fn();
   auto run_task = [&](int i) {
     const Task& t = tasks[i];
     R.attend(fn, t.r, t.g, t.c, P + part_at[t.r] + (static_cast<size_t>(t.g) * ns[t.r] + t.c) * group * (d + 2));

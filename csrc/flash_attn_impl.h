@@ -7,6 +7,10 @@
 #include <cstdint>
 #include <vector>
 
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
 #include "thread_pool.h"
 
 namespace kt {
@@ -118,10 +122,45 @@ struct WorkRows {
     reset_chunk(a);
   }
 
-  // keys [j0, j0 + kK) of head g transposed into kp; only [jl, jh] read (zeros elsewhere)
+  // keys [j0, j0 + kK) of head g transposed into kp; only [jl, jh] read (zeros elsewhere).  Data
+  // movement only (the same bits whichever way): 8 x 8 register transposes where the tier file has
+  // AVX2 (the decode step's one row per item cannot amortise a scalar transpose).
   void pack_keys(const FlashArgs& a, int g, int j0, int jl, int jh) {
     const int D = a.D;
     const float* K = a.k + static_cast<size_t>(g) * a.kv_head;
+#ifdef __AVX2__
+    alignas(32) static const float zero[512] = {};  // a masked key's row (D <= 512)
+    for (int j = 0; j < kK; j += 8) {
+      const float* r[8];
+      for (int i = 0; i < 8; ++i) {
+        const int jj = j0 + j + i;
+        r[i] = jj >= jl && jj <= jh ? K + a.row(jj) : zero;
+      }
+      for (int d = 0; d < D; d += 8) {
+        const __m256 x0 = _mm256_loadu_ps(r[0] + d), x1 = _mm256_loadu_ps(r[1] + d);
+        const __m256 x2 = _mm256_loadu_ps(r[2] + d), x3 = _mm256_loadu_ps(r[3] + d);
+        const __m256 x4 = _mm256_loadu_ps(r[4] + d), x5 = _mm256_loadu_ps(r[5] + d);
+        const __m256 x6 = _mm256_loadu_ps(r[6] + d), x7 = _mm256_loadu_ps(r[7] + d);
+        const __m256 t0 = _mm256_unpacklo_ps(x0, x1), t1 = _mm256_unpackhi_ps(x0, x1);
+        const __m256 t2 = _mm256_unpacklo_ps(x2, x3), t3 = _mm256_unpackhi_ps(x2, x3);
+        const __m256 t4 = _mm256_unpacklo_ps(x4, x5), t5 = _mm256_unpackhi_ps(x4, x5);
+        const __m256 t6 = _mm256_unpacklo_ps(x6, x7), t7 = _mm256_unpackhi_ps(x6, x7);
+        const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+        const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+        const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+        const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+        float* dst = kp.data() + static_cast<size_t>(d) * kK + j;
+        _mm256_storeu_ps(dst + 0 * kK, _mm256_permute2f128_ps(u0, u4, 0x20));
+        _mm256_storeu_ps(dst + 1 * kK, _mm256_permute2f128_ps(u1, u5, 0x20));
+        _mm256_storeu_ps(dst + 2 * kK, _mm256_permute2f128_ps(u2, u6, 0x20));
+        _mm256_storeu_ps(dst + 3 * kK, _mm256_permute2f128_ps(u3, u7, 0x20));
+        _mm256_storeu_ps(dst + 4 * kK, _mm256_permute2f128_ps(u0, u4, 0x31));
+        _mm256_storeu_ps(dst + 5 * kK, _mm256_permute2f128_ps(u1, u5, 0x31));
+        _mm256_storeu_ps(dst + 6 * kK, _mm256_permute2f128_ps(u2, u6, 0x31));
+        _mm256_storeu_ps(dst + 7 * kK, _mm256_permute2f128_ps(u3, u7, 0x31));
+      }
+    }
+#else
     for (int j = 0; j < kK; ++j) {
       if (j0 + j >= jl && j0 + j <= jh) {
         const float* kr = K + a.row(j0 + j);
@@ -130,6 +169,7 @@ struct WorkRows {
         for (int d = 0; d < D; ++d) kp[d * kK + j] = 0.f;
       }
     }
+#endif
   }
 
   // the rows of the item's real tokens out, O / L of their totals
