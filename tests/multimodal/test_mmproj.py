@@ -34,7 +34,10 @@ from .vl_gguf import write_lm_gguf, write_mmproj
 #: 3.9e-7 (the safetensors load's own figures: the same bits), F16 mmproj 3.5e-4 / 3.3e-4, Q8_0
 #: mmproj 7.8e-3 / 8.3e-3 (the vision tower's weights rounded; a blank picture moves them by 0.7)
 TOL = {"f32": 1e-4, "f16": 2e-3, "q8_0": 2e-2}
-LLAMA_CPP = Path(os.environ.get("KT_LLAMA_CPP", "/root/peers/src/llama_cpp_python-0.3.36/vendor/llama.cpp"))
+#: llama.cpp's sources (``KT_LLAMA_CPP``, else the tree vendored by llama-cpp-python where one is found)
+LLAMA_CPP = Path(os.environ.get("KT_LLAMA_CPP") or next(
+    (p for p in ("/root/peers/src/llama_cpp_python-0.3.36/vendor/llama.cpp",
+                 "/root/peers/llama_cpp_python-0.3.36/vendor/llama.cpp") if Path(p).is_dir()), "llama.cpp"))
 
 
 @pytest.fixture(scope="module")
