@@ -22,8 +22,11 @@ def open_weights(path: str | os.PathLike, mmproj: str | os.PathLike | None = Non
     if not p.exists():
         raise WeightError(f"{p}: no such file or directory")
     if mmproj is not None:
-        from .mmproj import GGUFWithMmproj
+        from .mmproj import NO_MMPROJ, GGUFWithMmproj, no_mmproj_format
 
+        model_type = _model_type(p)
+        if model_type in NO_MMPROJ:
+            raise no_mmproj_format(NO_MMPROJ[model_type], f"--mmproj {mmproj} with {p} ('{model_type}')")
         if not (p.suffix == ".gguf" or p.is_dir() and any(p.glob("*.gguf"))):
             raise WeightError(f"--mmproj {mmproj}: an mmproj goes with a GGUF language model, and {p} is not one")
         return GGUFWithMmproj(p, mmproj)
@@ -48,6 +51,16 @@ def open_weights(path: str | os.PathLike, mmproj: str | os.PathLike | None = Non
     if sts:
         return _safetensors(p)
     raise WeightError(f"{p}: no .gguf or .safetensors files in this directory")
+
+
+def _model_type(p: Path):
+    """``model_type`` of a folder's config.json, or None."""
+    import json
+
+    try:
+        return json.loads((p / "config.json").read_text()).get("model_type") if p.is_dir() else None
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _safetensors(p: Path) -> WeightSource:
