@@ -178,6 +178,19 @@ def test_local_chat_gguf_with_mmproj(files, folder, ref, tmp_path):
         child.expect_exact("Chat: ")
 
 
+def test_server_engine_gguf_with_mmproj(files, ref):
+    """The server's load (``build_engine``) takes pictures with the GGUF and its mmproj, no folder."""
+    from ktransformers.server.main import build_engine, parse_settings
+
+    engine = build_engine(parse_settings(["--gguf_path", str(files["lm"]), "--mmproj", str(files["f32"]),
+                                          "--backend_type", "ktransformers", "--cpu_infer", "1"]))
+    support = engine.images
+    assert support is not None and support.markup == "<|begin_of_image|><|image|><|end_of_image|>"
+    tok, processor, _ = ref
+    a, b = chat_inputs(tok, processor), chat_inputs(tok, support.processor)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 # ---- bad input ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
