@@ -449,10 +449,11 @@ class PrefixCache:
             self._writer.start()
 
     # ---- public ------------------------------------------------------------------------
-    def match(self, token_ids, images=None) -> tuple[list[int], int, dict]:
+    def match(self, token_ids, images=None, *, count: bool = True) -> tuple[list[int], int, dict]:
         """Longest cached prefix of full pages, leaving at least one token to prefill.  ``images``:
         the prompt's pictures, ``[(start, end, digest)]`` (:func:`image_salts`): a page with image
-        tokens matches only a page made with the same pictures at the same places.
+        tokens matches only a page made with the same pictures at the same places.  ``count=False``:
+        a lookup again for a request already counted (one waiting for pages), left out of :meth:`stats`.
 
         Returns ``(pages, n_tokens, {"device": n, "ram": n, "disk": n})``: pool pages holding the
         first ``n_tokens`` tokens, each incref'd for the caller (release them with the sequence).
@@ -460,9 +461,11 @@ class PrefixCache:
         left for one, the match stops there."""
         from_tier = {t: 0 for t in TIERS}
         n_max = max(0, (len(token_ids) - 1) // self.page_size)
+        tally = self._tiers if count else {t: _TierStats() for t in TIERS}
         with self._lock:
-            self.lookups += 1
-            self.lookup_tokens += len(token_ids)
+            if count:
+                self.lookups += 1
+                self.lookup_tokens += len(token_ids)
             salts = image_salts(images, self.page_size, n_max)
             keys = _chain(self._root, token_ids, self.page_size, salts)
             pages: list[int] = []
@@ -473,19 +476,20 @@ class PrefixCache:
                     self.pool.incref(page)
                     tier = "device"
                 else:
-                    self._tiers["device"].misses += 1
+                    tally["device"].misses += 1
                     page, tier = self._promote(key, parent, token_ids[i * self.page_size:(i + 1) * self.page_size],
-                                               salts[i])
+                                               salts[i], tally)
                     if page is None:
                         break
                 pages.append(page)
                 from_tier[tier] += 1
-                self._tiers[tier].hits += 1
-                self._tiers[tier].tokens += self.page_size
+                tally[tier].hits += 1
+                tally[tier].tokens += self.page_size
                 parent = key
             self._touch(keys[:len(pages)])
             n = len(pages) * self.page_size
-            self.matched_tokens += n
+            if count:
+                self.matched_tokens += n
         return pages, n, from_tier
 
     def insert(self, token_ids, pages, images=None) -> None:
@@ -614,14 +618,16 @@ class PrefixCache:
         if key not in self._device and key not in self._ram and key not in self._disk and key not in self._pending:
             self._meta.pop(key, None)
 
-    def _promote(self, key: bytes, parent: bytes, tokens, salt: bytes) -> tuple[int | None, str]:
-        """A RAM or disk copy of ``key`` written into a new pool page (held by the caller and indexed)."""
+    def _promote(self, key: bytes, parent: bytes, tokens, salt: bytes,
+                 tally: dict[str, _TierStats]) -> tuple[int | None, str]:
+        """A RAM or disk copy of ``key`` written into a new pool page (held by the caller and indexed);
+        misses counted in ``tally``."""
         payload, tier = self._ram.get(key), "ram"
         if payload is None:
-            self._tiers["ram"].misses += 1
+            tally["ram"].misses += 1
             payload, tier = self._load_disk(key), "disk"
             if payload is None:
-                self._tiers["disk"].misses += 1
+                tally["disk"].misses += 1
                 return None, "disk"
         try:
             page = self.pool.alloc()

@@ -4,8 +4,9 @@ One engine step is ONE batched forward: every decoding request contributes one t
 rest of the token budget (``chunk_size``) goes to prefill chunks of admitted requests, oldest
 first, so a long prompt is spread over several steps and never stalls the running streams.
 Admission is first come, first served: a waiting request is admitted (at most
-``max_batch_size`` run at once) only when its first chunk fits the free KV pages, and nobody
-overtakes the head of the queue.  When decoding runs out of pages the youngest running request
+``max_batch_size`` run at once) only when its first chunk after its cached start fits the free
+KV pages, and nobody overtakes the head of the queue.  The cached start is looked up before room
+is made, so the pool's pressure never evicts the pages the request is about to reuse.  When decoding runs out of pages the youngest running request
 is preempted: its pages are released and it goes back to the queue, to be recomputed later
 (prompt + the tokens it already generated, re-prefilled, nothing re-emitted).
 
@@ -37,6 +38,7 @@ class Sequence:
     computed: int = 0            # tokens whose KV the runner holds
     begun: bool = False          # known to the runner (holds pages)
     cached_tokens: int | None = None   # prompt tokens the prefix cache gave at first admission
+    looked_up: bool = False      # its lookup is counted in the prefix cache's stats (until preempted)
     preemptions: int = 0
     owner: Any = None            # the engine's per-request state
     vision: Any = None           # a prompt with pictures (multimodal/prompt.py VisionInputs): read whole
@@ -169,23 +171,42 @@ class Scheduler:
         self.runner.release(seq.seq_id)
         seq.begun = False
         seq.computed = 0
+        seq.looked_up = False  # readmitted from scratch: a lookup of its own
         seq.preemptions += 1
         self.preemptions += 1
         self._insert_waiting(seq)
 
     def _match(self, seq: Sequence) -> tuple[list[int], int]:
-        """The prefix cache's pages for ``seq``'s start (a reference held on each) and their tokens."""
+        """The prefix cache's pages for ``seq``'s start (a reference held on each) and their tokens;
+        the cache's stats count one lookup per admission, not one per try while it waits for pages."""
         images = self._images(seq) if self.prefix_cache is not None else None
+        count, seq.looked_up = not seq.looked_up, True
         if images == {}:
-            pages, n, _tiers = self.prefix_cache.match(seq.tokens)
+            pages, n, _tiers = self.prefix_cache.match(seq.tokens, count=count)
         elif images is not None:  # a cached start within the prompt: the runner reads the rest by its ids
-            pages, n, _tiers = self.prefix_cache.match(seq.prompt, **images)
+            pages, n, _tiers = self.prefix_cache.match(seq.prompt, **images, count=count)
         else:
             pages, n = [], 0
         return pages, n
 
-    def _admit(self, seq: Sequence, matched: tuple[list[int], int] | None = None) -> None:
-        pages, n = self._match(seq) if matched is None else matched
+    def _admit_head(self, keep: int, budget: int | None = None) -> bool:
+        """Admit the head of the queue when the pages for its first chunk (its whole prompt when
+        ``budget`` is None, else at most ``budget`` tokens) after its cached start are free, with
+        ``keep`` more in hand.  The cached start is looked up first: the references held keep the
+        pool's pressure from evicting the pages it is about to reuse while room is made for the
+        rest; a lookup that finds no room is given back."""
+        head = self.waiting[0]
+        pages, n = self._match(head)
+        rest = head.total_len - n
+        first = rest if budget is None else min(rest, budget)
+        if not self._available(self._pages_for_new(n + first) - len(pages) + keep):
+            for p in pages:
+                self.pool.decref(p)
+            return False
+        self._admit(head, pages, n)
+        return True
+
+    def _admit(self, seq: Sequence, pages: list[int], n: int) -> None:
         try:
             self.runner.begin(seq.seq_id, pages, n)
         finally:
@@ -225,16 +246,7 @@ class Scheduler:
         head = self.waiting[0] if self.waiting else None
         if head is None or head.vision is None or len(self.running) >= self.max_batch_size:
             return None
-        # its cached start first: the references held keep the pool's pressure from evicting the
-        # pages it is about to reuse while room is made for the rest (a lookup that finds no room
-        # is given back and counted again at the next try)
-        pages, n = self._match(head)
-        if not self._available(self._pages_for_new(head.total_len) - len(pages) + decoding):
-            for p in pages:
-                self.pool.decref(p)
-            return None
-        self._admit(head, (pages, n))
-        return [(head, head.pending)]
+        return [(head, head.pending)] if self._admit_head(decoding) else None
 
     def _plan(self) -> list[tuple[Sequence, int]]:
         self._reserved = 0
@@ -268,10 +280,8 @@ class Scheduler:
             head = self.waiting[0]
             if head.vision is not None:  # admitted by _whole when its pages are free
                 break
-            first = min(head.total_len, budget)
-            if not self._available(self._pages_for_new(first) + len(decodes)):
+            if not self._admit_head(len(decodes), budget):
                 break
-            self._admit(head)
             n = self._fit(head, min(head.pending, budget))
             if n <= 0:
                 break

@@ -300,7 +300,7 @@ class DictPrefixCache:
     def __init__(self, pool):
         self.pool, self.index, self.hits, self.inserts = pool, {}, 0, 0
 
-    def match(self, token_ids):
+    def match(self, token_ids, count=True):
         ps, pages = self.pool.page_size, []
         k = 1
         while k * ps < len(token_ids) and tuple(token_ids[:k * ps]) in self.index:
@@ -308,7 +308,7 @@ class DictPrefixCache:
             k += 1
         for p in pages:
             self.pool.incref(p)
-        self.hits += bool(pages)
+        self.hits += bool(pages) and count
         return list(pages), len(pages) * ps, {"device": len(pages), "ram": 0, "disk": 0}
 
     def insert(self, token_ids, pages):
@@ -357,6 +357,75 @@ def test_prefix_cache_reuse_prefills_only_the_rest(tiny_llama):
     assert toks == expected[0]  # reused K/V gives the cold run's tokens
     st = engine.status()
     assert st["prefix_cache"]["hits"] == 1 and st["running"] == 0
+
+
+def test_tight_pool_reuses_the_whole_cached_prefix(tiny_llama):
+    """A second prompt with the first one's 4-page start, on a pool too small for its cold first
+    chunk: room is made for the rest without evicting the pages it reuses, and it gets the cold
+    run's tokens."""
+    from ktransformers.server.prefix_cache import PrefixCache
+
+    model, tok = tiny_llama
+    gen = Generator(model, tok)
+    ps = 8
+    shared = tok.encode("You are a helpful assistant. Answer briefly and politely, and never make things up. "
+                        "Think first.")[:4 * ps]
+    assert len(shared) == 4 * ps
+    first, second = shared + tok.encode(" Question one?"), shared + tok.encode(" Another question!")
+    expected = _alone(gen, second, {})
+    runner = ReferenceRunner(model, page_size=ps, num_pages=8)
+    cache = PrefixCache(runner.pool, fingerprint="tiny", page_size=ps)
+    engine = BatchEngine(gen, tok, runner, model_name="tiny", max_context=512, max_batch_size=2, chunk_size=64,
+                         prefix_cache=cache, defaults=SamplingDefaults(max_new_tokens=MAX_NEW), max_queue=4)
+    free_before = []
+
+    async def main():
+        await _run(engine, first, {}, 0)
+        free_before.append(runner.pool.free_count())
+        s = await engine.submit(GenerationRequest(second, max_new_tokens=MAX_NEW))
+        toks = [ev.token_id async for ev in s if ev.token_id is not None]
+        return s, toks
+
+    engine.start()
+    try:
+        stream, toks = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    # the cold first chunk (the whole prompt) would not fit the free pages: admission must evict
+    assert free_before[0] < -(-len(second) // ps)
+    assert stream.cached_tokens == len(shared) and stream.stats.cached_tokens == len(shared)
+    assert toks == expected[0]
+    st = cache.stats()
+    assert st["lookups"] == 2 and st["matched_tokens"] == len(shared)
+
+
+def test_a_waiting_request_is_looked_up_once():
+    """A request waiting for pages tries its lookup every step, holding the cached pages it would
+    reuse only while room is made; the prefix cache counts one lookup per request."""
+    from ktransformers.server.prefix_cache import PrefixCache
+
+    runner = CountingRunner(page_size=4, num_pages=8)
+    runner.pool.page_bytes = 1  # no K/V here: the cache's byte count needs a page size
+    cache = PrefixCache(runner.pool, fingerprint="counting", page_size=4)
+    sched = Scheduler(runner, max_batch_size=4, chunk_size=32, prefix_cache=cache)
+    prefix = list(range(100, 108))
+    sched.add(Sequence(0, prefix, max_new_tokens=1))
+    _drive(sched, runner)  # its 2 pages stay cached
+    a = Sequence(1, list(range(200, 220)), max_new_tokens=4)  # holds 6 of the 8 pages at its end
+    sched.add(a)
+    chunks = sched.schedule()
+    runner.step([(s.seq_id, n) for s, n in chunks])
+    for s in sched.advance(chunks):
+        s.generated.append(7)
+    b = Sequence(2, prefix + [1, 2, 3], max_new_tokens=2)
+    sched.add(b)
+    waited = []
+    _drive(sched, runner, on_step=lambda chunks: waited.append(b in sched.waiting))
+    assert sum(waited) >= 2  # b was looked up again at each of these steps
+    assert b.cached_tokens == 8 and b.generated == [7, 7]
+    st = cache.stats()
+    assert st["lookups"] == 3 and st["lookup_tokens"] == 8 + 20 + 11 and st["matched_tokens"] == 8
+    assert st["tiers"]["device"]["hits"] == 2
 
 
 def test_model_failure_fails_only_its_batch(tiny_llama):

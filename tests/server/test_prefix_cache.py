@@ -330,6 +330,34 @@ def test_stats_shape():
     assert s["tiers"]["device"]["bytes"] == 2 * page_bytes(pool)
 
 
+def test_uncounted_lookup_serves_pages_and_leaves_the_stats_alone():
+    """``count=False`` (a request looked up again while it waits for pages): the same pages, RAM
+    ones promoted as usual, and no counter moves."""
+    pool = FakePool(8, PS)
+    cache = PrefixCache(pool, fingerprint=FP, page_size=PS, ram_bytes=10 ** 9)
+    a = toks(13, 3)
+    run_request(cache, pool, a)
+    cache.release(1)  # the chain's last page goes to RAM
+
+    def counters():
+        s = cache.stats()
+        return ([s[k] for k in ("lookups", "lookup_tokens", "matched_tokens")],
+                {t: [v["hits"], v["misses"], v["tokens"]] for t, v in s["tiers"].items()})
+
+    before = counters()
+    pages, n, tiers = cache.match(a, count=False)
+    assert n == 12 and tiers == {"device": 2, "ram": 1, "disk": 0}
+    for i, p in enumerate(pages):
+        assert torch.equal(pool.storage[p], expected_page(pool, a, i))
+    release(pool, pages)
+    assert counters() == before
+    pages, n, _ = cache.match(a)  # counted: all 3 pages on the device now
+    release(pool, pages)
+    (lookups, looked, matched), tiers = counters()
+    assert [lookups, looked, matched] == [before[0][0] + 1, before[0][1] + 13, before[0][2] + 12]
+    assert tiers["device"] == [before[1]["device"][0] + 3, before[1]["device"][1], before[1]["device"][2] + 12]
+
+
 def test_bf16_pages_round_trip_through_disk(tmp_path):
     pool = FakePool(8, PS, dtype=torch.bfloat16)
     cache = PrefixCache(pool, fingerprint=FP, page_size=PS, disk_dir=tmp_path, disk_bytes=10 ** 9)
