@@ -95,17 +95,23 @@ def _norm_weight(norm, gemma: bool) -> tuple[torch.Tensor, float]:
     return w, float(eps), w.data_ptr()
 
 
+def _one_row_op(module, cls):
+    """The op of class ``cls`` (with a kernel) that serves ``module`` at T=1 with its output on the
+    CPU, or None."""
+    if not hasattr(module, "generate_op") or getattr(module, "out_device", None) not in (None, "cpu"):
+        return None
+    pre = module.prefill_op
+    op = pre if pre is not None and 1 > module.prefill_threshold else module.generate_op
+    if not isinstance(op, cls) or getattr(op, "kernel", None) is None:
+        return None
+    return op
+
+
 def _cpu_kernel(linear):
     """The ``KLinearCPU`` op that serves ``linear`` at T=1 with its output on the CPU, or None."""
     from ..operators.cpu_linear import KLinearCPU
 
-    if not hasattr(linear, "generate_op") or getattr(linear, "out_device", None) not in (None, "cpu"):
-        return None
-    pre = linear.prefill_op
-    op = pre if pre is not None and 1 > linear.prefill_threshold else linear.generate_op
-    if not isinstance(op, KLinearCPU) or getattr(op, "kernel", None) is None:
-        return None
-    return op
+    return _one_row_op(linear, KLinearCPU)
 
 
 def _embedding_rows(embed, hidden: int):
@@ -194,15 +200,9 @@ def _experts_op(experts):
     so such a block runs its own forward on the step's rows (the operator applies the LoRA)."""
     from ..operators.cpu_experts import KExpertsCPU
 
-    if not hasattr(experts, "generate_op") or getattr(experts, "out_device", None) not in (None, "cpu"):
-        return None
     if getattr(experts, "lora_config", None) is not None:
         return None
-    pre = experts.prefill_op
-    op = pre if pre is not None and 1 > experts.prefill_threshold else experts.generate_op
-    if not isinstance(op, KExpertsCPU) or getattr(op, "kernel", None) is None:
-        return None
-    return op
+    return _one_row_op(experts, KExpertsCPU)
 
 
 class _MoE:
