@@ -186,6 +186,19 @@ bool gemm_transposed(const ProjWeights& p) {
 
 struct Task { int e, c0, t0; };
 
+// The (expert, row block, pair block) tasks of a product with `rows` output rows over the experts
+// that `counts` pairs hit, in expert order; the row block (*rb) sized so the pool gets enough tasks.
+std::vector<Task> expert_tasks(const std::vector<int>& counts, int rows, int threads, int* rb) {
+  int active = 0;
+  for (int c : counts) active += c > 0;
+  *rb = row_block(rows, active, threads);
+  std::vector<Task> tasks;
+  for (int e = 0; e < static_cast<int>(counts.size()); ++e)
+    for (int t0 = 0; t0 < counts[e]; t0 += kTokBlock)
+      for (int r0 = 0; r0 < rows; r0 += *rb) tasks.push_back({e, r0, t0});
+  return tasks;
+}
+
 }  // namespace
 
 MoETrain::Scratch& MoETrain::shared_scratch() {
@@ -285,13 +298,8 @@ void MoETrain::gate_up(ThreadPool& pool, const Routing& rt, int T, const float* 
       if (!same) kt.quantize_act(pu.act, x + static_cast<size_t>(t) * H, H, pu.Kpad, xu + su * t);
     }
   });
-  int active = 0;
-  for (int e = 0; e < E_; ++e) active += rt.counts[e] > 0;
-  const int rb = row_block(I, active, pool.size());
-  std::vector<Task> tasks;
-  for (int e = 0; e < E_; ++e)
-    for (int t0 = 0; t0 < rt.counts[e]; t0 += kTokBlock)
-      for (int r0 = 0; r0 < I; r0 += rb) tasks.push_back({e, r0, t0});
+  int rb;
+  const std::vector<Task> tasks = expert_tasks(rt.counts, I, pool.size(), &rb);
   const size_t tmp_bytes = (thr_floats_ - 2 * kTile) * sizeof(float);
   pool.parallel_for(static_cast<int>(tasks.size()), [&](int ti, int tid) {
     const Task tk = tasks[ti];
@@ -372,13 +380,8 @@ void MoETrain::forward(ThreadPool& pool, int T, int k, const float* x, const int
 
   // y = W_d h + s_d B_d a_d  -> [P, H]
   float* y = static_cast<float*>(s_.y.ensure(sizeof(float) * std::max(P, 1) * static_cast<size_t>(H)));
-  int active = 0;
-  for (int e = 0; e < E_; ++e) active += rt.counts[e] > 0;
-  const int rb = row_block(H, active, nth);
-  std::vector<Task> tasks;
-  for (int e = 0; e < E_; ++e)
-    for (int t0 = 0; t0 < rt.counts[e]; t0 += kTokBlock)
-      for (int r0 = 0; r0 < H; r0 += rb) tasks.push_back({e, r0, t0});
+  int rb;
+  const std::vector<Task> tasks = expert_tasks(rt.counts, H, nth, &rb);
   const size_t tmp_bytes = (thr_floats_ - 2 * kTile) * sizeof(float);
   pool.parallel_for(static_cast<int>(tasks.size()), [&](int ti, int tid) {
     const Task tk = tasks[ti];
