@@ -199,6 +199,24 @@ std::vector<Task> expert_tasks(const std::vector<int>& counts, int rows, int thr
   return tasks;
 }
 
+// dst[t] = sum over token t's k slots of w[t, j] (1 when w is null) times src[its pair], each
+// token's slots in slot order; `pair_slot` maps the P pairs (sorted by expert) to t * k + j.
+void combine_slots(ThreadPool& pool, const KernelTable& kt, const std::vector<int>& pair_slot, int P, int T, int k,
+                   int H, const float* w, const float* src, float* dst) {
+  std::vector<int> pair_of(static_cast<size_t>(T) * k, -1);
+  for (int p = 0; p < P; ++p) pair_of[pair_slot[p]] = p;
+  pool.parallel_for(chunks(T), [&](int task, int) {
+    for (int t = task * kChunk; t < std::min(T, (task + 1) * kChunk); ++t) {
+      float* o = dst + static_cast<size_t>(t) * H;
+      std::fill(o, o + H, 0.f);
+      for (int j = 0; j < k; ++j) {
+        const int p = pair_of[static_cast<size_t>(t) * k + j];
+        if (p >= 0) kt.axpy(w ? w[static_cast<size_t>(t) * k + j] : 1.f, src + static_cast<size_t>(p) * H, o, H);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 MoETrain::Scratch& MoETrain::shared_scratch() {
@@ -406,18 +424,7 @@ void MoETrain::forward(ThreadPool& pool, int T, int k, const float* x, const int
   });
 
   // out[t] = sum_j w[t, j] y[pair(t, j)]
-  std::vector<int> pair_of(static_cast<size_t>(T) * k, -1);
-  for (int p = 0; p < P; ++p) pair_of[rt.pair_slot[p]] = p;
-  pool.parallel_for(chunks(T), [&](int task, int) {
-    for (int t = task * kChunk; t < std::min(T, (task + 1) * kChunk); ++t) {
-      float* o = out + static_cast<size_t>(t) * H;
-      std::fill(o, o + H, 0.f);
-      for (int j = 0; j < k; ++j) {
-        const int p = pair_of[static_cast<size_t>(t) * k + j];
-        if (p >= 0) kt.axpy(w[static_cast<size_t>(t) * k + j], y + static_cast<size_t>(p) * H, o, H);
-      }
-    }
-  });
+  combine_slots(pool, kt, rt.pair_slot, P, T, k, H, w, y, out);
 }
 
 void MoETrain::backward(ThreadPool& pool, int T, int k, const float* x, const int64_t* ids, const float* w,
@@ -612,18 +619,7 @@ void MoETrain::backward(ThreadPool& pool, int T, int k, const float* x, const in
   });
 
   // 6. dx[t] = sum over the token's slots
-  std::vector<int> pair_of(static_cast<size_t>(T) * k, -1);
-  for (int p = 0; p < P; ++p) pair_of[rt.pair_slot[p]] = p;
-  pool.parallel_for(chunks(T), [&](int task, int) {
-    for (int t = task * kChunk; t < std::min(T, (task + 1) * kChunk); ++t) {
-      float* o = dx + static_cast<size_t>(t) * H;
-      std::fill(o, o + H, 0.f);
-      for (int j = 0; j < k; ++j) {
-        const int p = pair_of[static_cast<size_t>(t) * k + j];
-        if (p >= 0) kt.axpy(1.f, dxp + static_cast<size_t>(p) * H, o, H);
-      }
-    }
-  });
+  combine_slots(pool, kt, rt.pair_slot, P, T, k, H, nullptr, dxp, dx);
 
   // 7. LoRA gradients, one task per (expert, matrix, row block): each output row has one owner.
   if (!l.A_gu && !l.A_d) return;
