@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 
 def photo_like(width: int = 90, height: int = 60, seed: int = 0):
@@ -24,6 +25,21 @@ def photo_like(width: int = 90, height: int = 60, seed: int = 0):
 @pytest.fixture(scope="session")
 def tiny_vl(tiny_model_dir):
     return tiny_model_dir("qwen3_vl_moe")
+
+
+@pytest.fixture(scope="module")
+def vl(tiny_vl):
+    """(tokenizer, image support, transformers' model, the loaded model) of the tiny Qwen3-VL-MoE."""
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+
+    from ktransformers import load_model
+    from ktransformers.multimodal.chat import image_support
+
+    tok = AutoTokenizer.from_pretrained(tiny_vl)
+    support = image_support(AutoConfig.from_pretrained(tiny_vl), tok, tiny_vl)
+    hf = AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32).eval()
+    model = load_model(tiny_vl, model_path=tiny_vl, allow_unmatched=False)
+    return tok, support, hf, model
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,7 @@ import torch
 
 from gguf_files import add_text_model_keys, finish
 
-from .vl_gguf import _add
+from .vl_gguf import _add, add_vocab_and_ends
 
 _ATTN = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
@@ -32,7 +32,7 @@ def write_glm4v_lm_gguf(folder: Path, out: Path, sections: bool = True) -> Path:
     """The language model as ``Glm4MoeModel`` writes GLM-4.5V's (F32, the tiny tokenizer's vocabulary
     and chat template); ``sections=False``: without the M-RoPE sections, as a text-only GLM-4.5 file."""
     import gguf
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(folder)
     tc = cfg.text_config
@@ -59,20 +59,7 @@ def write_glm4v_lm_gguf(folder: Path, out: Path, sections: bool = True) -> Path:
     w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     w.add_expert_weights_scale(tc.routed_scaling_factor)
     w.add_expert_weights_norm(tc.norm_topk_prob)
-    tok = AutoTokenizer.from_pretrained(folder)
-    tokens = tok.convert_ids_to_tokens(list(range(len(tok))))
-    tokens += [f"[PAD{i}]" for i in range(len(tokens), tc.vocab_size)]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("glm4")
-    w.add_chat_template(tok.chat_template)
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in tok.all_special_tokens else 1 for t in tokens])
-    w.add_eos_token_id(tok.eos_token_id)
-    w.add_pad_token_id(tok.pad_token_id)
-    L = "model.language_model."
-    _add(w, "token_embd.weight", sd[L + "embed_tokens.weight"])
-    _add(w, "output_norm.weight", sd[L + "norm.weight"])
-    _add(w, "output.weight", sd["lm_head.weight"])
+    L = add_vocab_and_ends(w, folder, tc.vocab_size, "glm4", sd)
     for i in range(tc.num_hidden_layers):
         p = f"{L}layers.{i}."
         for hf, g in _ATTN.items():

@@ -22,20 +22,6 @@ from .conftest import photo_like
 MAX_NEW = 10
 
 
-@pytest.fixture(scope="module")
-def vl(tiny_vl):
-    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
-
-    from ktransformers import load_model
-    from ktransformers.multimodal.chat import image_support
-
-    tok = AutoTokenizer.from_pretrained(tiny_vl)
-    support = image_support(AutoConfig.from_pretrained(tiny_vl), tok, tiny_vl)
-    hf = AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32).eval()
-    model = load_model(tiny_vl, model_path=tiny_vl, allow_unmatched=False)
-    return tok, support, hf, model
-
-
 def _prompt(tok, support, question, images):
     content = "".join(f"{support.markup}\n" for _ in images) + question
     text = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)

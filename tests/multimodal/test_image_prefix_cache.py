@@ -33,20 +33,6 @@ def _one_pixel_off(img):
     return out
 
 
-@pytest.fixture(scope="module")
-def vl(tiny_vl):
-    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
-
-    from ktransformers import load_model
-    from ktransformers.multimodal.chat import image_support
-
-    tok = AutoTokenizer.from_pretrained(tiny_vl)
-    support = image_support(AutoConfig.from_pretrained(tiny_vl), tok, tiny_vl)
-    hf = AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32).eval()
-    model = load_model(tiny_vl, model_path=tiny_vl, allow_unmatched=False)
-    return tok, support, hf, model
-
-
 def _prompt(tok, support, images, question=QUESTION):
     content = "".join(f"{support.markup}\n" for _ in images) + question
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": content}]

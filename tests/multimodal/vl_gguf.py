@@ -33,13 +33,36 @@ def _add(w, name: str, t: torch.Tensor, qtype: str = "f32") -> None:
         w.add_tensor(name, a.astype(np.float32))
 
 
+def add_vocab_and_ends(w, folder, vocab_size: int, pre: str, sd: dict) -> str:
+    """The folder's tokenizer as llama.cpp writes it (``pre``: its pre-tokenizer name; the vocabulary
+    padded to ``vocab_size``) and the language model's embedding, final norm and head; returns the
+    language model's prefix in ``sd``."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    tokens = tok.convert_ids_to_tokens(list(range(len(tok))))
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), vocab_size)]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_chat_template(tok.chat_template)
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in tok.all_special_tokens else 1 for t in tokens])
+    w.add_eos_token_id(tok.eos_token_id)
+    w.add_pad_token_id(tok.pad_token_id)
+    L = "model.language_model."
+    _add(w, "token_embd.weight", sd[L + "embed_tokens.weight"])
+    _add(w, "output_norm.weight", sd[L + "norm.weight"])
+    _add(w, "output.weight", sd["lm_head.weight"])
+    return L
+
+
 def write_lm_gguf(folder: Path, out: Path, n_deepstack: int | None = None, arch: str = "qwen3vlmoe") -> Path:
     """The language model as llama.cpp's ``Qwen3VLMoeTextModel`` writes it (F32, with the vocabulary and
     chat template: every byte a token, no merges, as the tiny tokenizer has it);
     ``arch="qwen3moe"``: the same tensors as a text-only Qwen3-MoE file."""
     import gguf
     from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(folder)
     tc = cfg.text_config
@@ -61,20 +84,7 @@ def write_lm_gguf(folder: Path, out: Path, n_deepstack: int | None = None, arch:
         w.add_rope_dimension_sections((list(tc.rope_parameters["mrope_section"]) + [0] * 4)[:4])
         n_ds = len(cfg.vision_config.deepstack_visual_indexes) if n_deepstack is None else n_deepstack
         w.add_uint32(f"{A}.n_deepstack_layers", n_ds)
-    tok = AutoTokenizer.from_pretrained(folder)
-    tokens = tok.convert_ids_to_tokens(list(range(len(tok))))
-    tokens += [f"[PAD{i}]" for i in range(len(tokens), tc.vocab_size)]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_chat_template(tok.chat_template)
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in tok.all_special_tokens else 1 for t in tokens])
-    w.add_eos_token_id(tok.eos_token_id)
-    w.add_pad_token_id(tok.pad_token_id)
-    L = "model.language_model."
-    _add(w, "token_embd.weight", sd[L + "embed_tokens.weight"])
-    _add(w, "output_norm.weight", sd[L + "norm.weight"])
-    _add(w, "output.weight", sd["lm_head.weight"])
+    L = add_vocab_and_ends(w, folder, tc.vocab_size, "qwen2", sd)
     for i in range(tc.num_hidden_layers):
         p = f"{L}layers.{i}."
         for hf, g in _BLOCK.items():
