@@ -127,7 +127,9 @@ def _check_args(args) -> None:
     if not args.gguf_path and not args.model_path:
         raise ConfigError("no weights: pass --gguf_path (a .gguf file or folder) or --model_path with safetensors")
     if args.mmproj and not args.gguf_path:
-        raise ConfigError(f"--mmproj {args.mmproj}: goes with --gguf_path, the language model's GGUF")
+        from .weights import mmproj_without_gguf
+
+        raise mmproj_without_gguf(args.mmproj, args.model_path)
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max_new_tokens must be at least 1 (got {args.max_new_tokens})")
     if args.chunk_size < 1:

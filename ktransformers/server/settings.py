@@ -196,7 +196,9 @@ class Settings:
         if self.gguf_path and not Path(self.gguf_path).exists():
             raise ConfigError(f"--gguf_path {self.gguf_path}: no such file or directory")
         if self.mmproj and not self.gguf_path:
-            raise ConfigError(f"--mmproj {self.mmproj}: goes with --gguf_path, the language model's GGUF")
+            from ..weights import mmproj_without_gguf
+
+            raise mmproj_without_gguf(self.mmproj, self.model_path)
         if self.mmproj and not Path(self.mmproj).is_file():
             raise ConfigError(f"--mmproj {self.mmproj}: no such file")
         if self.optimize_config_path and not Path(self.optimize_config_path).is_file():

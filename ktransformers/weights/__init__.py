@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..errors import WeightError
+from ..errors import ConfigError, KTError, WeightError
 from .source import EXPERT_PROJS, RawTensor, WeightSource
 
-__all__ = ["EXPERT_PROJS", "RawTensor", "WeightSource", "open_weights", "open_weights_arg"]
+__all__ = ["EXPERT_PROJS", "RawTensor", "WeightSource", "mmproj_without_gguf", "open_weights", "open_weights_arg"]
 
 
 def open_weights(path: str | os.PathLike, mmproj: str | os.PathLike | None = None) -> WeightSource:
@@ -51,6 +51,19 @@ def open_weights(path: str | os.PathLike, mmproj: str | os.PathLike | None = Non
     if sts:
         return _safetensors(p)
     raise WeightError(f"{p}: no .gguf or .safetensors files in this directory")
+
+
+def mmproj_without_gguf(mmproj, model_path) -> KTError:
+    """The one-line refusal of ``--mmproj`` given without ``--gguf_path``.  Where ``--model_path``'s
+    config is a family llama.cpp has no mmproj format for, that is the error (no GGUF would help);
+    otherwise the flag wants the language model's GGUF beside it."""
+    model_type = _model_type(Path(model_path)) if model_path else None
+    from .mmproj import NO_MMPROJ, no_mmproj_format
+
+    if model_type in NO_MMPROJ:
+        return no_mmproj_format(NO_MMPROJ[model_type],
+                                f"--mmproj {mmproj} with --model_path {model_path} ('{model_type}')")
+    return ConfigError(f"--mmproj {mmproj}: goes with --gguf_path, the language model's GGUF")
 
 
 def _model_type(p: Path):

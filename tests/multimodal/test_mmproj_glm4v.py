@@ -265,16 +265,28 @@ def test_ernie_vl_has_no_mmproj_format(files, tiny_model_dir):
     assert "llama.cpp has no mmproj format for ERNIE-4.5-VL" in msg and str(lm) in msg
 
 
-def test_local_chat_ernie_mmproj_refusal(files):
+def test_local_chat_ernie_mmproj_refusal(files, tiny_model_dir):
+    """``--mmproj`` with an ERNIE GGUF, or with only an ERNIE-4.5-VL folder: the line says llama.cpp
+    has no mmproj format for it (not that the flag wants a GGUF: none would do), naming flag and file."""
     from test_local_chat import _one_error_line, run_chat
 
     import gguf
     from gguf_files import finish
 
+    from ktransformers.errors import KTError
+    from ktransformers.server.settings import Settings
+
     lm = files["dir"] / "ernie-chat.gguf"
     finish(gguf.GGUFWriter(str(lm), arch="ernie4_5-moe"))
     line = _one_error_line(run_chat("--gguf_path", lm, "--mmproj", files["f32"], "--prompt", "hi"))
     assert "llama.cpp has no mmproj format for ERNIE-4.5-VL" in line
+    folder = tiny_model_dir("ernie4_5_vl_moe")
+    line = _one_error_line(run_chat("--model_path", folder, "--mmproj", files["f32"], "--prompt", "hi"))
+    assert "llama.cpp has no mmproj format for ERNIE-4.5-VL-MoE" in line and "goes with --gguf_path" not in line
+    assert f"--mmproj {files['f32']}" in line and str(folder) in line
+    with pytest.raises(KTError, match="llama.cpp has no mmproj format for ERNIE-4.5-VL-MoE") as e:
+        Settings(model_path=str(folder), mmproj=str(files["f32"])).validate_paths()
+    assert f"--mmproj {files['f32']}" in _one_line(e) and str(folder) in str(e.value)
 
 
 # ---- llama.cpp's own converter -----------------------------------------------------------------
