@@ -90,8 +90,12 @@ def metadata_for(config, arch: str, tensor_names: Iterable[str]) -> dict[str, tu
             md[f"{A}.attention.q_lora_rank"] = ("u32", c.q_lora_rank)
         sigmoid = c.model_type == "deepseek_v3" or getattr(c, "scoring_func", "softmax") == "sigmoid"
         md[f"{A}.expert_gating_func"] = ("u32", 2 if sigmoid or A in gn.DSA_ARCHS else 1)
+    # the MTP block, as llama.cpp counts it: one more block, with its entry in the per-layer keys
+    mtp = f"blk.{c.num_hidden_layers}.nextn.eh_proj.weight" in set(tensor_names)
     if A in gn.DSA_ARCHS:
-        md.update(gn.dsa_metadata(c, A))
+        from ..generation.mtp import mtp_config
+
+        md.update(gn.dsa_metadata(mtp_config(c) if mtp else c, A))
     if A == "gemma3":
         md[f"{A}.attention.sliding_window"] = ("u32", c.sliding_window)
     if A == "glm4moe":
@@ -103,7 +107,7 @@ def metadata_for(config, arch: str, tensor_names: Iterable[str]) -> dict[str, tu
     if A == "deepseek4":
         del md[f"{A}.feed_forward_length"]
         md.update(gn.deepseek4_metadata(c, head_dim))
-    if f"blk.{c.num_hidden_layers}.nextn.eh_proj.weight" in set(tensor_names):  # the MTP block, as llama.cpp counts it
+    if mtp:
         md[f"{A}.block_count"] = ("u32", c.num_hidden_layers + 1)
         md[f"{A}.nextn_predict_layers"] = ("u32", 1)
     return md

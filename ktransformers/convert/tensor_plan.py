@@ -49,18 +49,14 @@ def _mtp_params(config, ckpt: Checkpoint, arch: str) -> list[tuple[str, tuple[in
     of the embedding and output head are left out (the drafter reads the model's)."""
     if arch not in gn.NEXTN_ARCHS:
         return []
-    import copy
-
-    from ..generation.mtp import MTP_TENSORS
+    from ..generation.mtp import MTP_TENSORS, mtp_config
 
     n, H = int(config.num_hidden_layers), int(config.hidden_size)
     p = f"model.layers.{n}."
     if not ckpt.has(p + MTP_TENSORS[0]):
         return []
-    cfg = copy.deepcopy(config)
-    cfg.num_hidden_layers = n + 1
     own = {"eh_proj.weight": (H, 2 * H)}
-    return [(k, s) for k, s in _model_params(cfg) if k.startswith(p)] + [
+    return [(k, s) for k, s in _model_params(mtp_config(config)) if k.startswith(p)] + [
         (p + t, own.get(t, (H,))) for t in MTP_TENSORS]
 
 

@@ -5,8 +5,8 @@ decoder layers, a next-token-prediction layer (``model.layers.{num_hidden_layers
 ``hnorm`` (RMSNorms of the next token's embedding and of the model's hidden state), ``eh_proj``
 ([hidden, 2 hidden]), a full decoder layer (DeepSeek: MLA + MoE; GLM: GQA with partial rotary +
 MoE) and ``shared_head.norm``; its ``shared_head.head`` and ``embed_tokens`` are the model's own
-(not read).  A GGUF holds it where llama.cpp's converter keeps it (GLM-4-MoE; DeepSeek-V3's it
-drops): as the last block, ``blk.{n}.*`` and ``blk.{n}.nextn.*``, served under the same names
+(not read).  A GGUF holds it where llama.cpp's converter keeps it (GLM-4-MoE, GLM-5; DeepSeek-V3's
+it drops): as the last block, ``blk.{n}.*`` and ``blk.{n}.nextn.*``, served under the same names
 (weights/gguf_names.py).  Computed as transformers' ``MtpLayer``
 (modeling_layers.py) computes it:
 
@@ -39,10 +39,28 @@ import torch
 
 from ..errors import ConfigError, WeightError
 
-#: model types whose checkpoints carry an MTP layer (``model.layers.{num_hidden_layers}``) the drafter runs
-MTP_MODEL_TYPES = ("deepseek_v3", "glm4_moe")
+#: model types whose checkpoints carry an MTP layer (``model.layers.{num_hidden_layers}``) the drafter
+#: reads (DeepSeek-V3.2 / GLM-5: read and checked, not run: the decode step, which verifies the
+#: guesses, does not serve their sparse-attention indexer)
+MTP_MODEL_TYPES = ("deepseek_v3", "glm4_moe", "deepseek_v32", "glm_moe_dsa")
 #: the MTP layer's own tensors (beside its decoder layer's), under ``model.layers.{num_hidden_layers}.``
 MTP_TENSORS = ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight")
+#: the MTP layer's entry in the config's per-layer lists: a MoE block; DSA: its own indexer (else
+#: the last layer's kind)
+_MTP_LAYER_KIND = {"mlp_layer_types": "sparse", "indexer_types": "full"}
+
+
+def mtp_config(config):
+    """A copy of ``config`` with the MTP layer as one more layer (``num_hidden_layers + 1``; the
+    per-layer lists DeepSeek-V3.2 / GLM-5 configs validate against it extended by its entry)."""
+    cfg = copy.deepcopy(config)
+    n = int(cfg.num_hidden_layers)
+    cfg.num_hidden_layers = n + 1
+    for key in ("layer_types", "mlp_layer_types", "indexer_types"):
+        got = getattr(cfg, key, None)
+        if isinstance(got, list) and len(got) == n:
+            setattr(cfg, key, [*got, _MTP_LAYER_KIND.get(key, got[-1])])
+    return cfg
 
 
 def load_mtp_layer(model):
@@ -60,7 +78,7 @@ def load_mtp_layer(model):
     config = model.config.get_text_config()
     if getattr(config, "model_type", None) not in MTP_MODEL_TYPES:
         raise ConfigError(f"--speculative mtp: {getattr(config, 'model_type', None)} models have no MTP layer the "
-                          f"drafter runs (DeepSeek-V3 / R1 and GLM-4.5 / 4.6 / 4.7 checkpoints do)")
+                          f"drafter reads (DeepSeek-V3 / R1 / V3.2, GLM-4.5 / 4.6 / 4.7 / 5 checkpoints do)")
     src, plan = getattr(model, "kt_weights", None), getattr(model, "kt_plan", None)
     n = int(config.num_hidden_layers)
     prefix = f"model.layers.{n}."
@@ -74,9 +92,7 @@ def load_mtp_layer(model):
     for t, ok in zip(MTP_TENSORS, have):
         if not ok:
             raise WeightError(f"--speculative mtp: the MTP layer is incomplete: {src.missing(prefix + t)}")
-    cfg = copy.deepcopy(model.config)
-    cfg.num_hidden_layers = n + 1
-    one = build_model(cfg)  # on the meta device: only layer n is kept, injected and loaded
+    one = build_model(mtp_config(model.config))  # on the meta device: only layer n is kept, injected and loaded
     layer = one.model.layers[n]
     norm_cls, H, eps = type(layer.input_layernorm), int(config.hidden_size), float(config.rms_norm_eps)
     with torch.device("meta"):

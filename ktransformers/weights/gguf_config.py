@@ -17,9 +17,10 @@ deepseek2      DeepseekV3Config when ``expert_gating_func`` is 2 (sigmoid) or th
                ``exp_probs_b`` tensors, else DeepseekV2Config (``block_count - nextn_predict_layers``
                layers where the file keeps the MTP block)
 deepseek32     DeepseekV32Config (the deepseek2 keys plus ``attention.indexer.*``; ``expert_gating_func``
-               sigmoid or absent, its only router)
+               sigmoid or absent, its only router; the MTP block as deepseek2's)
 glm-dsa        GlmMoeDsaConfig (as deepseek32; ``attention.indexer.types``: true where a layer runs
-               its own indexer, false where it reuses the previous top-k)
+               its own indexer, false where it reuses the previous top-k; the MTP block as
+               deepseek2's, its entry in the indexer types dropped with it)
 gemma3         Gemma3TextConfig
 glm4moe        Glm4MoeConfig (``block_count`` counts the NextN/MTP layers llama.cpp keeps; the
                model has ``block_count - nextn_predict_layers``)
@@ -218,8 +219,8 @@ def config_from_metadata(
             kw["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
             cfg = tf.Qwen3MoeConfig(**kw)
     elif arch in ("deepseek2", "deepseek32", "glm-dsa"):
-        if arch == "deepseek2":  # a file that keeps the MTP block counts it in block_count
-            n_layers = kw["num_hidden_layers"] = n_layers - int(md.get("nextn_predict_layers", 0) or 0)
+        # a file that keeps the MTP block counts it in block_count (and in glm-dsa's indexer types)
+        n_layers = kw["num_hidden_layers"] = n_layers - int(md.get("nextn_predict_layers", 0) or 0)
         rope_dim = int(md.need("rope.dimension_count"))
         k_mla = md.get("attention.key_length_mla")
         v_mla = md.get("attention.value_length_mla")

@@ -20,7 +20,8 @@ What a mapping alone cannot express is described by :class:`Transform` flags tha
 * ``deepseek4``: no value transform; the hash router's ``ffn_gate_tid2eid`` table is stored I32
   (HF int64), llama.cpp drops the hash layers' unused correction bias, and its converter writes
   the routed experts MXFP4 (what the release ships).
-* MTP (next-n) block: llama.cpp keeps DeepSeek-V3's / GLM-4-MoE's MTP layer as the last block
+* MTP (next-n) block: llama.cpp keeps the MTP layer of GLM-4-MoE, GLM-5 (``glm-dsa``) and DeepSeek
+  (``deepseek2``, ``deepseek32``; its converter drops DeepSeek-V3's) as the last block
   (``block_count`` counts it, ``nextn_predict_layers`` says how many): its decoder layer under the
   usual ``blk.N.*`` names, its own tensors as ``blk.N.nextn.*`` (``_NEXTN``), served as the
   checkpoint's ``model.layers.N.*`` (N = the model's ``num_hidden_layers``).
@@ -218,8 +219,8 @@ _BLOCK_TABLES = {
     # Qwen3-VL-MoE's language model (llama.cpp writes it beside an mmproj file: weights/mmproj.py)
     "qwen3vlmoe": _COMMON_BLOCK,
     "deepseek2": _COMMON_BLOCK + _MLA_BLOCK + _shexp("mlp.shared_experts") + _NEXTN,
-    "deepseek32": _COMMON_BLOCK + _MLA_BLOCK + _shexp("mlp.shared_experts") + _INDEXER,
-    "glm-dsa": _COMMON_BLOCK + _MLA_BLOCK + _shexp("mlp.shared_experts") + _INDEXER,
+    "deepseek32": _COMMON_BLOCK + _MLA_BLOCK + _shexp("mlp.shared_experts") + _INDEXER + _NEXTN,
+    "glm-dsa": _COMMON_BLOCK + _MLA_BLOCK + _shexp("mlp.shared_experts") + _INDEXER + _NEXTN,
     "gemma3": _GEMMA3_BLOCK,
     "glm4moe": _GLM4MOE_BLOCK + _NEXTN,
     "minimax-m2": _COMMON_BLOCK,

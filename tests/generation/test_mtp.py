@@ -25,7 +25,8 @@ import torch
 from ktransformers import load_model
 from ktransformers.errors import ConfigError
 from ktransformers.generation import Generator, SamplingParams
-from ktransformers.util.tiny_models import write_tiny_model
+from ktransformers.generation.mtp import mtp_config
+from ktransformers.util.tiny_models import tiny_config, write_tiny_model
 
 from .test_invariance import _NoText
 
@@ -39,11 +40,16 @@ def family(request) -> str:
 
 @pytest.fixture(scope="module")
 def mtp_dir(tmp_path_factory, family) -> Path:
-    """A tiny folder of ``family`` whose checkpoint holds an MTP layer after its 3 decoder layers."""
+    return write_mtp_checkpoint(family, tmp_path_factory.mktemp(f"{family}-mtp"))
+
+
+def write_mtp_checkpoint(family: str, d: Path) -> Path:
+    """A tiny folder of ``family`` whose checkpoint holds a random MTP layer after its 3 decoder layers."""
     from safetensors.torch import load_file, save_file
 
-    d = tmp_path_factory.mktemp(f"{family}-mtp")
-    write_tiny_model(family, d, seed=4, num_hidden_layers=4)  # layer 3: the MTP layer's decoder layer
+    lists = ("layer_types", "mlp_layer_types", "indexer_types")  # per layer: the MTP layer's entry too
+    four = {k: v for k, v in vars(mtp_config(tiny_config(family))).items() if k in lists and v is not None}
+    write_tiny_model(family, d, seed=4, num_hidden_layers=4, **four)  # layer 3: the MTP layer's decoder layer
     sd = load_file(d / "model.safetensors")
     g = torch.Generator().manual_seed(5)
     H = int(sd["model.embed_tokens.weight"].shape[1])
@@ -57,6 +63,7 @@ def mtp_dir(tmp_path_factory, family) -> Path:
     save_file(sd, d / "model.safetensors")
     cfg = json.loads((d / "config.json").read_text())
     cfg["num_hidden_layers"] = 3
+    cfg.update({k: v[:3] for k, v in four.items()})
     (d / "config.json").write_text(json.dumps(cfg))
     return d
 

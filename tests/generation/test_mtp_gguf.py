@@ -167,6 +167,10 @@ def test_a_file_without_the_nextn_tensors_has_no_mtp_layer(mtp_gguf, mtp_dir, tm
 
 
 def test_fuzz_any_part_of_the_block_missing_is_named(mtp_gguf, mtp_dir, tmp_path_factory):
+    check_any_part_missing_is_named(mtp_gguf, mtp_dir, tmp_path_factory)
+
+
+def check_any_part_missing_is_named(mtp_gguf: Path, mtp_dir: Path, tmp_path_factory) -> None:
     """Any non-empty set of the MTP block's tensors left out: one line, naming the first missing
     ``nextn`` tensor (MTP_TENSORS' order), or with all four gone "no MTP layer", or else one of the
     decoder layer's missing tensors."""

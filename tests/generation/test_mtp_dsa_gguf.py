@@ -1,0 +1,116 @@
+"""The MTP block of DeepSeek-V3.2 (``deepseek32``) and GLM-5 (``glm-dsa``) GGUFs (generation/mtp.py;
+the names: weights/gguf_names.py ``_NEXTN``).
+
+Tiny ``deepseek_v32`` / ``glm_moe_dsa`` checkpoints with a random MTP layer after their three
+decoder layers (``test_mtp.write_mtp_checkpoint``; the layer runs its own indexer), converted by
+our converter at F32 with the block as llama.cpp's converter writes GLM-5's.  From that file:
+
+* the block is there under llama.cpp's names (``blk.3.nextn.*`` beside the decoder layer's
+  ``blk.3.*``, the indexer's included), ``block_count`` 4, ``nextn_predict_layers`` 1 and, for
+  glm-dsa, the per-layer ``attention.indexer.types`` over the 4 blocks;
+* the model has three layers: its logits are transformers' own model's on the checkpoint (the
+  block is not read as a fourth decoder layer), and the MTP layer's tensors are the
+  checkpoint's, bit for bit;
+* ``speculative="mtp"`` reads and loads the layer and answers greedy prompts with the plain tokens;
+  it guesses nothing, because the decode step that verifies guesses does not serve the
+  sparse-attention indexer (docs/speculative.md);
+* a file with part of the block is refused with one line naming a missing tensor by its GGUF name
+  (fuzzed over which part is missing), one without the block with "no MTP layer".
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+
+from ktransformers import load_model
+from ktransformers.convert import convert
+from ktransformers.generation import Generator, SamplingParams
+from ktransformers.generation.mtp import load_mtp_layer
+from ktransformers.weights.gguf_source import GGUFSource
+from ktransformers.weights.safetensors_source import SafetensorsSource
+
+from .test_invariance import _NoText
+from .test_mtp import _prompt, write_mtp_checkpoint
+from .test_mtp_gguf import LLAMA_CPP_NEXTN, _refusal, _without, check_any_part_missing_is_named
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+ARCH = {"deepseek_v32": "deepseek32", "glm_moe_dsa": "glm-dsa"}
+
+
+@pytest.fixture(scope="module", params=sorted(ARCH))
+def dsa_family(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def dsa_dir(dsa_family, tmp_path_factory) -> Path:
+    return write_mtp_checkpoint(dsa_family, tmp_path_factory.mktemp(f"{dsa_family}-mtp"))
+
+
+@pytest.fixture(scope="module")
+def dsa_gguf(dsa_dir, tmp_path_factory) -> Path:
+    return convert(dsa_dir, tmp_path_factory.mktemp("dsa-mtp-gguf") / "f32.gguf", "F32", "F32", "F32",
+                   tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def dsa_model(dsa_gguf, dsa_dir):
+    return load_model(dsa_gguf, model_path=dsa_dir)
+
+
+def test_the_file_holds_the_block_as_llama_cpp_writes_it(dsa_gguf, dsa_family):
+    r = gguf.GGUFReader(dsa_gguf)
+    A = ARCH[dsa_family]
+    assert r.fields[f"{A}.block_count"].contents() == 4 and r.fields[f"{A}.nextn_predict_layers"].contents() == 1
+    names = {t.name for t in r.tensors}
+    assert {n for n in names if ".nextn." in n} == LLAMA_CPP_NEXTN
+    assert {"blk.3.attn_kv_a_mqa.weight", "blk.3.ffn_gate_exps.weight", "blk.3.indexer.attn_k.weight"} <= names
+    if dsa_family == "glm_moe_dsa":  # the tiny's layers, then the MTP layer's own indexer
+        assert r.fields[f"{A}.attention.indexer.types"].contents() == [True, True, False, True]
+    cfg = GGUFSource(dsa_gguf).config()
+    assert cfg.num_hidden_layers == 3 and len(getattr(cfg, "indexer_types", None) or [0] * 3) == 3
+
+
+def test_the_model_is_the_checkpoints_and_the_mtp_layer_is_read(dsa_gguf, dsa_dir, dsa_model):
+    from transformers import AutoModelForCausalLM
+
+    assert len(dsa_model.model.layers) == 3
+    hf = AutoModelForCausalLM.from_pretrained(dsa_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([_prompt()[:24]])
+    with torch.no_grad():
+        want, got = hf(ids).logits, dsa_model(ids).logits
+    err = float((got - want).abs().max() / want.abs().max())
+    assert err < 1e-5, err  # a fourth layer (the MTP block read as one) would be far off
+    st, gg = SafetensorsSource(dsa_dir / "model.safetensors"), GGUFSource(dsa_gguf)
+    names = [n for n in st.names() if n.startswith("model.layers.3.") and "embed_tokens" not in n
+             and "shared_head.head" not in n]
+    assert "model.layers.3.eh_proj.weight" in names and "model.layers.3.self_attn.indexer.wk.weight" in names
+    for n in names:
+        assert torch.equal(gg.tensor(n), st.tensor(n)), n
+    layer = load_mtp_layer(dsa_model)
+    assert layer.self_attn.indexer is not None  # its own indexer, as the file's block has
+
+
+def test_mtp_greedy_is_the_plain_answer_without_guesses(dsa_model):
+    prompt, params = _prompt(), SamplingParams(max_new_tokens=16)
+    _, want, _ = Generator(dsa_model, _NoText()).generate(prompt, params)
+    g = Generator(dsa_model, _NoText(), speculative="mtp", draft_max=4)
+    _, got, _ = g.generate(prompt, params)
+    assert got == want and g.last_stats.drafted_tokens == 0
+
+
+@pytest.mark.parametrize("drop", ["blk.3.nextn.enorm.weight", "blk.3.indexer.proj.weight"])
+def test_a_partial_block_names_the_missing_tensor(dsa_gguf, dsa_dir, tmp_path, drop):
+    from ktransformers.errors import WeightError
+
+    kind, msg = _refusal(_without(dsa_gguf, tmp_path / "partial.gguf", {drop}), dsa_dir)
+    assert kind is WeightError and "MTP layer is incomplete" in msg and f"'{drop}'" in msg, msg
+
+
+def test_fuzz_any_part_of_the_block_missing_is_named(dsa_gguf, dsa_dir, tmp_path_factory):
+    check_any_part_missing_is_named(dsa_gguf, dsa_dir, tmp_path_factory)
