@@ -10,12 +10,13 @@ our converter at F32 with the block as llama.cpp's converter writes GLM-5's.  Fr
   glm-dsa, the per-layer ``attention.indexer.types`` over the 4 blocks;
 * the model has three layers: its logits are transformers' own model's on the checkpoint (the
   block is not read as a fourth decoder layer), and the MTP layer's tensors are the
-  checkpoint's, bit for bit;
+  checkpoint's, bit for bit (as the layer read from the safetensors checkpoint itself);
 * ``speculative="mtp"`` reads and loads the layer and answers greedy prompts with the plain tokens;
   it guesses nothing, because the decode step that verifies guesses does not serve the
   sparse-attention indexer (docs/speculative.md);
 * a file with part of the block is refused with one line naming a missing tensor by its GGUF name
-  (fuzzed over which part is missing), one without the block with "no MTP layer".
+  (fuzzed over which part is missing), one without the block (llama.cpp's own tiny files too) with
+  "no MTP layer".
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 
 from ktransformers import load_model
 from ktransformers.convert import convert
+from ktransformers.errors import ConfigError, WeightError
 from ktransformers.generation import Generator, SamplingParams
 from ktransformers.generation.mtp import load_mtp_layer
 from ktransformers.weights.gguf_source import GGUFSource
@@ -35,7 +37,7 @@ from ktransformers.weights.safetensors_source import SafetensorsSource
 
 from .test_invariance import _NoText
 from .test_mtp import _prompt, write_mtp_checkpoint
-from .test_mtp_gguf import LLAMA_CPP_NEXTN, _refusal, _without, check_any_part_missing_is_named
+from .test_mtp_gguf import LLAMA_CPP_NEXTN, ROOT, _one_line, _refusal, _without, check_any_part_missing_is_named
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -104,13 +106,27 @@ def test_mtp_greedy_is_the_plain_answer_without_guesses(dsa_model):
     assert got == want and g.last_stats.drafted_tokens == 0
 
 
+def test_llama_cpps_files_without_the_block_are_refused(dsa_family):
+    """llama.cpp's own conversions of the tiny models, which have no MTP layer."""
+    m = load_model(ROOT / "tests" / "fixtures" / "llamacpp" / f"{dsa_family}.gguf")
+    with pytest.raises(ConfigError) as e:
+        Generator(m, _NoText(), speculative="mtp")
+    msg = _one_line(e)
+    assert "no MTP layer" in msg and f"'blk.{m.config.num_hidden_layers}.nextn.eh_proj.weight'" in msg, msg
+
+
 @pytest.mark.parametrize("drop", ["blk.3.nextn.enorm.weight", "blk.3.indexer.proj.weight"])
 def test_a_partial_block_names_the_missing_tensor(dsa_gguf, dsa_dir, tmp_path, drop):
-    from ktransformers.errors import WeightError
-
     kind, msg = _refusal(_without(dsa_gguf, tmp_path / "partial.gguf", {drop}), dsa_dir)
     assert kind is WeightError and "MTP layer is incomplete" in msg and f"'{drop}'" in msg, msg
 
 
 def test_fuzz_any_part_of_the_block_missing_is_named(dsa_gguf, dsa_dir, tmp_path_factory):
     check_any_part_missing_is_named(dsa_gguf, dsa_dir, tmp_path_factory)
+
+
+def test_the_safetensors_checkpoints_layer_is_read_too(dsa_dir):
+    m = load_model(dsa_dir, model_path=dsa_dir)
+    layer = load_mtp_layer(m)
+    assert layer.self_attn.indexer is not None and torch.equal(
+        layer.enorm.weight, SafetensorsSource(dsa_dir / "model.safetensors").tensor("model.layers.3.enorm.weight"))
