@@ -193,6 +193,8 @@ def test_a_model_without_an_mtp_layer_is_refused(tiny):
         Generator(tiny("deepseek_v3"), _NoText(), speculative="mtp")
     with pytest.raises(ConfigError, match="no MTP layer"):
         Generator(tiny("llama"), _NoText(), speculative="mtp")
+    with pytest.raises(ConfigError, match="deepseek_v4 models have no MTP layer"):  # mtp.* not modelled
+        Generator(tiny("deepseek_v4"), _NoText(), speculative="mtp")
 
 
 def test_local_chat_with_mtp_gives_the_plain_answer(mtp_dir):
