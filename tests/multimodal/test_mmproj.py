@@ -10,34 +10,22 @@ model (F16 / Q8_0 mmproj: logits within the stated tolerances of max |logit|; gr
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from transformers import AutoConfig
 
 from ktransformers import load_model
 from ktransformers.errors import WeightError
-from ktransformers.multimodal.processor import load_processor
 from ktransformers.weights import open_weights
 
 from test_local_chat import chat_session
 
+from .mmproj_checks import (TOL, check_config_is_the_folders, check_fuzzed_metadata, check_llama_cpp_converter,
+                            check_processor_from_the_mmproj, check_quantized_logits, check_server_engine_images,
+                            check_vision_tensors_bitwise, metadata_keys, needs_llama_cpp)
+from .mmproj_checks import one_line as _one_line
 from .test_local_chat_image import expected  # noqa: F401 - the fixture, for local_chat's answer
 from .vl_checks import ask_about_picture, chat_inputs, check_greedy_tokens_equal_generate, png, reference, rel
 from .vl_gguf import write_lm_gguf, write_mmproj
-
-#: logits vs transformers', relative to max |logit| (measured, one picture / two): F32 files 5.8e-7 /
-#: 3.9e-7 (the safetensors load's own figures: the same bits), F16 mmproj 3.5e-4 / 3.3e-4, Q8_0
-#: mmproj 7.8e-3 / 8.3e-3 (the vision tower's weights rounded; a blank picture moves them by 0.7)
-TOL = {"f32": 1e-4, "f16": 2e-3, "q8_0": 2e-2}
-#: llama.cpp's sources (``KT_LLAMA_CPP``, else the tree vendored by llama-cpp-python where one is found)
-LLAMA_CPP = Path(os.environ.get("KT_LLAMA_CPP") or next(
-    (p for p in ("/root/peers/src/llama_cpp_python-0.3.36/vendor/llama.cpp",
-                 "/root/peers/llama_cpp_python-0.3.36/vendor/llama.cpp") if Path(p).is_dir()), "llama.cpp"))
 
 
 @pytest.fixture(scope="module")
@@ -61,40 +49,16 @@ def _load(files, q="f32", **kw):
 
 def test_config_is_the_folders(files, tiny_vl):
     """The Qwen3VLMoeConfig built from the two files' metadata is the folder's config.json."""
-    got = open_weights(files["lm"], mmproj=files["f32"]).config().to_dict()
-    want = AutoConfig.from_pretrained(tiny_vl).to_dict()
-    for part in ("vision_config", "text_config"):
-        for k, v in want[part].items():
-            if k in ("dtype", "transformers_version"):
-                continue
-            assert got[part][k] == pytest.approx(v, rel=1e-6) if isinstance(v, float) else got[part][k] == v, (part, k)
-    for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
-              "tie_word_embeddings", "architectures"):
-        assert got[k] == want[k], k
+    check_config_is_the_folders(files["lm"], files["f32"], tiny_vl)
 
 
 def test_vision_tensors_are_the_folders_bitwise(files, tiny_vl):
-    """Every ``model.visual.*`` tensor, the patch convolution put back together from its two halves."""
-    from safetensors.torch import load_file
-
-    src = open_weights(files["lm"], mmproj=files["f32"])
-    sd = load_file(next(Path(tiny_vl).glob("*.safetensors")))
-    visual = {k: v for k, v in sd.items() if k.startswith("model.visual.")}
-    assert sorted(n for n in src.names() if n.startswith("model.visual.")) == sorted(visual)
-    for k, v in visual.items():
-        assert torch.equal(src.tensor(k), v), k
-    src.validate()
+    check_vision_tensors_bitwise(files["lm"], files["f32"], tiny_vl)
 
 
 def test_image_processor_from_the_mmproj(files, ref):
-    """Without a folder, the processor the mmproj describes gives the folder's pixels and tokens."""
     tok, processor, _ = ref
-    src = open_weights(files["lm"], mmproj=files["f32"])
-    mine = load_processor(None, src.config(), tok, src)
-    a, b = chat_inputs(tok, processor), chat_inputs(tok, mine)
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+    check_processor_from_the_mmproj(files["lm"], files["f32"], tok, processor)
 
 
 def test_f32_logits_bitwise_equal_the_safetensors_load(files, ref, tiny_vl):
@@ -110,13 +74,7 @@ def test_f32_logits_bitwise_equal_the_safetensors_load(files, ref, tiny_vl):
 
 @pytest.mark.parametrize("q", ["f16", "q8_0"])
 def test_quantized_mmproj_logits_within_tolerance(files, ref, q):
-    tok, processor, hf = ref
-    inputs = chat_inputs(tok, processor)
-    with torch.no_grad():
-        got, want = _load(files, q)(**inputs).logits, hf(**inputs).logits
-        blank = hf(**dict(inputs, pixel_values=torch.zeros_like(inputs["pixel_values"]))).logits
-    assert rel(got, want) < TOL[q]
-    assert rel(blank, want) > 10 * TOL[q]  # the tolerance is far below what the picture changes
+    check_quantized_logits(files["lm"], files[q], q, *ref)
 
 
 def test_generator_greedy_tokens_equal_generate(files, ref):
@@ -148,12 +106,6 @@ def test_language_model_alone_is_a_text_model(files, ref):
 
 
 # ---- bad input ---------------------------------------------------------------------------------
-
-def _one_line(excinfo) -> str:
-    msg = str(excinfo.value)
-    assert "\n" not in msg
-    return msg
-
 
 def test_text_only_model_refuses_an_mmproj(files, tiny_vl):
     text = write_lm_gguf(tiny_vl, files["dir"] / "text.gguf", arch="qwen3moe")
@@ -249,60 +201,20 @@ def test_server_settings_mmproj(files, tmp_path):
 
 
 def test_server_engine_gguf_with_mmproj(files, ref):
-    """The server's load (``build_engine``) takes pictures with a GGUF and its mmproj, no folder."""
-    from ktransformers.server.main import build_engine, parse_settings
-
-    engine = build_engine(parse_settings(["--gguf_path", str(files["lm"]), "--mmproj", str(files["f32"]),
-                                          "--backend_type", "ktransformers", "--cpu_infer", "1"]))
-    support = engine.images
-    assert support is not None and support.markup == "<|vision_start|><|image_pad|><|vision_end|>"
     tok, processor, _ = ref
-    a = chat_inputs(tok, processor)
-    b = chat_inputs(tok, support.processor)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    check_server_engine_images(files["lm"], files["f32"], "<|vision_start|><|image_pad|><|vision_end|>", tok, processor)
 
 
 # ---- llama.cpp's own converter -----------------------------------------------------------------
 
-_CONVERT = """
-import sys
-from pathlib import Path
-sys.path.insert(0, sys.argv[1]); sys.path.insert(1, sys.argv[1] + "/gguf-py")
-import gguf, torch
-import convert_hf_to_gguf as conv
-from conversion import ModelBase, ModelType
-d = Path(sys.argv[2])
-cls = conv.get_model_class(conv.get_model_architecture(ModelBase.load_hparams(d, False), ModelType.MMPROJ), mmproj=True)
-with torch.inference_mode():
-    cls(d, {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                 "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[sys.argv[4]], Path(sys.argv[3])).write()
-"""
-
-
-@pytest.mark.skipif(not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file(), reason="llama.cpp's sources not found")
+@needs_llama_cpp
 @pytest.mark.parametrize("q", ["f32", "f16", "q8_0"])
 def test_llama_cpp_converter_mmproj(files, ref, tiny_vl, q):
     """``convert_hf_to_gguf.py --mmproj`` on the tiny folder: the same tensors and keys as ``vl_gguf``
     writes (bar the pixel bounds the release's files lack), and the same logits."""
-    out = files["dir"] / f"mmproj-llama-{q}.gguf"
-    r = subprocess.run([sys.executable, "-c", _CONVERT, str(LLAMA_CPP), str(tiny_vl), str(out), q],
-                       capture_output=True, text=True, timeout=300)
-    if r.returncode:
-        pytest.skip(f"llama.cpp's converter did not run here: {r.stderr.strip().splitlines()[-1:]}")
-    from ktransformers.weights.gguf_source import GGUFSource
-
-    theirs, mine = GGUFSource(out), GGUFSource(files[q])
-    assert {n: (t.shape, t.type.name) for n, t in theirs._tensors.items()} == \
-        {n: (t.shape, t.type.name) for n, t in mine._tensors.items()}
-    for k in mine.metadata:
-        if not k.startswith("general.") and k not in ("clip.vision.image_min_pixels", "clip.vision.image_max_pixels"):
-            assert theirs.metadata.get(k) == mine.metadata.get(k), k
     tok, processor, _ = ref
-    inputs = chat_inputs(tok, processor)
-    with torch.no_grad():
-        a = load_model(open_weights(files["lm"], mmproj=out), allow_unmatched=False)(**inputs).logits
-        b = _load(files, q)(**inputs).logits
-    assert torch.equal(a, b)
+    check_llama_cpp_converter(tiny_vl, files["lm"], files[q], files["dir"] / f"mmproj-llama-{q}.gguf", q,
+                              chat_inputs(tok, processor))
 
 
 # ---- fuzz ---------------------------------------------------------------------------------------
@@ -312,40 +224,16 @@ from hypothesis import HealthCheck, given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from fuzzing import fuzz_settings  # noqa: E402
 
-_KEYS = {
-    "clip.projector_type": ("str", st.sampled_from(["qwen3vl_merger", "qwen2vl_merger", "", "gemma3"])),
-    "clip.vision.projection_dim": ("u32", st.integers(0, 200)),
-    "clip.vision.image_size": ("u32", st.integers(0, 300)),
-    "clip.vision.patch_size": ("u32", st.integers(0, 40)),
-    "clip.vision.embedding_length": ("u32", st.integers(0, 80)),
-    "clip.vision.feed_forward_length": ("u32", st.integers(0, 80)),
-    "clip.vision.block_count": ("u32", st.integers(0, 4)),
-    "clip.vision.attention.head_count": ("u32", st.integers(0, 40)),
-    "clip.vision.spatial_merge_size": ("u32", st.integers(0, 5)),
-    "clip.vision.image_min_pixels": ("u32", st.integers(0, 1 << 20)),
-    "clip.vision.image_max_pixels": ("u32", st.integers(0, 1 << 20)),
-    "clip.vision.image_mean": ("f32arr", st.lists(st.floats(allow_nan=True, width=32), max_size=4)),
+_KEYS = metadata_keys(["qwen3vl_merger", "qwen2vl_merger", "", "gemma3"], {
     "clip.vision.image_std": ("f32arr", st.lists(st.floats(allow_nan=True, width=32), max_size=4)),
     "clip.vision.is_deepstack_layers": ("boolarr", st.lists(st.booleans(), max_size=4)),
-}
+})
 
 
 @fuzz_settings(40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_fuzz_mmproj_metadata(files, tiny_vl, data):
-    """Random values (or no value) for the keys the reader uses: the tower is read and its config
-    builds, or a one-line WeightError names the file."""
-    keys = data.draw(st.lists(st.sampled_from(sorted(_KEYS)), min_size=1, max_size=3, unique=True))
-    meta = {}
-    for k in keys:
-        kind, strat = _KEYS[k]
-        v = data.draw(st.none() | strat)
-        meta[k] = None if v is None or (kind.endswith("arr") and not v) else (kind, v)
-    bad = write_mmproj(tiny_vl, files["dir"] / "fuzz.gguf", meta=meta)
-    try:
-        src = open_weights(files["lm"], mmproj=bad)
-        src.config()
-        src.image_processor()
-    except WeightError as e:
-        msg = str(e)
-        assert "\n" not in msg and (str(bad) in msg or "--mmproj" in msg), msg
+    """Random values (or no value) for the keys the reader uses: the tower is read, its config and
+    processor build and it validates, or a one-line WeightError names the file."""
+    check_fuzzed_metadata(data, _KEYS, lambda meta: write_mmproj(tiny_vl, files["dir"] / "fuzz.gguf", meta=meta),
+                          files["lm"])

@@ -6,14 +6,10 @@ The files are written from the tiny GLM-4.5V with llama.cpp's names (``glm4v_ggu
 with llama.cpp's own converter's output where its sources are at hand).  References: the same folder
 loaded from safetensors through the same rules (F32 files: vision tower output and logits bitwise
 equal), transformers' unmodified model (F32: within 1e-4 of max |logit|; F16 mmproj: within 2e-3,
-the bound the Qwen3-VL mmproj test states for F16).
+the bounds mmproj_checks.TOL states).
 """
 
 from __future__ import annotations
-
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,11 +17,13 @@ from transformers import AutoConfig
 
 from ktransformers import load_model
 from ktransformers.errors import WeightError
-from ktransformers.multimodal.processor import load_processor
 from ktransformers.weights import open_weights
 
 from .glm4v_gguf import write_glm4v_lm_gguf, write_glm4v_mmproj
-from .test_mmproj import LLAMA_CPP, TOL  # llama.cpp's sources; the Qwen3-VL test's F32 / F16 bounds
+from .mmproj_checks import (TOL, check_config_is_the_folders, check_fuzzed_metadata, check_llama_cpp_converter,
+                            check_processor_from_the_mmproj, check_quantized_logits, check_server_engine_images,
+                            check_vision_tensors_bitwise, metadata_keys, needs_llama_cpp)
+from .mmproj_checks import one_line as _one_line
 from .vl_checks import chat_inputs, reference, rel
 from .vl_gguf import write_lm_gguf, write_mmproj
 
@@ -57,36 +55,13 @@ def models(files, folder):
             load_model(folder, model_path=folder, allow_unmatched=False))
 
 
-def _one_line(excinfo) -> str:
-    msg = str(excinfo.value)
-    assert "\n" not in msg
-    return msg
-
-
 def test_config_is_the_folders(files, folder):
     """The Glm4vMoeConfig built from the two files is the folder's config.json (epsilons as F32)."""
-    got = open_weights(files["lm"], mmproj=files["f32"]).config().to_dict()
-    want = AutoConfig.from_pretrained(folder).to_dict()
-    for part in ("vision_config", "text_config"):
-        for k, v in want[part].items():
-            if k in ("dtype", "transformers_version"):
-                continue
-            assert got[part][k] == pytest.approx(v, rel=1e-6) if isinstance(v, float) else got[part][k] == v, (part, k)
-    for k, v in want.items():
-        if k not in ("vision_config", "text_config", "dtype", "transformers_version", "_name_or_path"):
-            assert got[k] == v, k
+    check_config_is_the_folders(files["lm"], files["f32"], folder)
 
 
 def test_vision_tensors_are_the_folders_bitwise(files, folder):
-    from safetensors.torch import load_file
-
-    src = open_weights(files["lm"], mmproj=files["f32"])
-    sd = load_file(next(Path(folder).glob("*.safetensors")))
-    visual = {k: v for k, v in sd.items() if k.startswith("model.visual.")}
-    assert sorted(n for n in src.names() if n.startswith("model.visual.")) == sorted(visual)
-    for k, v in visual.items():
-        assert torch.equal(src.tensor(k), v), k
-    src.validate()
+    check_vision_tensors_bitwise(files["lm"], files["f32"], folder)
 
 
 def test_vision_tower_output_bitwise_equal_the_safetensors_load(models, ref):
@@ -103,14 +78,8 @@ def test_vision_tower_output_bitwise_equal_the_safetensors_load(models, ref):
 
 
 def test_image_processor_from_the_mmproj(files, ref):
-    """Without a folder, the processor the mmproj describes gives the folder's pixels and tokens."""
     tok, processor, _ = ref
-    src = open_weights(files["lm"], mmproj=files["f32"])
-    mine = load_processor(None, src.config(), tok, src)
-    a, b = chat_inputs(tok, processor), chat_inputs(tok, mine)
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+    check_processor_from_the_mmproj(files["lm"], files["f32"], tok, processor)
 
 
 @pytest.mark.parametrize("images", [1, 2])
@@ -125,14 +94,7 @@ def test_f32_logits_bitwise_equal_the_safetensors_load(models, ref, images):
 
 
 def test_f16_mmproj_logits_within_tolerance(files, ref):
-    tok, processor, hf = ref
-    inputs = chat_inputs(tok, processor)
-    with torch.no_grad():
-        got = load_model(files["lm"], mmproj=files["f16"], allow_unmatched=False)(**inputs).logits
-        want = hf(**inputs).logits
-        blank = hf(**dict(inputs, pixel_values=torch.zeros_like(inputs["pixel_values"]))).logits
-    assert rel(got, want) < TOL["f16"]
-    assert rel(blank, want) > 10 * TOL["f16"]  # the tolerance is far below what the picture changes
+    check_quantized_logits(files["lm"], files["f16"], "f16", *ref)
 
 
 def test_mtp_block_of_the_language_model_is_left_out(files, ref):
@@ -179,16 +141,8 @@ def test_local_chat_gguf_with_mmproj(files, folder, ref, tmp_path):
 
 
 def test_server_engine_gguf_with_mmproj(files, ref):
-    """The server's load (``build_engine``) takes pictures with the GGUF and its mmproj, no folder."""
-    from ktransformers.server.main import build_engine, parse_settings
-
-    engine = build_engine(parse_settings(["--gguf_path", str(files["lm"]), "--mmproj", str(files["f32"]),
-                                          "--backend_type", "ktransformers", "--cpu_infer", "1"]))
-    support = engine.images
-    assert support is not None and support.markup == "<|begin_of_image|><|image|><|end_of_image|>"
     tok, processor, _ = ref
-    a, b = chat_inputs(tok, processor), chat_inputs(tok, support.processor)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    check_server_engine_images(files["lm"], files["f32"], "<|begin_of_image|><|image|><|end_of_image|>", tok, processor)
 
 
 # ---- bad input ---------------------------------------------------------------------------------
@@ -291,45 +245,14 @@ def test_local_chat_ernie_mmproj_refusal(files, tiny_model_dir):
 
 # ---- llama.cpp's own converter -----------------------------------------------------------------
 
-_CONVERT = """
-import sys
-from pathlib import Path
-sys.path.insert(0, sys.argv[1]); sys.path.insert(1, sys.argv[1] + "/gguf-py")
-import gguf, torch
-import convert_hf_to_gguf as conv
-from conversion import ModelBase, ModelType
-d = Path(sys.argv[2])
-cls = conv.get_model_class(conv.get_model_architecture(ModelBase.load_hparams(d, False), ModelType.MMPROJ), mmproj=True)
-with torch.inference_mode():
-    cls(d, {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16}[sys.argv[4]], Path(sys.argv[3])).write()
-"""
-
-
-@pytest.mark.skipif(not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file(), reason="llama.cpp's sources not found")
+@needs_llama_cpp
 @pytest.mark.parametrize("q", ["f32", "f16"])
 def test_llama_cpp_converter_mmproj(files, folder, ref, q):
     """``convert_hf_to_gguf.py --mmproj`` on the tiny folder: the same tensors and keys as
     ``glm4v_gguf`` writes (bar the pixel bounds the converter does not write), and the same logits."""
-    out = files["dir"] / f"mmproj-llama-{q}.gguf"
-    r = subprocess.run([sys.executable, "-c", _CONVERT, str(LLAMA_CPP), str(folder), str(out), q],
-                       capture_output=True, text=True, timeout=300)
-    if r.returncode:
-        pytest.skip(f"llama.cpp's converter did not run here: {r.stderr.strip().splitlines()[-1:]}")
-    from ktransformers.weights.gguf_source import GGUFSource
-
-    theirs, mine = GGUFSource(out), GGUFSource(files[q])
-    assert {n: (t.shape, t.type.name) for n, t in theirs._tensors.items()} == \
-        {n: (t.shape, t.type.name) for n, t in mine._tensors.items()}
-    bounds = ("clip.vision.image_min_pixels", "clip.vision.image_max_pixels")
-    for k in set(mine.metadata) | set(theirs.metadata):
-        if not k.startswith("general.") and k not in bounds:
-            assert theirs.metadata.get(k) == mine.metadata.get(k), k
     tok, processor, _ = ref
-    inputs = chat_inputs(tok, processor)
-    with torch.no_grad():
-        a = load_model(open_weights(files["lm"], mmproj=out), allow_unmatched=False)(**inputs).logits
-        b = load_model(files["lm"], mmproj=files[q], allow_unmatched=False)(**inputs).logits
-    assert torch.equal(a, b)
+    check_llama_cpp_converter(folder, files["lm"], files[q], files["dir"] / f"mmproj-llama-{q}.gguf", q,
+                              chat_inputs(tok, processor))
 
 
 # ---- fuzz ---------------------------------------------------------------------------------------
@@ -339,22 +262,10 @@ from hypothesis import HealthCheck, given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from fuzzing import fuzz_settings  # noqa: E402
 
-_KEYS = {
-    "clip.projector_type": ("str", st.sampled_from(["glm4v", "glm5v", "qwen3vl_merger", ""])),
-    "clip.vision.projection_dim": ("u32", st.integers(0, 200)),
-    "clip.vision.image_size": ("u32", st.integers(0, 300)),
-    "clip.vision.patch_size": ("u32", st.integers(0, 40)),
-    "clip.vision.embedding_length": ("u32", st.integers(0, 80)),
-    "clip.vision.feed_forward_length": ("u32", st.integers(0, 80)),
-    "clip.vision.block_count": ("u32", st.integers(0, 4)),
-    "clip.vision.attention.head_count": ("u32", st.integers(0, 40)),
-    "clip.vision.spatial_merge_size": ("u32", st.integers(0, 5)),
+_KEYS = metadata_keys(["glm4v", "glm5v", "qwen3vl_merger", ""], {
     "clip.vision.attention.layer_norm_epsilon": ("f32", st.floats(allow_nan=True, width=32)),
     "clip.use_silu": ("bool", st.booleans()),
-    "clip.vision.image_min_pixels": ("u32", st.integers(0, 1 << 20)),
-    "clip.vision.image_max_pixels": ("u32", st.integers(0, 1 << 20)),
-    "clip.vision.image_mean": ("f32arr", st.lists(st.floats(allow_nan=True, width=32), max_size=4)),
-}
+})
 
 
 @fuzz_settings(30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -362,18 +273,5 @@ _KEYS = {
 def test_fuzz_glm4v_mmproj_metadata(files, folder, data):
     """Random values (or no value) for the keys the reader uses: the tower is read, its config and
     processor build and it validates, or a one-line WeightError names a file."""
-    keys = data.draw(st.lists(st.sampled_from(sorted(_KEYS)), min_size=1, max_size=3, unique=True))
-    meta = {}
-    for k in keys:
-        kind, strat = _KEYS[k]
-        v = data.draw(st.none() | strat)
-        meta[k] = None if v is None or (kind.endswith("arr") and not v) else (kind, v)
-    bad = write_glm4v_mmproj(folder, files["dir"] / "fuzz.gguf", meta=meta)
-    try:
-        src = open_weights(files["lm"], mmproj=bad)
-        src.config()
-        src.image_processor()
-        src.validate()
-    except WeightError as e:
-        msg = str(e)
-        assert "\n" not in msg and (str(bad) in msg or "--mmproj" in msg), msg
+    check_fuzzed_metadata(data, _KEYS, lambda meta: write_glm4v_mmproj(folder, files["dir"] / "fuzz.gguf", meta=meta),
+                          files["lm"])
