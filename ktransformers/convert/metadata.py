@@ -91,11 +91,13 @@ def metadata_for(config, arch: str, tensor_names: Iterable[str]) -> dict[str, tu
         sigmoid = c.model_type == "deepseek_v3" or getattr(c, "scoring_func", "softmax") == "sigmoid"
         md[f"{A}.expert_gating_func"] = ("u32", 2 if sigmoid or A in gn.DSA_ARCHS else 1)
     # the MTP block, as llama.cpp counts it: one more block, with its entry in the per-layer keys
-    mtp = f"blk.{c.num_hidden_layers}.nextn.eh_proj.weight" in set(tensor_names)
+    names, n = set(tensor_names), c.num_hidden_layers
+    mtp = f"blk.{n}.nextn.eh_proj.weight" in names
     if A in gn.DSA_ARCHS:
-        from ..generation.mtp import mtp_config
+        from ..generation.mtp import has_own_indexer, mtp_config
 
-        md.update(gn.dsa_metadata(mtp_config(c) if mtp else c, A))
+        own = has_own_indexer([gn.name_map(A).gguf_to_hf(t) or "" for t in names], n)
+        md.update(gn.dsa_metadata(mtp_config(c, own) if mtp else c, A))
     if A == "gemma3":
         md[f"{A}.attention.sliding_window"] = ("u32", c.sliding_window)
     if A == "glm4moe":

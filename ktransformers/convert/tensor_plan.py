@@ -49,14 +49,14 @@ def _mtp_params(config, ckpt: Checkpoint, arch: str) -> list[tuple[str, tuple[in
     of the embedding and output head are left out (the drafter reads the model's)."""
     if arch not in gn.NEXTN_ARCHS:
         return []
-    from ..generation.mtp import MTP_TENSORS, mtp_config
+    from ..generation.mtp import MTP_TENSORS, has_own_indexer, mtp_config
 
     n, H = int(config.num_hidden_layers), int(config.hidden_size)
     p = f"model.layers.{n}."
     if not ckpt.has(p + MTP_TENSORS[0]):
         return []
     own = {"eh_proj.weight": (H, 2 * H)}
-    return [(k, s) for k, s in _model_params(mtp_config(config)) if k.startswith(p)] + [
+    return [(k, s) for k, s in _model_params(mtp_config(config, has_own_indexer(ckpt.keys, n))) if k.startswith(p)] + [
         (p + t, own.get(t, (H,))) for t in MTP_TENSORS]
 
 

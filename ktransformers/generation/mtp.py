@@ -45,21 +45,27 @@ from ..errors import ConfigError, WeightError
 MTP_MODEL_TYPES = ("deepseek_v3", "glm4_moe", "deepseek_v32", "glm_moe_dsa")
 #: the MTP layer's own tensors (beside its decoder layer's), under ``model.layers.{num_hidden_layers}.``
 MTP_TENSORS = ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight")
-#: the MTP layer's entry in the config's per-layer lists: a MoE block; DSA: its own indexer (else
-#: the last layer's kind)
-_MTP_LAYER_KIND = {"mlp_layer_types": "sparse", "indexer_types": "full"}
 
 
-def mtp_config(config):
+def has_own_indexer(names, n: int) -> bool:
+    """Whether HF ``names`` hold any tensor of layer ``n``'s sparse-attention indexer (GLM-5's MTP
+    layer runs its own where the weights hold one, else it is a "shared" layer: ``mtp_config``)."""
+    p = f"model.layers.{n}.self_attn.indexer."
+    return any(x.startswith(p) for x in names)
+
+
+def mtp_config(config, own_indexer: bool = True):
     """A copy of ``config`` with the MTP layer as one more layer (``num_hidden_layers + 1``; the
-    per-layer lists DeepSeek-V3.2 / GLM-5 configs validate against it extended by its entry)."""
+    per-layer lists DeepSeek-V3.2 / GLM-5 configs validate against it extended by its entry: a MoE
+    block, the last layer's attention kind, its own indexer or, without one, GLM-5's "shared")."""
     cfg = copy.deepcopy(config)
     n = int(cfg.num_hidden_layers)
     cfg.num_hidden_layers = n + 1
+    kind = {"mlp_layer_types": "sparse", "indexer_types": "full" if own_indexer else "shared"}
     for key in ("layer_types", "mlp_layer_types", "indexer_types"):
         got = getattr(cfg, key, None)
         if isinstance(got, list) and len(got) == n:
-            setattr(cfg, key, [*got, _MTP_LAYER_KIND.get(key, got[-1])])
+            setattr(cfg, key, [*got, kind.get(key, got[-1])])
     return cfg
 
 
@@ -92,7 +98,7 @@ def load_mtp_layer(model):
     for t, ok in zip(MTP_TENSORS, have):
         if not ok:
             raise WeightError(f"--speculative mtp: the MTP layer is incomplete: {src.missing(prefix + t)}")
-    one = build_model(mtp_config(model.config))  # on the meta device: only layer n is kept, injected and loaded
+    one = build_model(mtp_config(model.config, has_own_indexer(src.names(), n)))  # on the meta device: only layer n is kept, injected and loaded
     layer = one.model.layers[n]
     norm_cls, H, eps = type(layer.input_layernorm), int(config.hidden_size), float(config.rms_norm_eps)
     with torch.device("meta"):

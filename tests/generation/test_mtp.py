@@ -43,12 +43,14 @@ def mtp_dir(tmp_path_factory, family) -> Path:
     return write_mtp_checkpoint(family, tmp_path_factory.mktemp(f"{family}-mtp"))
 
 
-def write_mtp_checkpoint(family: str, d: Path) -> Path:
-    """A tiny folder of ``family`` whose checkpoint holds a random MTP layer after its 3 decoder layers."""
+def write_mtp_checkpoint(family: str, d: Path, own_indexer: bool = True) -> Path:
+    """A tiny folder of ``family`` whose checkpoint holds a random MTP layer after its 3 decoder layers
+    (GLM-5: with its own indexer, or without one)."""
     from safetensors.torch import load_file, save_file
 
     lists = ("layer_types", "mlp_layer_types", "indexer_types")  # per layer: the MTP layer's entry too
-    four = {k: v for k, v in vars(mtp_config(tiny_config(family))).items() if k in lists and v is not None}
+    four = {k: v for k, v in vars(mtp_config(tiny_config(family), own_indexer)).items()
+            if k in lists and v is not None}
     write_tiny_model(family, d, seed=4, num_hidden_layers=4, **four)  # layer 3: the MTP layer's decoder layer
     sd = load_file(d / "model.safetensors")
     g = torch.Generator().manual_seed(5)

@@ -130,3 +130,16 @@ def test_the_safetensors_checkpoints_layer_is_read_too(dsa_dir):
     layer = load_mtp_layer(m)
     assert layer.self_attn.indexer is not None and torch.equal(
         layer.enorm.weight, SafetensorsSource(dsa_dir / "model.safetensors").tensor("model.layers.3.enorm.weight"))
+
+
+def test_a_glm5_mtp_layer_without_its_own_indexer(tmp_path):
+    """GLM-5's per-layer indexer types: an MTP layer whose weights hold no indexer is written and read
+    as a "shared" layer (as llama.cpp counts the block in ``attention.indexer.types``)."""
+    d = write_mtp_checkpoint("glm_moe_dsa", tmp_path / "ckpt", own_indexer=False)
+    path = convert(d, tmp_path / "f32.gguf", "F32", "F32", "F32", tokenizer=False)
+    r = gguf.GGUFReader(path)
+    assert r.fields["glm-dsa.attention.indexer.types"].contents() == [True, True, False, False]
+    assert not any(t.name.startswith("blk.3.indexer.") for t in r.tensors)
+    m = load_model(path, model_path=d)
+    layer = load_mtp_layer(m)
+    assert layer.self_attn.indexer is None and layer.eh_proj is not None
