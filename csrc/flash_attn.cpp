@@ -1,5 +1,6 @@
 // Causal prompt attention and the decode step's chunks: checks and the tier's kernel
-// (flash_attn_avx512.cpp on AVX512-BF16 and up, flash_attn_avx2.cpp on AVX2 + FMA), and the chunk
+// (flash_attn_avx512.cpp on AVX512-BF16 and up, flash_attn_avx512f.cpp on AVX-512 without BF16,
+// flash_attn_avx2.cpp on AVX2 + FMA), and the chunk
 // merge both share.  Compiled at the baseline: nothing here may run an instruction the CPU lacks
 // before the tier is known, and the merge's arithmetic (no fma contraction) is one for every tier.
 #include "flash_attn.h"
@@ -42,8 +43,11 @@ __attribute__((noinline)) void finish_row(const float* O, float L, float* out, i
 }
 
 void flash_decode_chunk(const FlashArgs& a, int g, int c0, bool bf16_pv, float* part) {
-  if (active_tier() >= IsaTier::AVX512BF16)
+  const IsaTier t = active_tier();
+  if (t >= IsaTier::AVX512BF16)
     flash_decode_chunk_avx512(a, g, c0, bf16_pv, part);
+  else if (t >= IsaTier::AVX512)
+    flash_decode_chunk_avx512f(a, g, c0, part);
   else
     flash_decode_chunk_avx2(a, g, c0, part);
 }
@@ -63,8 +67,11 @@ void flash_attn_prefill(ThreadPool& pool, const float* q, size_t q_tok, size_t q
     throw std::invalid_argument("flash_attn_prefill: key_first must be in 0 .. the first visible key, without pages");
   const FlashArgs a{q, q_tok, q_head, k, v, kv_head, kv_tok, out, o_tok, o_head, H, Hkv, T, D, start, window, scale,
                     pages, page_size, key_first};
-  if (active_tier() >= IsaTier::AVX512BF16)
+  const IsaTier t = active_tier();
+  if (t >= IsaTier::AVX512BF16)
     flash_attn_prefill_avx512(pool, a, bf16_pv);
+  else if (t >= IsaTier::AVX512)
+    flash_attn_prefill_avx512f(pool, a);
   else
     flash_attn_prefill_avx2(pool, a);
 }

@@ -1,5 +1,5 @@
-// Causal prompt attention (flash-style) on AVX2 + FMA, fp32 throughout: the tiers below AVX512-BF16
-// (Zen 3, AVX-512 without BF16) read a prompt with the same algorithm as flash_attn_avx512.cpp.
+// Causal prompt attention (flash-style) on AVX2 + FMA, fp32 throughout: the tiers below AVX-512
+// (Zen 3, Alder Lake) read a prompt with the same algorithm as flash_attn_avx512.inc.
 // Compiled with the AVX2 flags (CMakeLists.txt); flash_attn.cpp calls it on those tiers.
 //
 // Work item: one KV head g and a block of kQ query tokens (the G = H / Hkv query heads sharing g,

@@ -271,7 +271,10 @@ void run_items(ThreadPool& pool, const FlashArgs& a, Item item) {
 // AVX512-BF16 tier and up: fp32, or P V on bf16 pairs (bf16_pv)
 void flash_attn_prefill_avx512(ThreadPool& pool, const FlashArgs& a, bool bf16_pv);
 void flash_decode_chunk_avx512(const FlashArgs& a, int g, int c0, bool bf16_pv, float* part);
-// AVX2 + FMA (and AVX-512 without BF16): fp32 throughout
+// AVX-512 without BF16 (avx512, avx512vnni tiers): the same kernel, fp32 throughout
+void flash_attn_prefill_avx512f(ThreadPool& pool, const FlashArgs& a);
+void flash_decode_chunk_avx512f(const FlashArgs& a, int g, int c0, float* part);
+// AVX2 + FMA: fp32 throughout
 void flash_attn_prefill_avx2(ThreadPool& pool, const FlashArgs& a);
 void flash_decode_chunk_avx2(const FlashArgs& a, int g, int c0, float* part);
 

@@ -4,7 +4,8 @@ An ``AttentionInterface`` function that transformers' own attention modules call
 Mixtral, GLM, Gemma ... every family whose attention is not swapped by a rule).  A prompt chunk of
 one sequence on the CPU goes to :func:`ktransformers.kernels.flash_attention`: only the keys each
 query sees, no ``T x S`` matrix, fp32 scores and sums, the probability x value product on bf16
-pairs on AVX512-BF16 tiers (1.5-2.5x torch's CPU flash kernel, bench/attention.py), fp32 on AVX2.  ``KT_FLASH_ATTN=fp32`` keeps that
+pairs on AVX512-BF16 tiers (1.5-2.5x torch's CPU flash kernel, bench/attention.py), fp32 on AVX-512 without
+BF16 and on AVX2.  ``KT_FLASH_ATTN=fp32`` keeps that
 product in fp32 too (0.6-1.2x torch's speed, results within fp32 rounding of transformers').
 
 Everything else goes to transformers' ``sdpa`` function unchanged: decode (one query: the lean

@@ -1,9 +1,9 @@
-"""Causal prompt attention (kernels.flash_attention, csrc/flash_attn_avx512.cpp on AVX512-BF16 and
-up, csrc/flash_attn_avx2.cpp on AVX2) against float64 softmax attention on the same q / k / v; the
+"""Causal prompt attention (kernels.flash_attention, csrc/flash_attn_avx512.inc on AVX-512 -- bf16
+P x V from AVX512-BF16 up --, csrc/flash_attn_avx2.cpp on AVX2) against float64 softmax attention on the same q / k / v; the
 paged form (kernels.flash_attention_paged, keys scattered over a page pool) bitwise against it.
 
 Tolerances (||out - ref|| / ||ref||): 1e-5 fp32 (measured 1e-7 .. 4e-7); 5e-3 with ``bf16_pv``
-(probabilities and values rounded to bf16; measured 1.7e-3 .. 2.2e-3; the AVX2 kernel keeps fp32).  Shapes cover 1 and 7
+(probabilities and values rounded to bf16; measured 1.7e-3 .. 2.2e-3; below AVX512-BF16 the kernels keep fp32).  Shapes cover 1 and 7
 tokens, GQA group sizes 1 / 4 / 8, head sizes 64 / 128 / 256, a chunk after a cached prefix, a
 sliding window, key blocks that end partial, and 4096 / 16384 tokens (the long ones against
 reference rows sampled across the prompt).
