@@ -14,31 +14,9 @@ struct TypeTable {
   TypeInfo t[kMaxGgmlType];
   TypeTable() {
     for (auto& e : t) e = TypeInfo{nullptr, 0, 0, false};
-    t[GGML_F32] = {"F32", 1, 4, true};
-    t[GGML_F16] = {"F16", 1, 2, true};
-    t[GGML_BF16] = {"BF16", 1, 2, true};
-    t[GGML_Q4_0] = {"Q4_0", 32, 18, true};
-    t[GGML_Q4_1] = {"Q4_1", 32, 20, true};
-    t[GGML_Q5_0] = {"Q5_0", 32, 22, true};
-    t[GGML_Q5_1] = {"Q5_1", 32, 24, true};
-    t[GGML_Q8_0] = {"Q8_0", 32, 34, true};
-    t[GGML_Q8_1] = {"Q8_1", 32, 40, false};
-    t[GGML_Q2_K] = {"Q2_K", 256, 84, true};
-    t[GGML_Q3_K] = {"Q3_K", 256, 110, true};
-    t[GGML_Q4_K] = {"Q4_K", 256, 144, true};
-    t[GGML_Q5_K] = {"Q5_K", 256, 176, true};
-    t[GGML_Q6_K] = {"Q6_K", 256, 210, true};
-    t[GGML_Q8_K] = {"Q8_K", 256, 292, false};
-    t[GGML_IQ4_NL] = {"IQ4_NL", 32, 18, true};
-    t[GGML_IQ4_XS] = {"IQ4_XS", 256, 136, true};
-    t[GGML_MXFP4] = {"MXFP4", 32, 17, true};
-    t[GGML_IQ2_XXS] = {"IQ2_XXS", 256, 66, true};
-    t[GGML_IQ2_XS] = {"IQ2_XS", 256, 74, true};
-    t[GGML_IQ2_S] = {"IQ2_S", 256, 82, true};
-    t[GGML_IQ3_XXS] = {"IQ3_XXS", 256, 98, true};
-    t[GGML_IQ3_S] = {"IQ3_S", 256, 110, true};
-    t[GGML_IQ1_S] = {"IQ1_S", 256, 50, true};
-    t[GGML_IQ1_M] = {"IQ1_M", 256, 56, true};
+#define KT_TYPE_ROW(name, id, elems, bytes, supported) t[id] = {#name, elems, bytes, supported};
+    KT_GGML_TYPES(KT_TYPE_ROW)
+#undef KT_TYPE_ROW
   }
 };
 const TypeTable& table() {

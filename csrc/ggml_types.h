@@ -8,15 +8,42 @@
 
 namespace kt {
 
-// Values are the GGUF / ggml type ids.
+// The one list of GGML types: X(name, GGUF / ggml type id, elements per block (1 for the float
+// types), bytes per block, usable as a weight type by the kernels).  The enum below, type_info()'s
+// table (ggml_types.cpp) and the reference quantizer's block sizes (quantize_ref.cpp) are built
+// from it; weights/ggml_types.py is Python's row per type, checked against type_info() by
+// tests/weights/test_type_table.py.  A new type is one row here (plus its kernels and dequant.inc).
+#define KT_GGML_TYPES(X)          \
+  X(F32, 0, 1, 4, true)           \
+  X(F16, 1, 1, 2, true)           \
+  X(Q4_0, 2, 32, 18, true)        \
+  X(Q4_1, 3, 32, 20, true)        \
+  X(Q5_0, 6, 32, 22, true)        \
+  X(Q5_1, 7, 32, 24, true)        \
+  X(Q8_0, 8, 32, 34, true)        \
+  X(Q8_1, 9, 32, 40, false)       \
+  X(Q2_K, 10, 256, 84, true)      \
+  X(Q3_K, 11, 256, 110, true)     \
+  X(Q4_K, 12, 256, 144, true)     \
+  X(Q5_K, 13, 256, 176, true)     \
+  X(Q6_K, 14, 256, 210, true)     \
+  X(Q8_K, 15, 256, 292, false)    \
+  X(IQ2_XXS, 16, 256, 66, true)   \
+  X(IQ2_XS, 17, 256, 74, true)    \
+  X(IQ3_XXS, 18, 256, 98, true)   \
+  X(IQ1_S, 19, 256, 50, true)     \
+  X(IQ4_NL, 20, 32, 18, true)     \
+  X(IQ3_S, 21, 256, 110, true)    \
+  X(IQ2_S, 22, 256, 82, true)     \
+  X(IQ4_XS, 23, 256, 136, true)   \
+  X(IQ1_M, 29, 256, 56, true)     \
+  X(BF16, 30, 1, 2, true)         \
+  X(MXFP4, 39, 32, 17, true)
+
 enum GgmlType : int {
-  GGML_F32 = 0, GGML_F16 = 1, GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7,
-  GGML_Q8_0 = 8, GGML_Q8_1 = 9, GGML_Q2_K = 10, GGML_Q3_K = 11, GGML_Q4_K = 12, GGML_Q5_K = 13,
-  GGML_Q6_K = 14, GGML_Q8_K = 15, GGML_IQ4_NL = 20, GGML_IQ4_XS = 23, GGML_BF16 = 30,
-  GGML_MXFP4 = 39,
-  // low-bit grid types (code books in iq_grids.h)
-  GGML_IQ2_XXS = 16, GGML_IQ2_XS = 17, GGML_IQ3_XXS = 18, GGML_IQ1_S = 19, GGML_IQ3_S = 21,
-  GGML_IQ2_S = 22, GGML_IQ1_M = 29,
+#define KT_TYPE_ENUM(name, id, elems, bytes, supported) GGML_##name = id,
+  KT_GGML_TYPES(KT_TYPE_ENUM)
+#undef KT_TYPE_ENUM
 };
 constexpr int kMaxGgmlType = 40;
 

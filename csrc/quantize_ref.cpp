@@ -3,6 +3,8 @@
 // block layouts are ggml's; the Python twin is ktransformers/weights/quantize.py.
 #include "quantize_ref.h"
 
+#include "ggml_types.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -27,7 +29,7 @@ namespace {
 
 constexpr int QK = 256;
 constexpr float GROUP_EPS = 1e-15f;
-constexpr int T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23;
+constexpr int T_Q4_K = GGML_Q4_K, T_Q5_K = GGML_Q5_K, T_Q6_K = GGML_Q6_K, T_IQ4_NL = GGML_IQ4_NL, T_IQ4_XS = GGML_IQ4_XS;
 
 // round half to even, like ggml's nearest_int: adding 1.5 * 2^23 leaves the rounded integer in the
 // low mantissa bits (exact for |v| < 2^22; larger values saturate, then clamp as before); inline, so the
@@ -417,13 +419,10 @@ KT_QUANT_CLONES void block_iq4_xs(const float* x, uint8_t* out) {
   std::memcpy(out + 2, &scales_h, 2);
 }
 
+// bytes of one block of the types with a quantizer here (the type list's row), else 0
 int block_bytes(int type) {
   switch (type) {
-    case T_Q4_K: return 144;
-    case T_Q5_K: return 176;
-    case T_Q6_K: return 210;
-    case T_IQ4_NL: return 18;
-    case T_IQ4_XS: return 136;
+    case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_NL: case T_IQ4_XS: return type_info(type).block_bytes;
     default: return 0;
   }
 }
@@ -435,7 +434,7 @@ bool quantize_rows_supported(int ggml_type) { return block_bytes(ggml_type) > 0;
 void quantize_rows(int type, const float* src, void* dst, int64_t nrows, int64_t n_per_row, int n_threads) {
   const int bb = block_bytes(type);
   if (!bb) throw std::invalid_argument("quantize_rows: ggml type " + std::to_string(type) + " is not supported");
-  const int be = type == T_IQ4_NL ? 32 : QK;
+  const int be = type_info(type).block_elems;
   if (n_per_row <= 0 || n_per_row % be)
     throw std::invalid_argument("quantize_rows: rows must be a multiple of " + std::to_string(be));
   const int64_t blocks = nrows * (n_per_row / be);
