@@ -29,7 +29,16 @@ constexpr int kR = 2;  // rows per register tile
 
 struct Scratch : WorkRows {
   alignas(32) float sc[kR][kK];  // scores of the row pair (memory, not registers: 16 ymm)
-  alignas(32) float pf[kR][kK];
+  std::vector<float> pf;         // [rows][kK]: probabilities of the block
+  std::vector<float> alpha;      // [rows]: the factor on a row's O before this block's P V
+  std::vector<uint8_t> live;     // [rows / kR]: some row of the pair sees a key of the block
+
+  void size(const FlashArgs& a, int tokens = kQ) {
+    WorkRows::size(a, tokens);
+    pf.assign(static_cast<size_t>(rows) * kK, 0.f);
+    alpha.assign(rows, 1.f);
+    live.assign(rows / kR + 1, 0);
+  }
 };
 
 inline float hsum(__m256 v) {
@@ -45,7 +54,9 @@ inline float hmax(__m256 v) {
 }
 
 // The item's rows (kv head g, query tokens [t0, t0 + nq)) over keys [jl, jh] of block [j0, j0 + kK):
-// one step of each row's online softmax within the current chunk.
+// one step of each row's online softmax within the current chunk.  Two passes over the rows
+// (scores and softmax of every row, then P V of every row), so each keeps one 32 KB block (keys,
+// then values) in L1; a row's arithmetic is the same as in one pass.
 // noinline: one body serves the prompt and the decode rows (the same instructions for both)
 __attribute__((noinline)) void attend_block(const FlashArgs& a, Scratch& s, int g, int t0, int nq, int j0, int jl, int jh) {
   const int D = a.D;
@@ -54,7 +65,8 @@ __attribute__((noinline)) void attend_block(const FlashArgs& a, Scratch& s, int 
   const float* kp = s.kp.data();
   for (int r0 = 0; r0 < s.rows; r0 += kR) {
     int kl[kR], kh[kR];
-    if (!visible_keys<kR>(a, s, t0, nq, jl, jh, r0, kl, kh)) continue;
+    s.live[r0 / kR] = visible_keys<kR>(a, s, t0, nq, jl, jh, r0, kl, kh);
+    if (!s.live[r0 / kR]) continue;
     const float* qrow[kR];
     for (int r = 0; r < kR; ++r) qrow[r] = s.q.data() + static_cast<size_t>(r0 + r) * D;
     for (int half = 0; half < 2; ++half) {  // S = Q K^T, 32 keys per pass
@@ -76,12 +88,12 @@ __attribute__((noinline)) void attend_block(const FlashArgs& a, Scratch& s, int 
       for (int r = 0; r < kR; ++r)
         for (int c = 0; c < 4; ++c) _mm256_storeu_ps(s.sc[r] + half * 32 + 8 * c, acc[r][c]);
     }
-    float alpha[kR];
     for (int r = 0; r < kR; ++r) {  // online softmax per row
       const int row = r0 + r;
+      float* prow = s.pf.data() + static_cast<size_t>(row) * kK;
       if (kh[r] < kl[r]) {  // nothing visible here: keep the row as it is
-        alpha[r] = 1.f;
-        std::memset(s.pf[r], 0, sizeof(s.pf[r]));
+        s.alpha[row] = 1.f;
+        std::memset(prow, 0, kK * sizeof(float));
         continue;
       }
       __m256 mx = _mm256_set1_ps(kMasked);
@@ -96,7 +108,8 @@ __attribute__((noinline)) void attend_block(const FlashArgs& a, Scratch& s, int 
         mx = _mm256_max_ps(mx, v);
       }
       const float m_old = s.m[row], m_new = std::max(m_old, hmax(mx));
-      alpha[r] = std::isinf(m_old) ? 0.f : std::exp2(m_old - m_new);
+      const float al = std::isinf(m_old) ? 0.f : std::exp2(m_old - m_new);
+      s.alpha[row] = al;
       s.m[row] = m_new;
       const __m256 mv = _mm256_set1_ps(m_new);
       __m256 sum = _mm256_setzero_ps();
@@ -106,10 +119,19 @@ __attribute__((noinline)) void attend_block(const FlashArgs& a, Scratch& s, int 
         const __m256 p0 = _mm256_andnot_ps(_mm256_cmp_ps(s0, masked, _CMP_EQ_OQ), exp2_ps256(_mm256_sub_ps(s0, mv)));
         const __m256 p1 = _mm256_andnot_ps(_mm256_cmp_ps(s1, masked, _CMP_EQ_OQ), exp2_ps256(_mm256_sub_ps(s1, mv)));
         sum = _mm256_add_ps(sum, _mm256_add_ps(p0, p1));
-        _mm256_storeu_ps(s.pf[r] + 8 * c, p0);
-        _mm256_storeu_ps(s.pf[r] + 8 * c + 8, p1);
+        _mm256_storeu_ps(prow + 8 * c, p0);
+        _mm256_storeu_ps(prow + 8 * c + 8, p1);
       }
-      s.l[row] = s.l[row] * alpha[r] + hsum(sum);
+      s.l[row] = s.l[row] * al + hsum(sum);
+    }
+  }
+  for (int r0 = 0; r0 < s.rows; r0 += kR) {
+    if (!s.live[r0 / kR]) continue;
+    float alpha[kR];
+    const float* pfr[kR];
+    for (int r = 0; r < kR; ++r) {
+      alpha[r] = s.alpha[r0 + r];
+      pfr[r] = s.pf.data() + static_cast<size_t>(r0 + r) * kK;
     }
     const float* V = a.v + static_cast<size_t>(g) * a.kv_head;
     for (int dh = 0; dh < D; dh += 32) {  // O = alpha O + P V, 32 d per pass
@@ -124,7 +146,7 @@ __attribute__((noinline)) void attend_block(const FlashArgs& a, Scratch& s, int 
         const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
         const __m256 v2 = _mm256_loadu_ps(vr + 16), v3 = _mm256_loadu_ps(vr + 24);
         for (int r = 0; r < kR; ++r) {
-          const __m256 pb = _mm256_set1_ps(s.pf[r][j]);
+          const __m256 pb = _mm256_set1_ps(pfr[r][j]);
           o[r][0] = _mm256_fmadd_ps(v0, pb, o[r][0]);
           o[r][1] = _mm256_fmadd_ps(v1, pb, o[r][1]);
           o[r][2] = _mm256_fmadd_ps(v2, pb, o[r][2]);
