@@ -6,7 +6,8 @@ one sequence on the CPU goes to :func:`ktransformers.kernels.flash_attention`: o
 query sees, no ``T x S`` matrix, fp32 scores and sums, the probability x value product on bf16
 pairs on AVX512-BF16 tiers (1.5-2.5x torch's CPU flash kernel, bench/attention.py), fp32 on AVX-512 without
 BF16 and on AVX2.  ``KT_FLASH_ATTN=fp32`` keeps that
-product in fp32 too (0.6-1.2x torch's speed, results within fp32 rounding of transformers').
+product in fp32 too (the default below AVX512-BF16: 0.95-1.7x torch's speed at 512-8192 tokens on
+Ice Lake's AVX-512, bench/README.md; results within fp32 rounding of transformers').
 
 Everything else goes to transformers' ``sdpa`` function unchanged: decode (one query: the lean
 decode step or sdpa), training (the kernel has no backward, and a checkpointed forward must match
