@@ -191,11 +191,15 @@ class Generator:
         self.keep_special_ids: frozenset[int] = frozenset()  # special tokens the streamed text keeps
         self._lock = threading.Lock()
         if speculative == "mtp":  # the model's own MTP layer (generation/mtp.py): loaded now, one error if none
-            from .mtp import load_mtp_layer, mtp_runner
+            from .mtp import check_mtp_layer, load_mtp_layer, mtp_plain_notice, mtp_runner
 
-            load_mtp_layer(model)
             step = self._decode_step()
-            if step is not None:  # (without the step there is no verify: plain decoding)
+            if step is None:  # no step to verify guesses: the layer is checked, not loaded; plain decoding
+                check_mtp_layer(model)
+                off = os.environ.get("KT_LEAN_DECODE", "1") == "0"
+                mtp_plain_notice(model, "KT_LEAN_DECODE=0" if off else None)
+            else:
+                load_mtp_layer(model)
                 mtp_runner(model, step)
 
     def keep_special_tokens(self, texts) -> None:
@@ -321,7 +325,7 @@ class Generator:
         t0 = time.perf_counter()
         cap = n + max_new
         cache = self.new_cache(cap)
-        hidden = [] if self.speculative == "mtp" and vision is None else None
+        hidden = [] if self.speculative == "mtp" and vision is None and self._decode_step() is not None else None
         logits = self.prefill(input_ids, cache, cancel, vision, hidden=hidden)
         stats.prefill_seconds = time.perf_counter() - t0  # updated below to include the first sample
         sampler = Sampler(params, logits.device if logits is not None else self.device)

@@ -34,14 +34,17 @@ layer guesses.
 from __future__ import annotations
 
 import copy
+import logging
 
 import torch
 
 from ..errors import ConfigError, WeightError
 
+log = logging.getLogger(__name__)
+
 #: model types whose checkpoints carry an MTP layer (``model.layers.{num_hidden_layers}``) the drafter
-#: reads (DeepSeek-V3.2 / GLM-5: read and checked, not run: the decode step, which verifies the
-#: guesses, does not serve their sparse-attention indexer)
+#: reads (DeepSeek-V3.2 / GLM-5: checked, not loaded: the decode step, which verifies the guesses,
+#: does not serve their sparse-attention indexer; ``check_mtp_layer``)
 MTP_MODEL_TYPES = ("deepseek_v3", "glm4_moe", "deepseek_v32", "glm_moe_dsa")
 #: the MTP layer's own tensors (beside its decoder layer's), under ``model.layers.{num_hidden_layers}.``
 MTP_TENSORS = ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight")
@@ -79,7 +82,34 @@ def load_mtp_layer(model):
         return got[1]
     from torch import nn
 
-    from ..optimize.inject import build_model, inject
+    from ..optimize.inject import inject
+
+    src, one, n = _mtp_block(model)
+    plan = model.kt_plan
+    config = model.config.get_text_config()
+    layer = one.model.layers[n]
+    norm_cls, H, eps = type(layer.input_layernorm), int(config.hidden_size), float(config.rms_norm_eps)
+    with torch.device("meta"):
+        layer.enorm, layer.hnorm = norm_cls(H, eps=eps), norm_cls(H, eps=eps)
+        layer.eh_proj = nn.Linear(2 * H, H, bias=False)
+        layer.shared_head = nn.Module()
+        layer.shared_head.norm = norm_cls(H, eps=eps)
+    one.model.layers = nn.ModuleDict({str(n): layer})
+    one.model.embed_tokens = one.model.norm = one.lm_head = None  # the model's own
+    try:
+        inject(one, plan.rules, src, allow_unmatched=True)
+    except WeightError as e:  # the decoder layer's own tensors (blk.{n}.attn_*, ffn_* of a GGUF)
+        raise WeightError(f"--speculative mtp: the MTP layer is incomplete: {e}") from None
+    layer = one.model.layers[str(n)]
+    model.__dict__["_kt_mtp_layer"] = (one, layer)
+    return layer
+
+
+def _mtp_block(model):
+    """``(weight source, the model as one more layer on the meta device, n)`` after the checks that
+    read no tensor: an MTP model type, weights holding ``model.layers.{n}``'s own tensors (a one-line
+    ``ConfigError`` when none, a ``WeightError`` naming the first missing one)."""
+    from ..optimize.inject import build_model
 
     config = model.config.get_text_config()
     if getattr(config, "model_type", None) not in MTP_MODEL_TYPES:
@@ -98,23 +128,36 @@ def load_mtp_layer(model):
     for t, ok in zip(MTP_TENSORS, have):
         if not ok:
             raise WeightError(f"--speculative mtp: the MTP layer is incomplete: {src.missing(prefix + t)}")
-    one = build_model(mtp_config(model.config, has_own_indexer(src.names(), n)))  # on the meta device: only layer n is kept, injected and loaded
-    layer = one.model.layers[n]
-    norm_cls, H, eps = type(layer.input_layernorm), int(config.hidden_size), float(config.rms_norm_eps)
-    with torch.device("meta"):
-        layer.enorm, layer.hnorm = norm_cls(H, eps=eps), norm_cls(H, eps=eps)
-        layer.eh_proj = nn.Linear(2 * H, H, bias=False)
-        layer.shared_head = nn.Module()
-        layer.shared_head.norm = norm_cls(H, eps=eps)
-    one.model.layers = nn.ModuleDict({str(n): layer})
-    one.model.embed_tokens = one.model.norm = one.lm_head = None  # the model's own
-    try:
-        inject(one, plan.rules, src, allow_unmatched=True)
-    except WeightError as e:  # the decoder layer's own tensors (blk.{n}.attn_*, ffn_* of a GGUF)
-        raise WeightError(f"--speculative mtp: the MTP layer is incomplete: {e}") from None
-    layer = one.model.layers[str(n)]
-    model.__dict__["_kt_mtp_layer"] = (one, layer)
-    return layer
+    # on the meta device: only layer n is kept, injected and loaded
+    return src, build_model(mtp_config(model.config, has_own_indexer(src.names(), n))), n
+
+
+def check_mtp_layer(model) -> None:
+    """The checks of ``load_mtp_layer`` without reading a tensor (for a model whose decode step is
+    not there to verify guesses: the layer is not loaded): the same one-line errors, the decoder
+    layer's missing tensors named by their stored names too."""
+    src, one, n = _mtp_block(model)
+    prefix = f"model.layers.{n}."
+    for name, _ in one.named_parameters():
+        if name.startswith(prefix) and not src.has(name):
+            raise WeightError(f"--speculative mtp: the MTP layer is incomplete: {src.missing(name)}")
+
+
+#: why the decode step does not serve a model type that has an MTP layer
+NOT_STEPPED = {"deepseek_v32": "its sparse-attention indexer is not served",
+               "glm_moe_dsa": "its sparse-attention indexer is not served"}
+
+
+def mtp_plain_notice(model, why: str | None = None) -> str:
+    """The one line said (once per model, on the ``ktransformers.generation.mtp`` logger) when
+    ``speculative="mtp"`` decodes plainly because the model has no decode step to verify guesses."""
+    mt = getattr(model.config.get_text_config(), "model_type", None)
+    line = (f"speculative=mtp: {mt} decodes without the one decode step ({why or NOT_STEPPED.get(mt, 'not served')}); "
+            f"MTP layer not loaded, plain decoding")
+    if not model.__dict__.get("_kt_mtp_plain_said"):
+        model.__dict__["_kt_mtp_plain_said"] = True
+        log.warning("%s", line)
+    return line
 
 
 class _MTPLayer:

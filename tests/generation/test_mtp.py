@@ -10,7 +10,8 @@ decoder layer, shared_head) beside its three layers:
   (the unmodified transformers model's final hidden states, the layer's weights read straight from
   the safetensors file, the whole sequence re-run without a cache), wherever the reference's top-1
   margin exceeds 1e-4 x max|logits|;
-* a model without an MTP layer is refused with one line.
+* a model without an MTP layer is refused with one line; with the decode step off the layer is
+  not loaded (one warning line says so) and decoding is plain.
 """
 
 from __future__ import annotations
@@ -197,6 +198,20 @@ def test_a_model_without_an_mtp_layer_is_refused(tiny):
         Generator(tiny("llama"), _NoText(), speculative="mtp")
     with pytest.raises(ConfigError, match="deepseek_v4 models have no MTP layer"):  # mtp.* not modelled
         Generator(tiny("deepseek_v4"), _NoText(), speculative="mtp")
+
+
+def test_with_the_step_off_the_layer_is_not_loaded(mtp_dir, family, monkeypatch, caplog):
+    """``KT_LEAN_DECODE=0``: nothing verifies guesses, so the layer is checked, not loaded, and one
+    line says why."""
+    monkeypatch.setenv("KT_LEAN_DECODE", "0")
+    m = load_model(mtp_dir, model_path=mtp_dir)
+    with caplog.at_level("WARNING"):
+        g = Generator(m, _NoText(), speculative="mtp")
+        g.generate(_prompt(), SamplingParams(max_new_tokens=4))
+    assert g.last_stats.drafted_tokens == 0 and "_kt_mtp_layer" not in m.__dict__
+    said = [r.getMessage() for r in caplog.records if "speculative=mtp" in r.getMessage()]
+    assert said == [f"speculative=mtp: {family} decodes without the one decode step (KT_LEAN_DECODE=0); "
+                    "MTP layer not loaded, plain decoding"], said
 
 
 def test_local_chat_with_mtp_gives_the_plain_answer(mtp_dir):

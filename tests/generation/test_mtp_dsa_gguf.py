@@ -11,9 +11,10 @@ our converter at F32 with the block as llama.cpp's converter writes GLM-5's.  Fr
 * the model has three layers: its logits are transformers' own model's on the checkpoint (the
   block is not read as a fourth decoder layer), and the MTP layer's tensors are the
   checkpoint's, bit for bit (as the layer read from the safetensors checkpoint itself);
-* ``speculative="mtp"`` reads and loads the layer and answers greedy prompts with the plain tokens;
-  it guesses nothing, because the decode step that verifies guesses does not serve the
-  sparse-attention indexer (docs/speculative.md);
+* ``speculative="mtp"`` answers greedy prompts with the plain tokens and guesses nothing, because
+  the decode step that verifies guesses does not serve the sparse-attention indexer: the layer is
+  checked (the errors below) but none of its tensors is read, and one warning line says so
+  (docs/speculative.md);
 * a file with part of the block is refused with one line naming a missing tensor by its GGUF name
   (fuzzed over which part is missing), one without the block (llama.cpp's own tiny files too) with
   "no MTP layer".
@@ -104,6 +105,52 @@ def test_mtp_greedy_is_the_plain_answer_without_guesses(dsa_model):
     g = Generator(dsa_model, _NoText(), speculative="mtp", draft_max=4)
     _, got, _ = g.generate(prompt, params)
     assert got == want and g.last_stats.drafted_tokens == 0
+
+
+def _reads(src, prefix: str) -> list[str]:
+    """Spy on every tensor read of the weight source ``src``: the list of names under ``prefix`` read
+    from now on."""
+    seen: list[str] = []
+    for meth in ("_load_native", "_load_as", "_load_into", "raw"):
+        orig = getattr(src, meth)
+
+        def spy(name, *a, _orig=orig, **k):
+            if name.startswith(prefix):
+                seen.append(name)
+            return _orig(name, *a, **k)
+
+        setattr(src, meth, spy)
+    return seen
+
+
+@pytest.mark.parametrize("fmt", ["gguf", "safetensors"])
+def test_mtp_without_the_decode_step_loads_nothing_and_says_so_once(dsa_gguf, dsa_dir, dsa_family, fmt, caplog):
+    m = load_model(dsa_gguf if fmt == "gguf" else dsa_dir, model_path=dsa_dir)
+    reads = _reads(m.kt_weights, "model.layers.3.")
+    prompt, params = _prompt(), SamplingParams(max_new_tokens=8)
+    with caplog.at_level("WARNING"):
+        g = Generator(m, _NoText(), speculative="mtp", draft_max=4)
+        for _ in range(2):
+            g.generate(prompt, params)
+        Generator(m, _NoText(), speculative="mtp")
+    assert g.last_stats.drafted_tokens == 0
+    assert reads == [] and "_kt_mtp_layer" not in m.__dict__ and "_kt_mtp_run" not in m.__dict__
+    said = [r.getMessage() for r in caplog.records if "speculative=mtp" in r.getMessage()]
+    assert said == [f"speculative=mtp: {dsa_family} decodes without the one decode step (its sparse-attention "
+                    "indexer is not served); MTP layer not loaded, plain decoding"], said
+    load_mtp_layer(m)  # the spy sees the layer's reads where it is loaded
+    assert "model.layers.3.eh_proj.weight" in reads and any(".self_attn." in n for n in reads), reads
+
+
+def test_local_chat_says_it_once_on_stderr(dsa_dir, dsa_family):
+    from tests.test_local_chat import run_chat
+
+    r = run_chat("--model_path", dsa_dir, "--prompt", "abc abc abc abc abc", "--max_new_tokens", 8, "--stats",
+                 "--cpu_infer", 1, "--temperature", 0, "--speculative", "mtp", "--draft_max", 3)
+    assert r.returncode == 0, r.stderr
+    said = [ln for ln in r.stderr.splitlines() if "speculative=mtp" in ln]
+    assert len(said) == 1 and f"{dsa_family} decodes without the one decode step" in said[0], r.stderr
+    assert "drafted" not in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_llama_cpps_files_without_the_block_are_refused(dsa_family):
