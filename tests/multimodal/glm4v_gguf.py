@@ -12,7 +12,7 @@ import torch
 
 from gguf_files import add_text_model_keys, finish
 
-from .vl_gguf import _add, add_vocab_and_ends
+from .vl_gguf import _add, add_vocab_and_ends, mmproj_writer
 
 _ATTN = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
@@ -108,25 +108,7 @@ def write_glm4v_mmproj(folder: Path, out: Path, qtype: str = "f32", meta: dict |
         "clip.vision.image_min_pixels": ("u32", 1024),
         "clip.vision.image_max_pixels": ("u32", 16384),
     }
-    for k, v in (meta or {}).items():
-        if v is None:
-            keys.pop(k, None)
-        else:
-            keys[k] = v
-    w = gguf.GGUFWriter(str(out), arch="clip")
-    w.add_type(gguf.GGUFType.MMPROJ)
-    w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16}[qtype])
-    for k, (kind, v) in keys.items():
-        if kind == "str":
-            w.add_string(k, v)
-        elif kind == "bool":
-            w.add_bool(k, v)
-        elif kind == "u32":
-            w.add_uint32(k, v)
-        elif kind == "f32":
-            w.add_float32(k, v)
-        else:
-            w.add_key_value(k, v, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.FLOAT32)
+    w = mmproj_writer(out, keys, meta, qtype)
     V = "model.visual."
     sd = _state(folder, V)
     pe = sd[V + "patch_embed.proj.weight"]  # [C, 3, 2, p, p]: split along time

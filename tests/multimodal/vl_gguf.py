@@ -133,31 +133,7 @@ def write_mmproj(folder: Path, out: Path, qtype: str = "f32", meta: dict | None 
         "clip.vision.image_min_pixels": ("u32", 32 * 32),
         "clip.vision.image_max_pixels": ("u32", 128 * 128),
     }
-    for k, v in (meta or {}).items():
-        if v is None:
-            keys.pop(k, None)
-        else:
-            keys[k] = v
-    w = gguf.GGUFWriter(str(out), arch="clip")
-    w.add_type(gguf.GGUFType.MMPROJ)
-    ft = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-          "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype]
-    w.add_file_type(ft)
-    for k, (kind, v) in keys.items():
-        if kind == "str":
-            w.add_string(k, v)
-        elif kind == "bool":
-            w.add_bool(k, v)
-        elif kind == "u32":
-            w.add_uint32(k, v)
-        elif kind == "f32":
-            w.add_float32(k, v)
-        elif kind == "f32arr":
-            w.add_key_value(k, v, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.FLOAT32)
-        elif kind == "boolarr":
-            w.add_key_value(k, v, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.BOOL)
-        else:
-            w.add_key_value(k, v, kind)
+    w = mmproj_writer(out, keys, meta, qtype)
     V = "model.visual."
     tensors: list[tuple[str, torch.Tensor, str]] = []
     pe = sd[V + "patch_embed.proj.weight"]  # [C, 3, 2, p, p]: split along time, as the converter does
@@ -188,3 +164,37 @@ def write_mmproj(folder: Path, out: Path, qtype: str = "f32", meta: dict | None 
         if name not in drop:
             _add(w, name, t, q)
     return finish(w, out)
+
+
+def mmproj_writer(out, keys: dict, meta: dict | None, qtype: str):
+    """A gguf-py writer of an mmproj file at ``out`` with its header keys written: ``keys`` (name ->
+    (kind, value); kinds str / bool / u32 / f32 / f32arr / boolarr, else a GGUFValueType) updated by
+    ``meta`` (a value None drops the key), the file type of ``qtype`` (f32 / f16 / q8_0)."""
+    import gguf
+
+    keys = dict(keys)
+    for k, v in (meta or {}).items():
+        if v is None:
+            keys.pop(k, None)
+        else:
+            keys[k] = v
+    w = gguf.GGUFWriter(str(out), arch="clip")
+    w.add_type(gguf.GGUFType.MMPROJ)
+    w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype])
+    for k, (kind, v) in keys.items():
+        if kind == "str":
+            w.add_string(k, v)
+        elif kind == "bool":
+            w.add_bool(k, v)
+        elif kind == "u32":
+            w.add_uint32(k, v)
+        elif kind == "f32":
+            w.add_float32(k, v)
+        elif kind == "f32arr":
+            w.add_key_value(k, v, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.FLOAT32)
+        elif kind == "boolarr":
+            w.add_key_value(k, v, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.BOOL)
+        else:
+            w.add_key_value(k, v, kind)
+    return w
