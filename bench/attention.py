@@ -8,6 +8,12 @@ Shapes: Qwen3-30B-A3B (32 query / 4 KV heads of 128) and Gemma-3-270M (4 / 1 of 
     .venv/bin/python bench/attention.py --tokens 4096,16384 --shapes qwen3
     .venv/bin/python bench/attention.py --decode 512,4096,32768   # one decode row at these depths
 
+``--mla 512,2048``: DeepSeek-V2-Lite's multi-head latent attention (16 heads, latent 512, rope 64,
+nope / v 128), one layer: the latent kernel (``kernels.mla_attention``: prompt rows, and one decode
+row at that depth) next to the expanded form on torch's CPU flash kernel (keys and values expanded
+by ``kv_b_proj``, then ``scaled_dot_product_attention``) and to the torch code the project ran
+before (``mla.causal_prompt_attention``; the absorbed decode in torch).
+
 ``--decode``: the decode step's attention (``decode_ops.attend_rows``: one row over a cache layer of
 that many keys, the q/k norm off, RoPE at the identity) next to torch's sdpa for one query, ms,
 and the GB/s of keys and values it reads.
@@ -48,6 +54,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--decode", default="", help="comma list of cache depths: time one decode row instead")
+    ap.add_argument("--mla", default="", help="comma list of prompt lengths: DeepSeek-V2-Lite's MLA instead")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     pool = K.cpu_infer(a.threads)
@@ -57,6 +64,8 @@ def main(argv=None) -> int:
         return 0
     if a.decode:
         return decode_rows(a, pool)
+    if a.mla:
+        return mla_rows(a, pool)
     print(f"{'shape':8} {'T':>6} {'torch ms':>9} {'ours ms':>8} {'bf16pv ms':>9} {'GFLOP/s':>8} "
           f"{'ours/torch':>10} {'bf16pv/torch':>12}")
     for name in a.shapes.split(","):
@@ -73,6 +82,50 @@ def main(argv=None) -> int:
             flops = 4 * H * D * T * (T + 1) / 2
             print(f"{name:8} {T:6d} {tq:9.1f} {t32:8.1f} {tbf:9.1f} {flops / t32 / 1e6:8.0f} "
                   f"{tq / t32:10.2f} {tq / tbf:12.2f}", flush=True)
+    return 0
+
+
+def mla_rows(a, pool) -> int:
+    """DeepSeek-V2-Lite's MLA, one layer: a T-token prompt, then one decode row at depth T."""
+    from ktransformers.operators.mla import causal_prompt_attention
+
+    H, nope, R, C, v = 16, 128, 64, 512, 128
+    scale = (nope + R) ** -0.5
+    print(f"{'MLA V2-Lite':12} {'T':>6} {'torch ms':>9} {'before ms':>9} {'ours ms':>8} {'ours/torch':>10} "
+          f"{'ours/before':>11} | {'dec before':>10} {'dec ours':>8} {'ratio':>6}")
+    for T in (int(t) for t in a.mla.split(",")):
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(T, H, nope + R, generator=g)
+        qn, qp = q[..., :nope], q[..., nope:]
+        lat, rk = torch.randn(T, C, generator=g), torch.randn(T, R, generator=g)
+        kvb = torch.randn(H * (nope + v), C, generator=g) * C ** -0.5
+        w3 = kvb.view(H, nope + v, C)
+        w_uk, w_uv_t = w3[:, :nope].contiguous(), w3[:, nope:].transpose(1, 2).contiguous()
+        out = torch.empty(T, H, v)
+
+        def expanded():  # per-head keys / values by kv_b_proj, then torch's flash kernel
+            kv = F.linear(lat, kvb).view(T, H, nope + v)
+            k = torch.cat([kv[..., :nope], rk[:, None].expand(T, H, R)], -1).transpose(0, 1)[None]
+            return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, kv[..., nope:].transpose(0, 1)[None],
+                                                  is_causal=True, scale=scale)
+
+        qn4, qp4 = qn.transpose(0, 1)[None], qp.transpose(0, 1)[None]
+        tq = best_ms(expanded, a.reps)
+        tb = best_ms(lambda: causal_prompt_attention(qn4, qp4, lat[None, None], rk[None, None], kvb, H, scale, 0),
+                     a.reps)
+        to = best_ms(lambda: K.mla_attention(pool, qn, qp, lat, rk, w_uk, w_uv_t, 0, scale, out=out), a.reps)
+        q1n, q1p, o1 = qn[-1:], qp[-1:], out[-1:]
+
+        def dec_before():  # the decode step's torch code before the kernel: absorbed, per head
+            q_abs = torch.bmm(q1n.transpose(0, 1), w_uk).view(H, C)
+            sc = torch.softmax((q_abs @ lat.t() + q1p[0] @ rk.t()) * scale, -1)
+            return torch.bmm((sc @ lat).view(H, 1, C), w_uv_t)
+
+        tdb = best_ms(dec_before, a.reps * 3)
+        tdo = best_ms(lambda: K.mla_attention(pool, q1n, q1p, lat, rk, w_uk, w_uv_t, T - 1, scale, out=o1),
+                      a.reps * 3)
+        print(f"{'':12} {T:6d} {tq:9.1f} {tb:9.1f} {to:8.1f} {tq / to:10.2f} {tb / to:11.2f} | {tdb:10.3f} "
+              f"{tdo:8.3f} {tdb / tdo:6.2f}", flush=True)
     return 0
 
 

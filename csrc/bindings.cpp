@@ -301,4 +301,23 @@ PYBIND11_MODULE(KT_EXT_NAME, m) {
         py::arg("kv_head"), py::arg("kv_tok"), py::arg("out"), py::arg("o_tok"), py::arg("o_head"), py::arg("H"),
         py::arg("Hkv"), py::arg("T"), py::arg("D"), py::arg("start"), py::arg("window"), py::arg("scale"),
         py::arg("bf16_pv"), py::arg("pages") = 0, py::arg("page_size") = 0, py::arg("key_first") = 0);
+  // MLA attention in latent space (flash_attn.h); checked by ktransformers/kernels/attention.py
+  m.def("mla_attention_supported", &mla_attention_supported);
+  m.def("mla_attention",
+        [](CPUInfer& ci, uintptr_t q_nope, size_t qn_tok, size_t qn_head, uintptr_t q_pe, size_t qp_tok,
+           size_t qp_head, uintptr_t latent, size_t lat_tok, uintptr_t rope_key, size_t rk_tok, uintptr_t w_uk,
+           uintptr_t w_uv_t, uintptr_t out, size_t o_tok, size_t o_head, int T, int H, int nope, int C, int R, int v,
+           int start, float scale, uintptr_t pages, int page_size) {
+          const MlaArgs a{cptr<float>(q_nope), qn_tok, qn_head, cptr<float>(q_pe), qp_tok, qp_head,
+                          cptr<float>(latent), lat_tok, cptr<float>(rope_key), rk_tok, cptr<float>(w_uk),
+                          cptr<float>(w_uv_t), reinterpret_cast<float*>(out), o_tok, o_head, T, H, nope, C, R, v,
+                          start, scale, cptr<int64_t>(pages), page_size};
+          py::gil_scoped_release nogil;
+          ci.run_now([&] { mla_attention(ci.pool(), a); });
+        },
+        py::arg("cpu_infer"), py::arg("q_nope"), py::arg("qn_tok"), py::arg("qn_head"), py::arg("q_pe"),
+        py::arg("qp_tok"), py::arg("qp_head"), py::arg("latent"), py::arg("lat_tok"), py::arg("rope_key"),
+        py::arg("rk_tok"), py::arg("w_uk"), py::arg("w_uv_t"), py::arg("out"), py::arg("o_tok"), py::arg("o_head"),
+        py::arg("T"), py::arg("H"), py::arg("nope"), py::arg("C"), py::arg("R"), py::arg("v"), py::arg("start"),
+        py::arg("scale"), py::arg("pages") = 0, py::arg("page_size") = 0);
 }

@@ -25,6 +25,37 @@ void flash_attn_prefill(ThreadPool& pool, const float* q, size_t q_tok, size_t q
                         int D, int start, int window, float scale, bool bf16_pv, const int64_t* pages = nullptr,
                         int page_size = 0, int key_first = 0);
 
+// Multi-head latent attention (DeepSeek-V2/V3, Kimi) in latent space, T query rows at positions
+// start .. start + T - 1 over the latent keys 0 .. start + T - 1 (all of them: causal, no window):
+// per head h, q = [q_nope[h] W_UK[h] | q_pe[h]], p = softmax over j of scale * q . [c_j | r_j],
+// out[h] = (sum_j p_j c_j) W_UV[h]^T.  The absorptions are one fma chain per output in k order
+// (flash::head_rows), the attention the prompt flash kernel with one kv head, keys of two parts
+// (the latent c, kv_lora_rank wide, then the rope key r) and the latent as values; a one-row call
+// (a decode step) takes the decode step's chunks, in parallel, merged in order.  So a row gives
+// the same bits whatever T, the chunk it came in, the thread count, and whether its keys sit in a
+// cache or a page pool (pages: a block table over latent / rope_key slots).  Strides in floats.
+struct MlaArgs {
+  const float* q_nope;  // [T][H][nope] at (q_tok, q_head) strides
+  size_t qn_tok, qn_head;
+  const float* q_pe;  // [T][H][R]
+  size_t qp_tok, qp_head;
+  const float* latent;  // key j's latent at slot(j) * lat_tok, C floats
+  size_t lat_tok;
+  const float* rope_key;  // key j's rope key at slot(j) * rk_tok, R floats
+  size_t rk_tok;
+  const float* w_uk;    // [H][nope][C] contiguous
+  const float* w_uv_t;  // [H][C][v] contiguous
+  float* out;           // [T][H][v] at (o_tok, o_head) strides
+  size_t o_tok, o_head;
+  int T, H, nope, C, R, v, start;
+  float scale;
+  const int64_t* pages;  // null: key j at slot j
+  int page_size;
+};
+// Whether the tier in force runs mla_attention for latent width C and rope width R.
+bool mla_attention_supported(int C, int R);
+void mla_attention(ThreadPool& pool, const MlaArgs& m);
+
 struct FlashArgs;
 // Whether the decode step reads head size D with the prompt kernel's arithmetic (flash_decode_chunk).
 bool flash_decode_supported(int D);

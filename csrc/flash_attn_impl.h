@@ -28,12 +28,22 @@ struct FlashArgs {
   const int64_t* pages;  // null: key j at row j - key_first; else a block table (key j at slot pages[j / ps] * ps + j % ps)
   int page_size;
   int key_first;  // no block table: the position of row 0 (a rolled sliding window); every visible key is at or after it
+  // A key of two parts (MLA's latent and its rope key): columns [0, Dk1) of key j from k, columns
+  // [Dk1, D) from k2 (token stride k2_tok, the same row addressing); null: all D columns from k.
+  const float* k2 = nullptr;
+  size_t k2_tok = 0;
+  int Dk1 = 0;
+  int Dv = 0;           // value width (values: the first Dv columns of v's rows); 0: D
+  int item_tokens = 0;  // query tokens per prompt work item; 0: kQ
+  int dv() const { return Dv > 0 ? Dv : D; }
+  int dk1() const { return k2 ? Dk1 : D; }
+  size_t slot(int j) const {
+    return pages ? static_cast<size_t>(pages[j / page_size] * page_size + j % page_size)
+                 : static_cast<size_t>(j > key_first ? j - key_first : 0);
+  }
   // offset in floats of key / value j (head 0) from k / v; positions before key_first (in a block,
   // never visible) read row 0: finite values, masked out
-  size_t row(int j) const {
-    return pages ? static_cast<size_t>(pages[j / page_size] * page_size + j % page_size) * kv_tok
-                 : static_cast<size_t>(j > key_first ? j - key_first : 0) * kv_tok;
-  }
+  size_t row(int j) const { return slot(j) * kv_tok; }
 };
 
 // Keys per chunk, at absolute multiples: a row's softmax over the keys of one chunk is a partial
@@ -59,6 +69,7 @@ constexpr int kK = 64;  // keys per block (at absolute multiples of kK; kChunk i
 constexpr int kRowAlign = 4;  // rows rounded up to whole register tiles of every tier
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kMasked = -1e30f;
+constexpr int kMaxD = 1024;  // the widest key (MLA: kv_lora_rank + rope, 576 on the released models)
 static_assert(kChunk % kK == 0, "chunks are whole key blocks");
 
 // The fp32 state of one work item (kv head g, query tokens t0 .. t0 + nq - 1, at most qn of them:
@@ -68,9 +79,9 @@ static_assert(kChunk % kK == 0, "chunks are whole key blocks");
 // scale * log2(e), the running O, max and sum of the chunk being read, and each row's total over
 // the chunks closed so far.
 struct WorkRows {
-  int qn = kQ, rows = 0;
-  std::vector<float> q, o, m, l;  // [rows][D], [rows][D], [rows], [rows]
-  std::vector<float> to, tm, tl;  // totals: [rows][D], [rows], [rows]
+  int qn = kQ, rows = 0, D = 0, Dv = 0;
+  std::vector<float> q, o, m, l;  // [rows][D], [rows][Dv], [rows], [rows]
+  std::vector<float> to, tm, tl;  // totals: [rows][Dv], [rows], [rows]
   std::vector<uint8_t> has;       // [rows]: a total exists
   std::vector<float> kp;          // [D][kK]: a key block transposed
 
@@ -78,20 +89,24 @@ struct WorkRows {
     qn = tokens;
     const int G = a.H / a.Hkv;
     rows = (G * qn + kRowAlign - 1) / kRowAlign * kRowAlign;
-    const size_t D = a.D;
-    q.assign(rows * D, 0.f);
-    o.assign(rows * D, 0.f);
+    D = a.D;
+    Dv = a.dv();
+    q.assign(static_cast<size_t>(rows) * D, 0.f);
+    o.assign(static_cast<size_t>(rows) * Dv, 0.f);
     m.assign(rows, 0.f);
     l.assign(rows, 0.f);
-    to.assign(rows * D, 0.f);
+    to.assign(static_cast<size_t>(rows) * Dv, 0.f);
     tm.assign(rows, 0.f);
     tl.assign(rows, 0.f);
     has.assign(rows, 0);
-    kp.assign(D * kK, 0.f);
+    kp.assign(static_cast<size_t>(D) * kK, 0.f);
   }
 
+  // whether a decode row of `a` fits the buffers as sized (one token per item)
+  bool fits_decode(const FlashArgs& a) const { return qn == 1 && rows >= a.H / a.Hkv && D == a.D && Dv == a.dv(); }
+
   void reset_chunk(const FlashArgs& a) {
-    std::fill(o.begin(), o.begin() + static_cast<size_t>(rows) * a.D, 0.f);
+    std::fill(o.begin(), o.begin() + static_cast<size_t>(rows) * a.dv(), 0.f);
     std::fill(m.begin(), m.begin() + rows, -INFINITY);
     std::fill(l.begin(), l.begin() + rows, 0.f);
   }
@@ -112,7 +127,7 @@ struct WorkRows {
 
   // the chunk read so far into each row's total (rows that saw none of its keys keep theirs)
   void close_chunk(const FlashArgs& a) {
-    const int D = a.D;
+    const int D = a.dv();
     for (int r = 0; r < rows; ++r) {
       if (std::isinf(m[r])) continue;
       const size_t at = static_cast<size_t>(r) * D;
@@ -126,21 +141,26 @@ struct WorkRows {
   // movement only (the same bits whichever way): 8 x 8 register transposes where the tier file has
   // AVX2 (the decode step's one row per item cannot amortise a scalar transpose).
   void pack_keys(const FlashArgs& a, int g, int j0, int jl, int jh) {
-    const int D = a.D;
+    const int D = a.D, D1 = a.dk1();
     const float* K = a.k + static_cast<size_t>(g) * a.kv_head;
 #ifdef __AVX2__
-    alignas(32) static const float zero[512] = {};  // a masked key's row (D <= 512)
+    alignas(32) static const float zero[kMaxD] = {};  // a masked key's row
     for (int j = 0; j < kK; j += 8) {
       const float* r[8];
+      const float* r2[8];  // the key's second part (a.k2): column d >= D1 at r2[i] + d - D1
       for (int i = 0; i < 8; ++i) {
         const int jj = j0 + j + i;
-        r[i] = jj >= jl && jj <= jh ? K + a.row(jj) : zero;
+        const bool seen = jj >= jl && jj <= jh;
+        r[i] = seen ? K + a.row(jj) : zero;
+        r2[i] = seen && a.k2 ? a.k2 + a.slot(jj) * a.k2_tok : zero;
       }
       for (int d = 0; d < D; d += 8) {
-        const __m256 x0 = _mm256_loadu_ps(r[0] + d), x1 = _mm256_loadu_ps(r[1] + d);
-        const __m256 x2 = _mm256_loadu_ps(r[2] + d), x3 = _mm256_loadu_ps(r[3] + d);
-        const __m256 x4 = _mm256_loadu_ps(r[4] + d), x5 = _mm256_loadu_ps(r[5] + d);
-        const __m256 x6 = _mm256_loadu_ps(r[6] + d), x7 = _mm256_loadu_ps(r[7] + d);
+        const float* const* src = d < D1 ? r : r2;
+        const int c = d < D1 ? d : d - D1;
+        const __m256 x0 = _mm256_loadu_ps(src[0] + c), x1 = _mm256_loadu_ps(src[1] + c);
+        const __m256 x2 = _mm256_loadu_ps(src[2] + c), x3 = _mm256_loadu_ps(src[3] + c);
+        const __m256 x4 = _mm256_loadu_ps(src[4] + c), x5 = _mm256_loadu_ps(src[5] + c);
+        const __m256 x6 = _mm256_loadu_ps(src[6] + c), x7 = _mm256_loadu_ps(src[7] + c);
         const __m256 t0 = _mm256_unpacklo_ps(x0, x1), t1 = _mm256_unpackhi_ps(x0, x1);
         const __m256 t2 = _mm256_unpacklo_ps(x2, x3), t3 = _mm256_unpackhi_ps(x2, x3);
         const __m256 t4 = _mm256_unpacklo_ps(x4, x5), t5 = _mm256_unpackhi_ps(x4, x5);
@@ -164,7 +184,11 @@ struct WorkRows {
     for (int j = 0; j < kK; ++j) {
       if (j0 + j >= jl && j0 + j <= jh) {
         const float* kr = K + a.row(j0 + j);
-        for (int d = 0; d < D; ++d) kp[d * kK + j] = kr[d];
+        for (int d = 0; d < D1; ++d) kp[d * kK + j] = kr[d];
+        if (a.k2) {
+          const float* k2r = a.k2 + a.slot(j0 + j) * a.k2_tok;
+          for (int d = D1; d < D; ++d) kp[d * kK + j] = k2r[d - D1];
+        }
       } else {
         for (int d = 0; d < D; ++d) kp[d * kK + j] = 0.f;
       }
@@ -174,7 +198,7 @@ struct WorkRows {
 
   // the rows of the item's real tokens out, O / L of their totals
   void finish(const FlashArgs& a, int g, int t0, int nq) const {
-    const int D = a.D, G = a.H / a.Hkv;
+    const int D = a.dv(), G = a.H / a.Hkv;
     for (int h = 0; h < G; ++h)
       for (int t = 0; t < nq; ++t) {
         const int row = h * qn + t;
@@ -185,7 +209,7 @@ struct WorkRows {
 
   // a decode row's partial over one chunk: head h's O, m, l -> part[h * (D + 2) ..]
   void partial(const FlashArgs& a, float* part) const {
-    const int D = a.D, G = a.H / a.Hkv;
+    const int D = a.dv(), G = a.H / a.Hkv;
     for (int h = 0; h < G; ++h) {
       const int row = h * qn;
       float* p = part + static_cast<size_t>(h) * (D + 2);
@@ -254,15 +278,54 @@ void decode_chunk(const FlashArgs& a, int g, int c0, Scratch& s, float* part, Bl
 
 // One work item per (query block, kv head) on the pool, the latest query blocks (most keys) first
 // so that the short ones fill in at the end; `item(scratch, g, t0, nq)`.
+// A row's bits never depend on the item it comes in, so the tokens per item (a.item_tokens: MLA's
+// many heads per key take fewer) are a matter of speed only.
 template <class Scratch, class Item>
 void run_items(ThreadPool& pool, const FlashArgs& a, Item item) {
-  const int nqb = (a.T + kQ - 1) / kQ, Hkv = a.Hkv;
+  const int nt = a.item_tokens > 0 ? a.item_tokens : kQ;
+  const int nqb = (a.T + nt - 1) / nt, Hkv = a.Hkv;
   std::vector<Scratch> scratch(pool.size());
-  for (Scratch& s : scratch) s.size(a);
+  for (Scratch& s : scratch) s.size(a, nt);
   pool.parallel_for(nqb * Hkv, [&](int task, int tid) {
     const int qb = nqb - 1 - task / Hkv, g = task % Hkv;
-    item(scratch[tid], g, qb * kQ, std::min(kQ, a.T - qb * kQ));
+    item(scratch[tid], g, qb * nt, std::min(nt, a.T - qb * nt));
   });
+}
+
+// Rows t0 .. t0 + nt - 1 (nt <= 4) of head h of a per-head product: out[t, h, :N] = sum over k of
+// x[t, h, k] W[k, :N] (W the head's [K][N] matrix), each output one fma chain in k order from 0.
+// fma rounds once, so an output's bits depend on nothing but its row and W: not on nt, T, the
+// thread split, the vector width or the tier.  (MLA's absorptions: W_UK into the query, W_UV after
+// the weighted sum.)
+inline void head_rows(const float* x, size_t x_tok, size_t x_head, const float* W, int K, int N, float* out,
+                      size_t o_tok, size_t o_head, int h, int t0, int nt) {
+  constexpr int kT = 4, kN = 64;
+  const float* xr[kT];
+  float* orow[kT];
+  for (int r = 0; r < kT; ++r) {
+    const int t = t0 + (r < nt ? r : nt - 1);
+    xr[r] = x + static_cast<size_t>(t) * x_tok + static_cast<size_t>(h) * x_head;
+    orow[r] = out + static_cast<size_t>(t) * o_tok + static_cast<size_t>(h) * o_head;
+  }
+  for (int n0 = 0; n0 < N; n0 += kN) {
+    alignas(64) float acc[kT][kN] = {};
+    if (n0 + kN <= N) {
+      for (int k = 0; k < K; ++k) {
+        const float* w = W + static_cast<size_t>(k) * N + n0;
+        for (int r = 0; r < kT; ++r) {
+          const float xv = xr[r][k];
+          for (int n = 0; n < kN; ++n) acc[r][n] = std::fma(xv, w[n], acc[r][n]);
+        }
+      }
+    } else {
+      for (int k = 0; k < K; ++k) {
+        const float* w = W + static_cast<size_t>(k) * N + n0;
+        for (int r = 0; r < kT; ++r)
+          for (int n = 0; n < N - n0; ++n) acc[r][n] = std::fma(xr[r][k], w[n], acc[r][n]);
+      }
+    }
+    for (int r = 0; r < nt; ++r) std::copy(acc[r], acc[r] + std::min(kN, N - n0), orow[r] + n0);
+  }
 }
 
 }  // namespace
@@ -277,5 +340,10 @@ void flash_decode_chunk_avx512f(const FlashArgs& a, int g, int c0, float* part);
 // AVX2 + FMA: fp32 throughout
 void flash_attn_prefill_avx2(ThreadPool& pool, const FlashArgs& a);
 void flash_decode_chunk_avx2(const FlashArgs& a, int g, int c0, float* part);
+// flash::head_rows compiled with each tier's flags (the same bits on every tier)
+void head_rows_avx512(const float* x, size_t x_tok, size_t x_head, const float* W, int K, int N, float* out,
+                      size_t o_tok, size_t o_head, int h, int t0, int nt);
+void head_rows_avx2(const float* x, size_t x_tok, size_t x_head, const float* W, int K, int N, float* out,
+                    size_t o_tok, size_t o_head, int h, int t0, int nt);
 
 }  // namespace kt

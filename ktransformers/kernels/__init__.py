@@ -98,6 +98,13 @@ prepacked=None)``
     values, table, page_size, start, scale, ...)``: the same over a page pool ``[slots, Hkv, D]``
     and a sequence's block table, the same bits.
 
+``mla_attention(pool, q_nope, q_pe, latent, rope_key, w_uk, w_uv_t, start, scale, ...)``
+    Multi-head latent attention (DeepSeek-V2/V3, Kimi) in latent space where
+    ``mla_attention_supported(kv_lora_rank, rope)``: ``q_nope [T, H, nope]``, ``q_pe [T, H, R]``,
+    the latent ``[S, C]`` and rope keys ``[S, R]`` (or a page pool and a block table), ``W_UK [H,
+    nope, C]``, ``W_UV^T [H, C, v]`` -> ``[T, H, v]``; a row's bits are the same read as a prompt
+    row, in any chunk, or as a decode row.
+
 ``row_bytes(type, cols)``, ``type_info(type)``, ``dequantize(raw, type, n)`` (ggml reference
 values, used by tests), ``activation_format(type)`` (what the tier's kernel rounds activations to).
 """
@@ -108,10 +115,11 @@ from ..weights.ggml_types import KERNEL_TYPES
 
 #: version of the public API below (the names in ``__all__``): MAJOR.MINOR.PATCH, with the
 #: compatibility promise of docs/kernels.md
-API_VERSION = "1.0.0"
+API_VERSION = "1.1.0"
 
 from .args import ggml_type
-from .attention import flash_attention, flash_attention_paged, flash_attention_supported
+from .attention import (flash_attention, flash_attention_paged, flash_attention_supported, mla_attention,
+                        mla_attention_supported)
 from .linear import LinearGroupKernel, LinearKernel
 from .moe import ACTIVATIONS, BACKENDS, MoEKernel
 from .moe_train import LoraFactors, MoETrainKernel
@@ -125,4 +133,5 @@ TYPES = {name: t.id for name, t in KERNEL_TYPES.items()}
 __all__ = ["API_VERSION", "isa_tier", "cpu_infer", "CPUInfer", "MoEKernel", "LinearKernel", "LinearGroupKernel",
            "row_bytes", "type_info", "dequantize", "ggml_type", "BACKENDS", "ACTIVATIONS", "TYPES", "MoETrainKernel", "LoraFactors",
            "activation_format", "flash_attention", "flash_attention_paged", "flash_attention_supported",
+           "mla_attention", "mla_attention_supported",
            "numa_nodes", "node_cpus", "parse_cpulist"]

@@ -101,6 +101,70 @@ def flash_attention_paged(pool: CPUInfer, q: torch.Tensor, keys: torch.Tensor, v
     return out
 
 
+def mla_attention_supported(kv_lora_rank: int, rope: int) -> bool:
+    """Whether the CPU tier in force runs :func:`mla_attention` for these widths (AVX2 + FMA and up;
+    ``kv_lora_rank`` a multiple of 64 up to 512, ``rope`` a positive multiple of 8: 512 and 64 on
+    DeepSeek-V2/V3 and Kimi)."""
+    return bool(_ext.mla_attention_supported(int(kv_lora_rank), int(rope)))
+
+
+def mla_attention(pool: CPUInfer, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                  rope_key: torch.Tensor, w_uk: torch.Tensor, w_uv_t: torch.Tensor, start: int, scale: float,
+                  out: torch.Tensor | None = None, table: torch.Tensor | None = None,
+                  page_size: int = 0) -> torch.Tensor:
+    """Multi-head latent attention in latent space of ``T`` query rows at positions ``start ..
+    start+T-1`` over the latent keys ``0 .. start+T-1`` (causal).
+
+    ``q_nope [T, H, nope]``, ``q_pe [T, H, R]`` (fp32, contiguous last dim, any row / head strides);
+    ``latent [S, C]`` and ``rope_key [S, R]`` (rows of the cache, or page-pool slots with ``table`` /
+    ``page_size``); ``w_uk [H, nope, C]`` and ``w_uv_t [H, C, v]`` contiguous.  Per head: the query
+    ``[q_nope W_UK | q_pe]``, softmax of ``scale`` times its dot with ``[c_j | r_j]``, the weighted
+    latent times ``W_UV^T``.  Returns ``out [T, H, v]``.  A row's bits depend on its own query and
+    keys only: not on ``T``, the chunk it came in, the threads, or cache vs pages (``csrc/flash_attn.h``)."""
+    if q_nope.dim() != 3 or q_pe.dim() != 3 or latent.dim() != 2 or rope_key.dim() != 2 or w_uk.dim() != 3 \
+            or w_uv_t.dim() != 3:
+        raise ValueError(f"mla_attention: need q_nope [T, H, nope], q_pe [T, H, R], latent [S, C], rope_key [S, R], "
+                         f"w_uk [H, nope, C], w_uv_t [H, C, v]; got {tuple(q_nope.shape)}, {tuple(q_pe.shape)}, "
+                         f"{tuple(latent.shape)}, {tuple(rope_key.shape)}, {tuple(w_uk.shape)}, {tuple(w_uv_t.shape)}")
+    T, H, nope = q_nope.shape
+    R, C, v = q_pe.shape[2], latent.shape[1], w_uv_t.shape[2]
+    if (tuple(q_pe.shape[:2]) != (T, H) or rope_key.shape[1] != R or tuple(w_uk.shape) != (H, nope, C)
+            or tuple(w_uv_t.shape[:2]) != (H, C) or T < 1 or start < 0):
+        raise ValueError(f"mla_attention: shapes disagree (q_nope {tuple(q_nope.shape)}, q_pe {tuple(q_pe.shape)}, "
+                         f"latent {tuple(latent.shape)}, rope_key {tuple(rope_key.shape)}, w_uk {tuple(w_uk.shape)}, "
+                         f"w_uv_t {tuple(w_uv_t.shape)}, start {start})")
+    if not mla_attention_supported(C, R):
+        raise ValueError(f"mla_attention: latent width {C} / rope width {R} not served on this tier "
+                         f"(need AVX2 + FMA, C a multiple of 64 up to 512, R a positive multiple of 8)")
+    for name, t in (("q_nope", q_nope), ("q_pe", q_pe), ("latent", latent), ("rope_key", rope_key), ("w_uk", w_uk),
+                    ("w_uv_t", w_uv_t)):
+        if t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1:
+            raise ValueError(f"mla_attention: {name} must be float32 on the CPU with a contiguous last dim")
+    if not (w_uk.is_contiguous() and w_uv_t.is_contiguous()):
+        raise ValueError("mla_attention: w_uk and w_uv_t must be contiguous")
+    pages = 0
+    if table is not None:
+        if page_size < 1 or table.dtype != torch.int64 or not table.is_contiguous() \
+                or table.numel() * page_size < start + T:
+            raise ValueError(f"mla_attention: the int64 block table must cover start {start} + T {T} keys")
+        used = table[: -(-(start + T) // page_size)]
+        if int(used.min()) < 0 or int(used.max()) >= min(latent.shape[0], rope_key.shape[0]) // page_size:
+            raise ValueError("mla_attention: a page id of the block table is outside the pool")
+        pages = table.data_ptr()
+    elif min(latent.shape[0], rope_key.shape[0]) < start + T:
+        raise ValueError(f"mla_attention: {min(latent.shape[0], rope_key.shape[0])} cached keys, rows reach "
+                         f"position {start + T}")
+    if out is None:
+        out = torch.empty(T, H, v, dtype=torch.float32)
+    elif tuple(out.shape) != (T, H, v) or out.dtype != torch.float32 or out.stride(-1) != 1:
+        raise ValueError(f"mla_attention: out must be float32 [{T}, {H}, {v}] with a contiguous last dim")
+    _ext.mla_attention(pool._c, q_nope.data_ptr(), q_nope.stride(0), q_nope.stride(1), q_pe.data_ptr(),
+                       q_pe.stride(0), q_pe.stride(1), latent.data_ptr(), latent.stride(0), rope_key.data_ptr(),
+                       rope_key.stride(0), w_uk.data_ptr(), w_uv_t.data_ptr(), out.data_ptr(), out.stride(0),
+                       out.stride(1), T, H, nope, C, R, v, int(start), float(scale), pages, int(page_size if pages else 0))
+    return out
+
+
 def rope_prompt(pool: CPUInfer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half rotary embedding of a prompt's q or k: ``x [1, H, T, D]`` (fp32 CPU, contiguous
     last dim, any head / token strides: transformers' transposed view) with ``cos`` / ``sin [1, T, D]``
@@ -121,4 +185,5 @@ def rope_prompt(pool: CPUInfer, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return out.transpose(1, 2)
 
 
-__all__ = ["flash_attention", "flash_attention_paged", "flash_attention_supported", "rope_prompt"]
+__all__ = ["flash_attention", "flash_attention_paged", "flash_attention_supported", "mla_attention",
+           "mla_attention_supported", "rope_prompt"]
