@@ -355,8 +355,10 @@ class _MLA:
       layer's own ``update`` (the layout the model's attention keeps: ``c_kv`` as keys, ``k_pe`` as
       values);
     * the attention in latent space (``W_UK`` folded into the query, ``W_UV`` after the weighted
-      sum) in torch, one row at a time, each row over the keys up to its own position: a row's
-      bits never depend on how many rows the step has;
+      sum), one row at a time, each row over the keys up to its own position: a row's bits never
+      depend on how many rows the step has.  On the CPU kernel (``mla.latent_kernel_attention``)
+      where the tier serves it -- the prompt rows' kernel, so a decoded token has the bits it has
+      read as a prompt -- else in torch;
     * ``o_proj`` on the kernels."""
 
     def __init__(self, attn, config, idx: int):
@@ -393,12 +395,13 @@ class _MLA:
             raise Unsupported("kv_b_proj has no dense weight on the CPU")
         if tuple(w.shape) != (self.H * (self.nope + self.v), self.C):
             raise Unsupported("kv_b_proj of another shape than the heads")
-        if hasattr(attn, "absorb_weights"):  # the operator's own fp32 split (made once, shared)
-            w_uk, w_uv = attn.absorb_weights(torch.device("cpu"), torch.float32)
+        if hasattr(attn, "latent_weights"):  # the operator's own fp32 split (made once, shared)
+            w_uk, w_uv_t = attn.latent_weights()
         else:
             w_uk, w_uv = split_kv_b(w.detach().float(), self.H, self.nope, self.v)
-        self.w_uk = w_uk.detach()  # [H, nope, C]
-        self.w_uv_t = w_uv.detach().transpose(-1, -2)  # [H, C, v]
+            w_uv_t = w_uv.transpose(-1, -2).contiguous()
+        self.w_uk = w_uk.detach().contiguous()  # [H, nope, C]
+        self.w_uv_t = w_uv_t.detach()  # [H, C, v]
         self.o = _Proj([mods["o_proj"]])
         self.linears = [q_first, mods["kv_a_proj_with_mqa"], mods["o_proj"]] + (
             [mods["q_b_proj"]] if self.q_b is not None else [])
@@ -424,13 +427,18 @@ class _MLA:
         else:
             q = first[:, :self.q_width]
         o = bufs["o"].rows(n, H * self.v)
-        from ..operators.mla import apply_mla_rope
+        from ..operators.mla import apply_mla_rope, latent_kernel_attention, latent_kernel_serves
 
+        kernel = latent_kernel_serves(C, R, q)
         for r in range(n):
             qr = q[r].view(1, H, 1, self.qk)
             q_pe, k_pe = apply_mla_rope(qr[..., nope:], first[r, self.q_width + C:].view(1, 1, 1, R), pe[r],
                                         self.interleave)
             lat, rk = kv(self.idx, r, c[r].view(1, 1, 1, C), k_pe.float())
+            if kernel:  # the prompt rows' kernel: a decoded token's bits are those of it read as a prompt
+                latent_kernel_attention(qr[..., :nope], q_pe.float(), lat, rk, self.w_uk, self.w_uv_t, lat.shape[0] - 1,
+                                        self.scaling, out=o[r].view(1, H, self.v))
+                continue
             q_abs = torch.bmm(qr[0, :, :, :nope], self.w_uk).view(H, C)
             scores = torch.mm(q_abs, lat.t())
             scores.add_(torch.mm(q_pe.reshape(H, R).float(), rk.t()))

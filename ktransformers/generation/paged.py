@@ -28,8 +28,9 @@ latent) rows into the pages, then attends per sequence:
 
 For softmax attention this is ``torch.nn.functional.scaled_dot_product_attention``, registered in
 transformers' ``AttentionInterface`` as ``"kt_paged"`` and selected only for the duration of a step;
-for MLA it is ``KDeepseekV2Attention``'s own absorbed decode and chunk-invariant prompt attention
-(``mla.causal_prompt_attention``) from ``operators/mla.py`` over latent pages.  Only torch ops, so the same code path serves CUDA.
+for MLA it is the latent kernel (``mla.latent_kernel_attention``, fp32 on the CPU) over the latent
+pages, else ``KDeepseekV2Attention``'s own absorbed decode and chunk-invariant prompt attention
+(``mla.causal_prompt_attention``) from ``operators/mla.py``: torch ops, so that path serves CUDA.
 
 Gemma-3's sliding-window layers use the window in the mask; their pages are not freed early
 because a page holds every layer's rows and the full-attention layers still need them.
@@ -341,14 +342,18 @@ class _PagedBatch:
     def mla_attention(self, attn, q_nope, q_pe, c_kv, k_pe) -> torch.Tensor:
         """Write the latent ``c_kv [1,1,T,C]`` / rope key ``k_pe [1,1,T,R]`` rows, attend per sequence.
 
-        Single tokens: absorbed attention over the latent (``W_UK`` into the query, ``W_UV`` after),
-        all of them in one padded call.  Chunks on the CPU: ``mla.causal_prompt_attention`` over the
-        gathered latent, as the single-sequence routes read a prompt over their cache (the same bits,
-        whatever the chunk); elsewhere expanded per-head keys (or absorbed when the rule says
-        ``absorb_for_prefill``), queries in pieces of the operator's ``chunk_size``.
+        fp32 on the CPU (where the tier serves the widths): single tokens, and chunks unless the rule
+        says ``absorb_for_prefill: false``, on ``mla.latent_kernel_attention`` over the row's own
+        slots -- the single-sequence routes' kernel, the same bits whatever the rows beside it, the
+        chunk, or a prefix read from another request's pages.  Otherwise single tokens by absorbed
+        attention over the latent (``W_UK`` into the query, ``W_UV`` after), all of them in one
+        padded call; chunks on the CPU by ``mla.causal_prompt_attention`` over the gathered latent
+        (the same bits whatever the chunk); elsewhere expanded per-head keys (or absorbed when the
+        rule says ``absorb_for_prefill``), queries in pieces of the operator's ``chunk_size``.
         Returns ``[1, H, T, v_head_dim]``."""
         from ..operators.mla import (absorbed_attention, absorbed_decode_attention, build_chunk_mask,
-                                     causal_prompt_attention, expand_latent, expanded_attention)
+                                     causal_prompt_attention, expand_latent, expanded_attention,
+                                     latent_kernel_attention, latent_kernel_serves)
 
         li = attn.layer_idx
         lat = self._write(f"layers.{li}.latent", c_kv[0, 0])
@@ -359,7 +364,21 @@ class _PagedBatch:
         q_pe = q_pe.to(rk.dtype)
         H = q_nope.shape[1]
         out = q_nope.new_empty(1, H, self.num_tokens, attn.v_head_dim)
-        for b, (qi, _, read) in enumerate(self.decode):
+        serves = latent_kernel_serves(lat.shape[1], rk.shape[1], q_nope, q_pe, lat, rk)
+        dec_kernel = serves and attn.absorb_decode
+        chunk_kernel = serves and attn.absorb_for_prefill is not False
+        if dec_kernel or chunk_kernel:  # each row over its own slots (a block table of one-slot pages)
+            w_uk_c, w_uv_t = attn.latent_weights()
+        for qi, past, read in self.decode if dec_kernel else ():
+            for j, (i, p) in enumerate(zip(qi.tolist(), past.tolist())):
+                out[:, :, i:i + 1] = latent_kernel_attention(
+                    q_nope[:, :, i:i + 1], q_pe[:, :, i:i + 1], lat, rk, w_uk_c, w_uv_t, p, attn.scaling,
+                    table=read[j, : p + 1].contiguous(), page_size=1)
+        for s, t, past, slots in self.chunks if chunk_kernel else ():
+            out[:, :, s:s + t] = latent_kernel_attention(
+                q_nope[:, :, s:s + t], q_pe[:, :, s:s + t], lat, rk, w_uk_c, w_uv_t, past, attn.scaling,
+                table=slots[: past + t].to(torch.int64).contiguous(), page_size=1)
+        for b, (qi, _, read) in enumerate(() if dec_kernel else self.decode):
             qi = self._on(("dec_q", b), qi, dev)
             read = self._on(("dec_read", b), read, lat.device)
             qn = q_nope[0][:, qi].transpose(0, 1).unsqueeze(2)  # [N, H, 1, nope]
@@ -373,7 +392,7 @@ class _PagedBatch:
                 kn, vv = expand_latent(c, w_uk, w_uv)
                 o = expanded_attention(qn, qp, kn, r, vv, attn.scaling, mask)
             out[0, :, qi] = o[:, :, 0].transpose(0, 1).to(out.dtype)
-        for i, (s, t, past, slots) in enumerate(self.chunks):
+        for i, (s, t, past, slots) in enumerate(() if chunk_kernel else self.chunks):
             L = past + t
             if past == 0:
                 c, r = c_kv[:, :, s : s + t].to(lat.dtype), k_pe[:, :, s : s + t].to(rk.dtype)
@@ -383,7 +402,7 @@ class _PagedBatch:
             qn, qp = q_nope[:, :, s : s + t], q_pe[:, :, s : s + t]
             if dev.type == "cpu":  # the single-sequence routes' prompt attention: the same bits, any chunk
                 o = causal_prompt_attention(qn, qp, c, r, attn.kv_b_weight(dev, lat.dtype), H, attn.scaling, past,
-                                            absorbed=attn.absorb_for_prefill)
+                                            absorbed=bool(attn.absorb_for_prefill))
                 out[:, :, s : s + t] = o.to(out.dtype)
                 continue
             if not attn.absorb_for_prefill:

@@ -42,6 +42,8 @@ from .mla import (
     expanded_attention,
     is_causal_mask,
     latent_cache_bytes_per_token,
+    latent_kernel_attention,
+    latent_kernel_serves,
     reading_prompt,
     split_kv_b,
 )
@@ -77,17 +79,21 @@ class KDeepseekV2Attention(BaseInjectedModule):
     """Absorbed MLA for DeepSeek V2/V3/R1, Kimi-K2, Moonlight.
 
     kwargs: devices, ``chunk_size`` (prefill query chunk, default 1000), ``absorb_for_prefill``
-    (default false).
+    (unset: latent-space prompt rows where the CPU kernel serves them, expanded elsewhere; ``false``:
+    expanded everywhere -- faster prompts at long context, but a decoded token and the same token
+    read as a prompt then differ in the last bits; ``true``: latent-space everywhere).
     """
 
     REPLACES = (MLA_ATTENTION,)
     KWARGS = {
         "chunk_size": KwargSpec((int,), DEFAULT_CHUNK_SIZE, "prefill query chunk length"),
-        "absorb_for_prefill": KwargSpec((bool,), False, "prefill attends in latent space too"),
+        "absorb_for_prefill": KwargSpec((bool,), None, "prompt rows attend in latent space too (default: on "
+                                                       "the CPU kernel yes -- a decoded token then has the bits "
+                                                       "it has read as a prompt --, elsewhere no)"),
     }
 
     def __init__(self, key, gguf_loader=None, config=None, orig_module=None, prefill_device=None,
-                 generate_device=None, chunk_size=None, absorb_for_prefill=False, **kwargs):
+                 generate_device=None, chunk_size=None, absorb_for_prefill=None, **kwargs):
         super().__init__(key, gguf_loader, config, orig_module, prefill_device, generate_device, **kwargs)
         o = orig_module
         size = int(chunk_size) if chunk_size is not None else DEFAULT_CHUNK_SIZE
@@ -98,7 +104,7 @@ class KDeepseekV2Attention(BaseInjectedModule):
         cfg = config if config is not None else o.config
         fields = dict(
             chunk_size=size,
-            absorb_for_prefill=bool(absorb_for_prefill),
+            absorb_for_prefill=None if absorb_for_prefill is None else bool(absorb_for_prefill),
             absorb_decode=True,  # False: decode expands too (for measurements)
             layer_idx=o.layer_idx,
             num_heads=int(o.num_heads),
@@ -136,6 +142,17 @@ class KDeepseekV2Attention(BaseInjectedModule):
             object.__setattr__(self, "_w_uv", w_uv)
             object.__setattr__(self, "_absorb_key", key)
         return self._w_uk, self._w_uv
+
+    def latent_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK ``[H, nope, C]``, W_UV transposed ``[H, C, v]``), fp32 contiguous on the CPU: the
+        form the latent kernel (``mla.latent_kernel_attention``) reads; made once per ``kv_b_proj``
+        storage."""
+        w_uk, w_uv = self.absorb_weights(torch.device("cpu"), torch.float32)
+        got = self.__dict__.get("_latent_w")
+        if got is None or got[0] is not w_uk:
+            got = (w_uk, w_uk.contiguous(), w_uv.transpose(-1, -2).contiguous())
+            object.__setattr__(self, "_latent_w", got)
+        return got[1], got[2]
 
     def kv_b_weight(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """``kv_b_proj``'s dense weight ``[H*(nope+v), C]`` on ``device``/``dtype`` (W_UK and W_UV's base)."""
@@ -182,16 +199,25 @@ class KDeepseekV2Attention(BaseInjectedModule):
         w_uk, w_uv = self.absorb_weights(c_kv.device, c_kv.dtype)
         q_nope = q_nope.to(c_kv.dtype)
         q_pe = q_pe.to(k_pe.dtype)
+        prompt = q_len > 1 or reading_prompt()
+        if (B == 1 and (self.absorb_for_prefill is not False if prompt else self.absorb_decode)
+                and latent_kernel_serves(self.kv_lora_rank, rope, q_nope, q_pe, c_kv, k_pe)
+                and is_causal_mask(attention_mask, kv_len - q_len, q_len, kv_len)):
+            # prompt and decode rows alike on the CPU kernel: a row's bits whatever way it is read
+            o = latent_kernel_attention(q_nope, q_pe, c_kv[0, 0], k_pe[0, 0], *self.latent_weights(),
+                                        kv_len - q_len, self.scaling)
+            o = o.transpose(1, 2).reshape(B, q_len, H * self.v_head_dim).to(hidden_states.dtype)
+            return mods["o_proj"](o), None
         decoding = q_len == 1 and self.absorb_decode and not reading_prompt()
         training = torch.is_grad_enabled() and (q_nope.requires_grad or c_kv.requires_grad)
         if (not decoding and not training and c_kv.device.type == "cpu"
                 and is_causal_mask(attention_mask, kv_len - q_len, q_len, kv_len)):
             # prompt rows (and verify chunks): the same bits for a row whatever the chunk it comes in
             o = causal_prompt_attention(q_nope, q_pe, c_kv, k_pe, self._w_kvb, H, self.scaling, kv_len - q_len,
-                                        absorbed=self.absorb_for_prefill)
+                                        absorbed=bool(self.absorb_for_prefill))
             o = o.transpose(1, 2).reshape(B, q_len, H * self.v_head_dim).to(hidden_states.dtype)
             return mods["o_proj"](o), None
-        absorbed = (q_len == 1 and self.absorb_decode) or self.absorb_for_prefill
+        absorbed = (q_len == 1 and self.absorb_decode) or bool(self.absorb_for_prefill)
         if not absorbed:
             k_nope_all, v_all = expand_latent(c_kv, w_uk, w_uv)
 

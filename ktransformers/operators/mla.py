@@ -148,6 +148,42 @@ def absorbed_decode_attention(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale: float
     return o.transpose(0, 1).unsqueeze(2)
 
 
+# ------------------------------------------------- the CPU kernel: prompt and decode rows alike
+
+
+def latent_kernel_serves(C: int, rope: int, *tensors: torch.Tensor) -> bool:
+    """Whether :func:`latent_kernel_attention` serves these rows: fp32 CPU tensors without autograd,
+    the prompt flash kernel on (``KT_FLASH_ATTN`` not ``0``), a tier that reads latent width ``C``
+    and rope width ``rope`` (``kernels.mla_attention_supported``)."""
+    from .cpu_attention import flash_mode
+
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    if any(t.dtype is not torch.float32 or t.device.type != "cpu" for t in tensors):
+        return False
+    if flash_mode() is None:
+        return False
+    from ..kernels.attention import mla_attention_supported
+
+    return mla_attention_supported(C, rope)
+
+
+def latent_kernel_attention(q_nope, q_pe, latent, rope_key, w_uk, w_uv_t, start: int, scale: float,
+                            table=None, page_size: int = 0, out=None) -> torch.Tensor:
+    """MLA of the rows ``q_nope [1, H, T, nope]`` / ``q_pe [1, H, T, rope]`` at positions ``start ..``
+    over the latent rows ``latent [S, C]`` / ``rope_key [S, rope]`` (a cache's, or a page pool's with
+    ``table``) on the CPU kernel (``kernels.mla_attention``): absorbed, one fma chain per product, the
+    flash kernel's softmax.  A row's bits are the same read as a prompt row, in a chunk of any size,
+    or as a decode row -- so a decoded answer read back as a prompt, or found in the prefix cache,
+    gives the bits it was decoded with.  Returns ``[1, H, T, v]`` (a view of ``out [T, H, v]``)."""
+    from ..kernels.attention import mla_attention
+    from .cpu_threads import kernel_pool
+
+    o = mla_attention(kernel_pool(), q_nope[0].transpose(0, 1), q_pe[0].transpose(0, 1), latent, rope_key, w_uk,
+                      w_uv_t, start, scale, out=out, table=table, page_size=page_size)
+    return o.transpose(0, 1).unsqueeze(0)
+
+
 # ------------------------------------------------------------- chunk-invariant prompt rows
 
 #: Query rows and keys are cut into blocks of this many positions, counted from position 0.

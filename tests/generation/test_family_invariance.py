@@ -4,11 +4,12 @@ every layer, torch.equal) and the same logits at its last position; on the batch
 prompt whose prefix pages come from another request (a prefix-cache hit) gives the logits of the
 same prompt read cold, and those of the single-sequence route.
 
-Families: dense (Llama, Qwen3), Qwen3-MoE, DeepSeek-V2 and V3 (MLA: ``mla.causal_prompt_attention``
-reads prompt rows in blocks fixed from position 0), Gemma-3 (a prompt past its sliding window) and
-Qwen3-Next (linear attention: not chunk-invariant, the expected failure below says why).  The dense
-families' prompt attention is the flash kernel (head_dim 64, AVX2 + FMA and up; skipped without
-it); MLA's is torch's on every tier.  ``test_the_matrix_at_avx2`` re-runs this file at
+Families: dense (Llama, Qwen3), Qwen3-MoE, DeepSeek-V2 and V3 (MLA: prompt and decode rows on the
+latent kernel, ``kernels.mla_attention``, kv_lora_rank 64 -- its narrowest latent; without it the
+prompt rows go through ``mla.causal_prompt_attention``, blocks fixed from position 0, and the decode
+rows through torch), Gemma-3 (a prompt past its sliding window) and Qwen3-Next (linear attention:
+not chunk-invariant, the expected failure below says why).  The dense families' prompt attention is
+the flash kernel (head_dim 64, AVX2 + FMA and up; skipped without it).  ``test_the_matrix_at_avx2`` re-runs this file at
 ``KT_ISA=avx2``.  Scope: docs/server.md, "Determinism"."""
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ FAMILIES = {
     "llama": {"head_dim": 64},
     "qwen3": {"head_dim": 64},
     "qwen3_moe": {"head_dim": 64},
-    "deepseek_v2": {},
-    "deepseek_v3": {},
+    "deepseek_v2": {"kv_lora_rank": 64, "qk_rope_head_dim": 16},
+    "deepseek_v3": {"kv_lora_rank": 64, "qk_rope_head_dim": 16},
     "gemma3_text": {"head_dim": 64, "sliding_window": 16},
     "qwen3_next": {"head_dim": 64},
 }
@@ -142,21 +143,20 @@ def _decode(model, ids, n):
     return logits.clone(), cache, toks
 
 
-#: decode rows whose attention is not yet the prompt's arithmetic
-DECODE_NOT_INVARIANT = {a: "MLA's decode rows run the absorbed attention in torch, its prompt rows the "
-                           "64-position blocks of mla.causal_prompt_attention" for a in MLA}
-
-
-@pytest.mark.parametrize("arch", [a if a not in DECODE_NOT_INVARIANT else
-                                  pytest.param(a, marks=pytest.mark.xfail(strict=True, reason=DECODE_NOT_INVARIANT[a]))
-                                  for a in PAGED])
+@pytest.mark.parametrize("arch", PAGED)
 def test_an_answer_read_back_as_a_prompt_gives_the_decoded_bits(tiny, arch):
     """Tokens decoded one by one (the decode step's attention: a pool task per 256-key chunk) leave
     the cache and logits that the same tokens read as a prompt leave (the prompt kernel), so an
     answer found again in the prefix cache, or a preempted request read again, changes nothing.
     250 prompt tokens + 12 decoded: the decode rows cross a chunk boundary (256); Gemma's window
-    (16) rolls throughout."""
+    (16) rolls throughout.  MLA: the latent kernel reads both."""
     model = _model(tiny, arch)
+    if arch in MLA:
+        from ktransformers.kernels import mla_attention_supported
+        from ktransformers.operators.cpu_attention import flash_mode
+
+        if flash_mode() is None or not mla_attention_supported(64, 16):
+            pytest.skip("no latent kernel on this tier (or KT_FLASH_ATTN=0): decode rows run torch's attention")
     ids = _prompt(n=250)
     got, cache, toks = _decode(model, ids, 12)
     want, want_cache = _prefill(model, ids + toks, 8192)

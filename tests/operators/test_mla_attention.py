@@ -30,7 +30,12 @@ CASES = {
     "v2_qlora_yarn_glg": ("deepseek_v2", "DeepSeek-V2-Chat-cpu.yaml",
                           dict(q_lora_rank=16, rope_scaling=YARN, topk_method="group_limited_greedy", n_group=4,
                                topk_group=2, routed_scaling_factor=16.0)),
+    # a latent the CPU kernel reads (kv_lora_rank a multiple of 64): prompt and decode rows of one
+    # sequence go through kernels.mla_attention
+    "v3_latent64": ("deepseek_v3", "DeepSeek-V3-Chat-cpu.yaml", dict(kv_lora_rank=64, qk_rope_head_dim=16)),
+    "v2_latent64": ("deepseek_v2", "DeepSeek-V2-Lite-Chat-cpu.yaml", dict(kv_lora_rank=64, qk_rope_head_dim=16)),
 }
+LATENT = ["v3_latent64", "v2_latent64"]
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -93,7 +98,66 @@ def test_logits_match_hf(case, root):
         close(ref(ids).logits, model(ids).logits)
 
 
-@pytest.mark.parametrize("case", ["v3", "v2"])
+@pytest.mark.parametrize("case", LATENT)
+def test_the_latent_kernel_matches_hf(case, root, monkeypatch):
+    """One sequence (the kernel's rows): a 40-token prompt, then 6 tokens one at a time through the
+    cache, against the unmodified model's logits; every call on the kernel."""
+    from transformers import DynamicCache
+
+    import ktransformers.operators.attention as attention
+    from ktransformers.kernels import flash_attention_supported
+
+    if not flash_attention_supported():
+        pytest.skip("no AVX2 + FMA: the latent kernel does not run here")
+    calls = []
+    real = attention.latent_kernel_attention
+    monkeypatch.setattr(attention, "latent_kernel_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ref, model = pair(case, root)
+    ids = ids_for(model, B=1, S=46, seed=5)
+    with torch.no_grad():
+        want = ref(ids).logits
+        cache = DynamicCache(config=model.config)
+        got = [model(ids[:, :40], cache=cache).logits]
+        got += [model(ids[:, t:t + 1], cache=cache).logits for t in range(40, 46)]
+    close(want, torch.cat(got, dim=1))
+    assert len(calls) == 7 * model.config.num_hidden_layers, "some rows did not take the latent kernel"
+
+
+def test_absorb_for_prefill_false_reads_prompts_expanded(root, monkeypatch):
+    """``absorb_for_prefill: false``: prompt rows expanded (mla.causal_prompt_attention), decode rows
+    still on the latent kernel; the logits stay the unmodified model's."""
+    from transformers import DynamicCache
+
+    import ktransformers.operators.attention as attention
+    from ktransformers.kernels import flash_attention_supported
+
+    if not flash_attention_supported():
+        pytest.skip("no AVX2 + FMA: the latent kernel does not run here")
+    calls = {"kernel": 0, "expanded": 0}
+    kern, exp = attention.latent_kernel_attention, attention.causal_prompt_attention
+
+    def count(name, fn):
+        return lambda *a, **k: calls.__setitem__(name, calls[name] + 1) or fn(*a, **k)
+
+    monkeypatch.setattr(attention, "latent_kernel_attention", count("kernel", kern))
+    monkeypatch.setattr(attention, "causal_prompt_attention", count("expanded", exp))
+    ref, model = pair("v3_latent64", root)
+    ids = ids_for(model, B=1, S=22, seed=6)
+    L = model.config.num_hidden_layers
+    old = set_attn(model, absorb_for_prefill=False)
+    try:
+        with torch.no_grad():
+            want = ref(ids).logits
+            cache = DynamicCache(config=model.config)
+            got = [model(ids[:, :20], cache=cache).logits]
+            got += [model(ids[:, t:t + 1], cache=cache).logits for t in (20, 21)]
+    finally:
+        restore_attn(model, old)
+    close(want, torch.cat(got, dim=1))
+    assert calls == {"kernel": 2 * L, "expanded": L}, calls
+
+
+@pytest.mark.parametrize("case", ["v3", "v2"] + LATENT)
 @pytest.mark.parametrize("cache_impl", [None, "static"])
 def test_greedy_generate_identical(case, cache_impl, root):
     ref, model = pair(case, root)
