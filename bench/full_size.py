@@ -110,17 +110,34 @@ def random_blocks(t: str, rng: np.random.Generator) -> np.ndarray:
 
 
 class _Shapes:
-    """What ``convert.plan`` asks of a checkpoint; every tensor's data comes from our producers."""
+    """What ``convert.plan`` asks of a checkpoint; every tensor's data comes from our producers.
+    Every tensor of the model's own layers is there; no MTP layer (``model.layers.{n}``)."""
 
     path = Path("<random>")
+    keys = ()
+
+    def __init__(self, config):
+        self._mtp = f"model.layers.{int(config.num_hidden_layers)}."
 
     def has(self, name):
-        return True
+        return not name.startswith(self._mtp)
+
+
+def plan_model(shape: str, layers: int):
+    """(config, GGUF arch, ``convert.plan``'s outputs) of the bench model: what ``write_model``
+    writes, planned without writing (tests/util/test_bench_models.py checks it for every shape)."""
+    from transformers import AutoConfig
+
+    from ktransformers import convert as kc
+
+    model_type, gguf_arch, architecture, config, _ = SHAPES[shape]
+    cfg = AutoConfig.for_model(model_type, num_hidden_layers=layers, **config)
+    cfg.architectures = [architecture]
+    arch, outs = kc.plan(cfg, _Shapes(cfg), kc.PresetPolicy.for_config("Q4_K_M", cfg, gguf_arch))
+    return cfg, arch, outs
 
 
 def write_model(shape: str, layers: int) -> Path:
-    from transformers import AutoConfig
-
     from ktransformers import convert as kc
     from ktransformers.weights.ggml_types import ggml_type_info
 
@@ -128,10 +145,7 @@ def write_model(shape: str, layers: int) -> Path:
     if p.is_file():
         print(f"model: {p} ({p.stat().st_size / 2**30:.2f} GiB, cached)", flush=True)
         return p
-    model_type, gguf_arch, architecture, config, _ = SHAPES[shape]
-    cfg = AutoConfig.for_model(model_type, num_hidden_layers=layers, **config)
-    cfg.architectures = [architecture]
-    arch, outs = kc.plan(cfg, _Shapes(), kc.PresetPolicy.for_config("Q4_K_M", cfg, gguf_arch))
+    cfg, arch, outs = plan_model(shape, layers)
     rng = np.random.default_rng(0)
     buffers = {}
     for o in outs:
