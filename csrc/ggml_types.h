@@ -9,39 +9,40 @@
 namespace kt {
 
 // The one list of GGML types: X(name, GGUF / ggml type id, elements per block (1 for the float
-// types), bytes per block, usable as a weight type by the kernels).  The enum below, type_info()'s
-// table (ggml_types.cpp) and the reference quantizer's block sizes (quantize_ref.cpp) are built
-// from it; weights/ggml_types.py is Python's row per type, checked against type_info() by
-// tests/weights/test_type_table.py.  A new type is one row here (plus its kernels and dequant.inc).
-#define KT_GGML_TYPES(X)          \
-  X(F32, 0, 1, 4, true)           \
-  X(F16, 1, 1, 2, true)           \
-  X(Q4_0, 2, 32, 18, true)        \
-  X(Q4_1, 3, 32, 20, true)        \
-  X(Q5_0, 6, 32, 22, true)        \
-  X(Q5_1, 7, 32, 24, true)        \
-  X(Q8_0, 8, 32, 34, true)        \
-  X(Q8_1, 9, 32, 40, false)       \
-  X(Q2_K, 10, 256, 84, true)      \
-  X(Q3_K, 11, 256, 110, true)     \
-  X(Q4_K, 12, 256, 144, true)     \
-  X(Q5_K, 13, 256, 176, true)     \
-  X(Q6_K, 14, 256, 210, true)     \
-  X(Q8_K, 15, 256, 292, false)    \
-  X(IQ2_XXS, 16, 256, 66, true)   \
-  X(IQ2_XS, 17, 256, 74, true)    \
-  X(IQ3_XXS, 18, 256, 98, true)   \
-  X(IQ1_S, 19, 256, 50, true)     \
-  X(IQ4_NL, 20, 32, 18, true)     \
-  X(IQ3_S, 21, 256, 110, true)    \
-  X(IQ2_S, 22, 256, 82, true)     \
-  X(IQ4_XS, 23, 256, 136, true)   \
-  X(IQ1_M, 29, 256, 56, true)     \
-  X(BF16, 30, 1, 2, true)         \
-  X(MXFP4, 39, 32, 17, true)
+// types), bytes per block, usable as a weight type by the kernels, the stem of its dequantiser
+// dq_<stem> in dequant.inc -- none: no weight of that type is read).  The enum below, type_info()'s
+// table (ggml_types.cpp) and the reference dequantisation's dispatch (dequant.inc) are built from
+// it; weights/ggml_types.py is Python's row per type, checked against type_info() by
+// tests/weights/test_type_table.py.  A new type is one row here, its dq_ function and its kernels.
+#define KT_GGML_TYPES(X)                  \
+  X(F32, 0, 1, 4, true, f32)              \
+  X(F16, 1, 1, 2, true, f16)              \
+  X(Q4_0, 2, 32, 18, true, q4_0)          \
+  X(Q4_1, 3, 32, 20, true, q4_1)          \
+  X(Q5_0, 6, 32, 22, true, q5_0)          \
+  X(Q5_1, 7, 32, 24, true, q5_1)          \
+  X(Q8_0, 8, 32, 34, true, q8_0)          \
+  X(Q8_1, 9, 32, 40, false, none)         \
+  X(Q2_K, 10, 256, 84, true, q2_K)        \
+  X(Q3_K, 11, 256, 110, true, q3_K)       \
+  X(Q4_K, 12, 256, 144, true, q4_K)       \
+  X(Q5_K, 13, 256, 176, true, q5_K)       \
+  X(Q6_K, 14, 256, 210, true, q6_K)       \
+  X(Q8_K, 15, 256, 292, false, none)      \
+  X(IQ2_XXS, 16, 256, 66, true, iq2_xxs)  \
+  X(IQ2_XS, 17, 256, 74, true, iq2_xs)    \
+  X(IQ3_XXS, 18, 256, 98, true, iq3_xxs)  \
+  X(IQ1_S, 19, 256, 50, true, iq1_s)      \
+  X(IQ4_NL, 20, 32, 18, true, iq4_nl)     \
+  X(IQ3_S, 21, 256, 110, true, iq3_s)     \
+  X(IQ2_S, 22, 256, 82, true, iq2_s)      \
+  X(IQ4_XS, 23, 256, 136, true, iq4_xs)   \
+  X(IQ1_M, 29, 256, 56, true, iq1_m)      \
+  X(BF16, 30, 1, 2, true, bf16)           \
+  X(MXFP4, 39, 32, 17, true, mxfp4)
 
 enum GgmlType : int {
-#define KT_TYPE_ENUM(name, id, elems, bytes, supported) GGML_##name = id,
+#define KT_TYPE_ENUM(name, id, elems, bytes, supported, dq) GGML_##name = id,
   KT_GGML_TYPES(KT_TYPE_ENUM)
 #undef KT_TYPE_ENUM
 };
