@@ -409,7 +409,9 @@ class _MLA:
     def __call__(self, n: int, h: torch.Tensor, pe: list, kv, a: torch.Tensor, bufs: dict, ops) -> None:
         """``a [n, hidden]`` = the attention output of the rows ``h``; ``pe[r]`` the rotary tables of
         row r, ``kv(layer index, r, c_kv [1,1,1,C], k_pe [1,1,1,rope])`` writes row r's latent into the
-        cache and returns the latent keys ``[L, C]`` / rope keys ``[L, rope]`` row r attends to."""
+        cache and returns ``(latent, rope keys, table, page_size, L)``: the ``L`` keys row r attends
+        to are rows ``0 .. L-1`` of ``latent [., C]`` / ``rope keys [., rope]`` (``table`` None), or
+        a page pool's rows by the int64 block ``table`` of ``page_size``-slot pages."""
         H, C, R, nope = self.H, self.C, self.rope, self.nope
         W = self.first.out_features
         first = self.first.rows(n, h, bufs["first"].rows(n, W))
@@ -434,11 +436,14 @@ class _MLA:
             qr = q[r].view(1, H, 1, self.qk)
             q_pe, k_pe = apply_mla_rope(qr[..., nope:], first[r, self.q_width + C:].view(1, 1, 1, R), pe[r],
                                         self.interleave)
-            lat, rk = kv(self.idx, r, c[r].view(1, 1, 1, C), k_pe.float())
+            lat, rk, table, ps, seen = kv(self.idx, r, c[r].view(1, 1, 1, C), k_pe.float())
             if kernel:  # the prompt rows' kernel: a decoded token's bits are those of it read as a prompt
-                latent_kernel_attention(qr[..., :nope], q_pe.float(), lat, rk, self.w_uk, self.w_uv_t, lat.shape[0] - 1,
-                                        self.scaling, out=o[r].view(1, H, self.v))
+                latent_kernel_attention(qr[..., :nope], q_pe.float(), lat, rk, self.w_uk, self.w_uv_t, seen - 1,
+                                        self.scaling, table=table, page_size=ps, out=o[r].view(1, H, self.v))
                 continue
+            if table is not None:  # torch reads the row's keys gathered from the pages
+                slots = (table[:, None] * ps + torch.arange(ps)[None, :]).reshape(-1)[:seen]
+                lat, rk = lat.index_select(0, slots), rk.index_select(0, slots)
             q_abs = torch.bmm(qr[0, :, :, :nope], self.w_uk).view(H, C)
             scores = torch.mm(q_abs, lat.t())
             scores.add_(torch.mm(q_pe.reshape(H, R).float(), rk.t()))
@@ -1088,29 +1093,29 @@ class DecodeStep:
         def kv(idx, r, c_kv, k_pe):
             keys, values = layers[idx].update(c_kv, k_pe)
             seen = pos + r + 1
-            return keys[0, 0, :seen], values[0, 0, :seen]
+            return keys[0, 0, :seen], values[0, 0, :seen], None, 0, seen
 
         return kv
 
     def _latent_pages(self, tokens: list[int], positions: list[int], tables: list[list[int]], pool) -> torch.Tensor:
         """``step_pages`` of an MLA model: row r's latent written into its slot of the page pool's
-        latent / rope-key tensors, then read back with the row's earlier slots (by its block table)."""
+        latent / rope-key tensors, then read in place by its block table (the attention reads the
+        pool's rows through it: no copy of the row's keys)."""
         stores = self.pages_of(pool)
         ps = int(pool.page_size)
-        reads = []
+        books = []
         for t, p in zip(tables, positions):
-            pages = torch.tensor(t, dtype=torch.int64)
-            slots = (pages[:, None] * ps + torch.arange(ps)[None, :]).reshape(-1)
-            if slots.numel() < p + 1:
+            if len(t) * ps < p + 1:
                 raise ValueError(f"block table of {len(t)} pages holds no slot for position {p}")
-            reads.append(slots[:p + 1])
+            books.append(torch.tensor(t[: p // ps + 1], dtype=torch.int64))
 
         def kv(idx, r, c_kv, k_pe):
             lat, rk = stores[idx]
-            slot = int(reads[r][-1])
+            p = positions[r]
+            slot = int(books[r][p // ps]) * ps + p % ps
             lat[slot].copy_(c_kv.reshape(-1))
             rk[slot].copy_(k_pe.reshape(-1))
-            return lat.index_select(0, reads[r]), rk.index_select(0, reads[r])
+            return lat, rk, books[r], ps, p + 1
 
         with self._lock:
             return self._rows(tokens, positions, kv)

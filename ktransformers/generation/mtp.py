@@ -260,7 +260,7 @@ class _MTPLayer:
                     e = first + r
                     lat[e].copy_(c_kv.reshape(-1))
                     rk[e].copy_(k_pe.reshape(-1))
-                    return lat[: e + 1], rk[: e + 1]
+                    return lat[: e + 1], rk[: e + 1], None, 0, e + 1
 
                 lay.mla(T, h1, pe, kv, a, step.mla_bufs, ops)
             h2 = torch.empty(T, H)
