@@ -14,7 +14,7 @@ struct TypeTable {
   TypeInfo t[kMaxGgmlType];
   TypeTable() {
     for (auto& e : t) e = TypeInfo{nullptr, 0, 0, false};
-#define KT_TYPE_ROW(name, id, elems, bytes, supported, dq) t[id] = {#name, elems, bytes, supported};
+#define KT_TYPE_ROW(name, id, elems, bytes, supported, dq, q) t[id] = {#name, elems, bytes, supported};
     KT_GGML_TYPES(KT_TYPE_ROW)
 #undef KT_TYPE_ROW
   }

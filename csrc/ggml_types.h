@@ -10,39 +10,41 @@ namespace kt {
 
 // The one list of GGML types: X(name, GGUF / ggml type id, elements per block (1 for the float
 // types), bytes per block, usable as a weight type by the kernels, the stem of its dequantiser
-// dq_<stem> in dequant.inc -- none: no weight of that type is read).  The enum below, type_info()'s
-// table (ggml_types.cpp) and the reference dequantisation's dispatch (dequant.inc) are built from
-// it; weights/ggml_types.py is Python's row per type, checked against type_info() by
-// tests/weights/test_type_table.py.  A new type is one row here, its dq_ function and its kernels.
-#define KT_GGML_TYPES(X)                  \
-  X(F32, 0, 1, 4, true, f32)              \
-  X(F16, 1, 1, 2, true, f16)              \
-  X(Q4_0, 2, 32, 18, true, q4_0)          \
-  X(Q4_1, 3, 32, 20, true, q4_1)          \
-  X(Q5_0, 6, 32, 22, true, q5_0)          \
-  X(Q5_1, 7, 32, 24, true, q5_1)          \
-  X(Q8_0, 8, 32, 34, true, q8_0)          \
-  X(Q8_1, 9, 32, 40, false, none)         \
-  X(Q2_K, 10, 256, 84, true, q2_K)        \
-  X(Q3_K, 11, 256, 110, true, q3_K)       \
-  X(Q4_K, 12, 256, 144, true, q4_K)       \
-  X(Q5_K, 13, 256, 176, true, q5_K)       \
-  X(Q6_K, 14, 256, 210, true, q6_K)       \
-  X(Q8_K, 15, 256, 292, false, none)      \
-  X(IQ2_XXS, 16, 256, 66, true, iq2_xxs)  \
-  X(IQ2_XS, 17, 256, 74, true, iq2_xs)    \
-  X(IQ3_XXS, 18, 256, 98, true, iq3_xxs)  \
-  X(IQ1_S, 19, 256, 50, true, iq1_s)      \
-  X(IQ4_NL, 20, 32, 18, true, iq4_nl)     \
-  X(IQ3_S, 21, 256, 110, true, iq3_s)     \
-  X(IQ2_S, 22, 256, 82, true, iq2_s)      \
-  X(IQ4_XS, 23, 256, 136, true, iq4_xs)   \
-  X(IQ1_M, 29, 256, 56, true, iq1_m)      \
-  X(BF16, 30, 1, 2, true, bf16)           \
-  X(MXFP4, 39, 32, 17, true, mxfp4)
+// dq_<stem> in dequant.inc -- none: no weight of that type is read --, the stem of its reference
+// quantizer q_<stem> in quantize_ref.cpp -- none: the converter does not write it here).  The enum
+// below, type_info()'s table (ggml_types.cpp), the reference dequantisation's dispatch (dequant.inc)
+// and the quantizers' (quantize_ref.cpp) are built from it; weights/ggml_types.py is Python's row
+// per type, checked against type_info() by tests/weights/test_type_table.py.  A new type is one row
+// here, its dq_ (and q_) function and its kernels.
+#define KT_GGML_TYPES(X)                       \
+  X(F32, 0, 1, 4, true, f32, none)             \
+  X(F16, 1, 1, 2, true, f16, none)             \
+  X(Q4_0, 2, 32, 18, true, q4_0, none)         \
+  X(Q4_1, 3, 32, 20, true, q4_1, none)         \
+  X(Q5_0, 6, 32, 22, true, q5_0, none)         \
+  X(Q5_1, 7, 32, 24, true, q5_1, none)         \
+  X(Q8_0, 8, 32, 34, true, q8_0, none)         \
+  X(Q8_1, 9, 32, 40, false, none, none)        \
+  X(Q2_K, 10, 256, 84, true, q2_K, none)       \
+  X(Q3_K, 11, 256, 110, true, q3_K, none)      \
+  X(Q4_K, 12, 256, 144, true, q4_K, q4_K)      \
+  X(Q5_K, 13, 256, 176, true, q5_K, q5_K)      \
+  X(Q6_K, 14, 256, 210, true, q6_K, q6_K)      \
+  X(Q8_K, 15, 256, 292, false, none, none)     \
+  X(IQ2_XXS, 16, 256, 66, true, iq2_xxs, none) \
+  X(IQ2_XS, 17, 256, 74, true, iq2_xs, none)   \
+  X(IQ3_XXS, 18, 256, 98, true, iq3_xxs, none) \
+  X(IQ1_S, 19, 256, 50, true, iq1_s, none)     \
+  X(IQ4_NL, 20, 32, 18, true, iq4_nl, iq4_nl)  \
+  X(IQ3_S, 21, 256, 110, true, iq3_s, none)    \
+  X(IQ2_S, 22, 256, 82, true, iq2_s, none)     \
+  X(IQ4_XS, 23, 256, 136, true, iq4_xs, iq4_xs)\
+  X(IQ1_M, 29, 256, 56, true, iq1_m, none)     \
+  X(BF16, 30, 1, 2, true, bf16, none)          \
+  X(MXFP4, 39, 32, 17, true, mxfp4, none)
 
 enum GgmlType : int {
-#define KT_TYPE_ENUM(name, id, elems, bytes, supported, dq) GGML_##name = id,
+#define KT_TYPE_ENUM(name, id, elems, bytes, supported, dq, q) GGML_##name = id,
   KT_GGML_TYPES(KT_TYPE_ENUM)
 #undef KT_TYPE_ENUM
 };

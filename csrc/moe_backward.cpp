@@ -184,18 +184,27 @@ bool gemm_transposed(const ProjWeights& p) {
   return p.backend != Backend::Llamafile || (p.src_type != GGML_F32 && p.src_type != GGML_F16);
 }
 
-struct Task { int e, c0, t0; };
+// One task of a product over the experts: expert e's pairs t0 .. t0 + nt (p0 .. p0 + nt in the
+// expert-sorted pair order) times its output rows (or columns) c0 .. c0 + nc.
+struct Task { int e, c0, t0, nt, nc, p0; };
 
-// The (expert, row block, pair block) tasks of a product with `rows` output rows over the experts
-// that `counts` pairs hit, in expert order; the row block (*rb) sized so the pool gets enough tasks.
-std::vector<Task> expert_tasks(const std::vector<int>& counts, int rows, int threads, int* rb) {
-  int active = 0;
-  for (int c : counts) active += c > 0;
-  *rb = row_block(rows, active, threads);
-  std::vector<Task> tasks;
+// The tasks of a product with `rows` outputs over the experts that `counts` pairs hit (their first
+// pairs at `offsets`), in expert order, `block` outputs per task.
+void expert_tasks(const std::vector<int>& counts, const std::vector<int>& offsets, int rows, int block,
+                  std::vector<Task>& tasks) {
+  tasks.clear();
   for (int e = 0; e < static_cast<int>(counts.size()); ++e)
     for (int t0 = 0; t0 < counts[e]; t0 += kTokBlock)
-      for (int r0 = 0; r0 < rows; r0 += *rb) tasks.push_back({e, r0, t0});
+      for (int c0 = 0; c0 < rows; c0 += block)
+        tasks.push_back({e, c0, t0, std::min(kTokBlock, counts[e] - t0), std::min(block, rows - c0), offsets[e] + t0});
+}
+
+// The same with the row block sized so the pool gets enough tasks.
+std::vector<Task> row_tasks(const std::vector<int>& counts, const std::vector<int>& offsets, int rows, int threads) {
+  int active = 0;
+  for (int c : counts) active += c > 0;
+  std::vector<Task> tasks;
+  expert_tasks(counts, offsets, rows, row_block(rows, active, threads), tasks);
   return tasks;
 }
 
@@ -316,14 +325,11 @@ void MoETrain::gate_up(ThreadPool& pool, const Routing& rt, int T, const float* 
       if (!same) kt.quantize_act(pu.act, x + static_cast<size_t>(t) * H, H, pu.Kpad, xu + su * t);
     }
   });
-  int rb;
-  const std::vector<Task> tasks = expert_tasks(rt.counts, I, pool.size(), &rb);
+  const std::vector<Task> tasks = row_tasks(rt.counts, rt.offsets, I, pool.size());
   const size_t tmp_bytes = (thr_floats_ - 2 * kTile) * sizeof(float);
   pool.parallel_for(static_cast<int>(tasks.size()), [&](int ti, int tid) {
     const Task tk = tasks[ti];
-    const int nt = std::min(kTokBlock, rt.counts[tk.e] - tk.t0);
-    const int nr = std::min(rb, I - tk.c0);
-    const int p0 = rt.offsets[tk.e] + tk.t0;
+    const int nt = tk.nt, nr = tk.nc, p0 = tk.p0;
     const uint8_t* Ag[kTokBlock];
     const uint8_t* Au[kTokBlock];
     for (int t = 0; t < nt; ++t) {
@@ -398,14 +404,11 @@ void MoETrain::forward(ThreadPool& pool, int T, int k, const float* x, const int
 
   // y = W_d h + s_d B_d a_d  -> [P, H]
   float* y = static_cast<float*>(s_.y.ensure(sizeof(float) * std::max(P, 1) * static_cast<size_t>(H)));
-  int rb;
-  const std::vector<Task> tasks = expert_tasks(rt.counts, H, nth, &rb);
+  const std::vector<Task> tasks = row_tasks(rt.counts, rt.offsets, H, nth);
   const size_t tmp_bytes = (thr_floats_ - 2 * kTile) * sizeof(float);
   pool.parallel_for(static_cast<int>(tasks.size()), [&](int ti, int tid) {
     const Task tk = tasks[ti];
-    const int nt = std::min(kTokBlock, rt.counts[tk.e] - tk.t0);
-    const int nr = std::min(rb, H - tk.c0);
-    const int p0 = rt.offsets[tk.e] + tk.t0;
+    const int nt = tk.nt, nr = tk.nc, p0 = tk.p0;
     const uint8_t* A[kTokBlock];
     for (int t = 0; t < nt; ++t) A[t] = hq + sd * (p0 + t);
     float* C = y + static_cast<size_t>(p0) * H + tk.c0;
@@ -489,12 +492,7 @@ void MoETrain::backward(ThreadPool& pool, int T, int k, const float* x, const in
   float* gy = static_cast<float*>(s_.y.ensure(sizeof(float) * std::max(P, 1) * static_cast<size_t>(std::max(H, I))));
   std::memset(gy, 0, sizeof(float) * P * static_cast<size_t>(I));
   std::vector<Task> tasks;
-  auto col_tasks = [&](int cols) {
-    tasks.clear();
-    for (int e = 0; e < E; ++e)
-      for (int t0 = 0; t0 < rt.counts[e]; t0 += kTokBlock)
-        for (int c0 = 0; c0 < cols; c0 += kColBlock) tasks.push_back({e, c0, t0});
-  };
+  auto col_tasks = [&](int cols) { expert_tasks(rt.counts, rt.offsets, cols, kColBlock, tasks); };
   col_tasks(I);
   const TransposedGemm tg_d{{&pd, nullptr}, 1, H, (H + kBf16KAlign - 1) / kBf16KAlign * kBf16KAlign};
   const TransposedGemm tg_gu{{&pg, &pu}, 2, 2 * I, (2 * I + kBf16KAlign - 1) / kBf16KAlign * kBf16KAlign};
@@ -522,9 +520,7 @@ void MoETrain::backward(ThreadPool& pool, int T, int k, const float* x, const in
     });
   pool.parallel_for(static_cast<int>(tasks.size()), [&](int ti, int tid) {
     const Task tk = tasks[ti];
-    const int nt = std::min(kTokBlock, rt.counts[tk.e] - tk.t0);
-    const int nc = std::min(kColBlock, I - tk.c0);
-    const int p0 = rt.offsets[tk.e] + tk.t0;
+    const int nt = tk.nt, nc = tk.nc, p0 = tk.p0;
     if (gemm_d) {
       const uint8_t* A[kTokBlock];
       for (int t = 0; t < nt; ++t) A[t] = ta + sa_d * tok_of(p0 + t);
@@ -589,9 +585,7 @@ void MoETrain::backward(ThreadPool& pool, int T, int k, const float* x, const in
     });
   pool.parallel_for(static_cast<int>(tasks.size()), [&](int ti, int tid) {
     const Task tk = tasks[ti];
-    const int nt = std::min(kTokBlock, rt.counts[tk.e] - tk.t0);
-    const int nc = std::min(kColBlock, H - tk.c0);
-    const int p0 = rt.offsets[tk.e] + tk.t0;
+    const int nt = tk.nt, nc = tk.nc, p0 = tk.p0;
     const float* cg[kTokBlock];
     const float* cu[kTokBlock];
     float* C[kTokBlock];

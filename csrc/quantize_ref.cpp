@@ -29,7 +29,6 @@ namespace {
 
 constexpr int QK = 256;
 constexpr float GROUP_EPS = 1e-15f;
-constexpr int T_Q4_K = GGML_Q4_K, T_Q5_K = GGML_Q5_K, T_Q6_K = GGML_Q6_K, T_IQ4_NL = GGML_IQ4_NL, T_IQ4_XS = GGML_IQ4_XS;
 
 // round half to even, like ggml's nearest_int: adding 1.5 * 2^23 leaves the rounded integer in the
 // low mantissa bits (exact for |v| < 2^22; larger values saturate, then clamp as before); inline, so the
@@ -289,7 +288,7 @@ KT_QUANT_CLONES void block_q45(const float* x, uint8_t* out, bool five) {
 }
 
 // Q6_K: 16 sub-blocks of 16, 8-bit scales; layout ql[128] qh[64] scales[16] d
-KT_QUANT_CLONES void block_q6(const float* x, uint8_t* out) {
+KT_QUANT_CLONES void q_q6_K(const float* x, uint8_t* out) {
   int8_t Ls[QK];
   uint8_t L[QK];
   float scales[16], max_scale = 0, max_abs = 0;
@@ -385,7 +384,7 @@ KT_QUANT_INLINE void pack_codes_nl(const float* x, float d, uint8_t* qs) {
 }
 
 // IQ4_NL: one fp16 scale per 32 values; layout d, qs[16]
-KT_QUANT_CLONES void block_iq4_nl(const float* x, uint8_t* out) {
+KT_QUANT_CLONES void q_iq4_nl(const float* x, uint8_t* out) {
   const uint16_t dh = to_half(search_scale_nl(x));
   std::memcpy(out, &dh, 2);
   pack_codes_nl(x, from_half(dh), out + 2);
@@ -393,7 +392,7 @@ KT_QUANT_CLONES void block_iq4_nl(const float* x, uint8_t* out) {
 
 // IQ4_XS: 8 sub-blocks of 32 with 6-bit signed scales of one fp16 scale; layout d, scales_h,
 // scales_l[4], qs[128]
-KT_QUANT_CLONES void block_iq4_xs(const float* x, uint8_t* out) {
+KT_QUANT_CLONES void q_iq4_xs(const float* x, uint8_t* out) {
   float scales[8], max_scale = 0, amax = 0;
   for (int ib = 0; ib < 8; ++ib) {
     scales[ib] = search_scale_nl(x + 32 * ib);
@@ -419,35 +418,39 @@ KT_QUANT_CLONES void block_iq4_xs(const float* x, uint8_t* out) {
   std::memcpy(out + 2, &scales_h, 2);
 }
 
-// bytes of one block of the types with a quantizer here (the type list's row), else 0
-int block_bytes(int type) {
+void q_q4_K(const float* x, uint8_t* out) { block_q45(x, out, false); }
+void q_q5_K(const float* x, uint8_t* out) { block_q45(x, out, true); }
+
+using BlockQuantizer = void (*)(const float*, uint8_t*);
+constexpr BlockQuantizer q_none = nullptr;
+
+// the block quantizer of a type, from its KT_GGML_TYPES row (ggml_types.h); null: none here
+BlockQuantizer quantizer(int type) {
   switch (type) {
-    case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_NL: case T_IQ4_XS: return type_info(type).block_bytes;
-    default: return 0;
+#define KT_Q_CASE(name, id, elems, bytes, supported, dq, q) \
+  case GGML_##name:                                        \
+    return q_##q;
+    KT_GGML_TYPES(KT_Q_CASE)
+#undef KT_Q_CASE
+    default: return nullptr;
   }
 }
 
 }  // namespace
 
-bool quantize_rows_supported(int ggml_type) { return block_bytes(ggml_type) > 0; }
+bool quantize_rows_supported(int ggml_type) { return quantizer(ggml_type) != nullptr; }
 
 void quantize_rows(int type, const float* src, void* dst, int64_t nrows, int64_t n_per_row, int n_threads) {
-  const int bb = block_bytes(type);
-  if (!bb) throw std::invalid_argument("quantize_rows: ggml type " + std::to_string(type) + " is not supported");
-  const int be = type_info(type).block_elems;
+  const BlockQuantizer q = quantizer(type);
+  if (!q) throw std::invalid_argument("quantize_rows: ggml type " + std::to_string(type) + " is not supported");
+  const int be = type_info(type).block_elems, bb = type_info(type).block_bytes;
   if (n_per_row <= 0 || n_per_row % be)
     throw std::invalid_argument("quantize_rows: rows must be a multiple of " + std::to_string(be));
   const int64_t blocks = nrows * (n_per_row / be);
   auto run = [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const float* x = src + b * be;
-      uint8_t* out = static_cast<uint8_t*>(dst) + b * bb;
-      switch (type) {
-        case T_Q6_K: block_q6(x, out); break;
-        case T_IQ4_NL: block_iq4_nl(x, out); break;
-        case T_IQ4_XS: block_iq4_xs(x, out); break;
-        default: block_q45(x, out, type == T_Q5_K);
-      }
+      q(x, static_cast<uint8_t*>(dst) + b * bb);
     }
   };
   const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(n_threads, blocks * be / (16 * QK))));
