@@ -365,6 +365,19 @@ void MoETrain::gate_up(ThreadPool& pool, const Routing& rt, int T, const float* 
   });
 }
 
+const float* MoETrain::glu_row(const KernelTable& kt, const Routing& rt, int p, const float* gu, const LoraArgs& l,
+                               float* h, float* a_d) const {
+  const int I = I_;
+  const float* gr = gu + static_cast<size_t>(rt.pair_slot[p]) * 2 * I;
+  float* hr = h + static_cast<size_t>(p) * I;
+  kt.glu(static_cast<int>(act_), gr, gr + I, hr, I, alpha_, limit_);
+  if (a_d) {
+    const float* A = l.A_d + static_cast<size_t>(rt.pair_exp[p]) * l.r_d * I;
+    for (int j = 0; j < l.r_d; ++j) a_d[static_cast<size_t>(p) * l.r_d + j] = dotf(A + static_cast<size_t>(j) * I, hr, I);
+  }
+  return hr;
+}
+
 void MoETrain::forward(ThreadPool& pool, int T, int k, const float* x, const int64_t* ids, const float* w,
                        const LoraArgs& l, float* out, float* save_gu) {
   if (T < 0 || k <= 0) throw std::invalid_argument("MoETrain.forward: need T >= 0 and k > 0");
@@ -391,13 +404,7 @@ void MoETrain::forward(ThreadPool& pool, int T, int k, const float* x, const int
   uint8_t* hq = static_cast<uint8_t*>(s_.hq.ensure(sd * std::max(P, 1)));
   pool.parallel_for(chunks(P), [&](int task, int) {
     for (int p = task * kChunk; p < std::min(P, (task + 1) * kChunk); ++p) {
-      const float* gr = gu + static_cast<size_t>(rt.pair_slot[p]) * 2 * I;
-      float* hr = h + static_cast<size_t>(p) * I;
-      kt.glu(static_cast<int>(act_), gr, gr + I, hr, I, alpha_, limit_);
-      if (a_d) {
-        const float* A = l.A_d + static_cast<size_t>(rt.pair_exp[p]) * l.r_d * I;
-        for (int j = 0; j < l.r_d; ++j) a_d[static_cast<size_t>(p) * l.r_d + j] = dotf(A + static_cast<size_t>(j) * I, hr, I);
-      }
+      const float* hr = glu_row(kt, rt, p, gu, l, h, a_d);
       kt.quantize_act(pd.act, hr, I, pd.Kpad, hq + sd * p);
     }
   });
@@ -470,13 +477,9 @@ void MoETrain::backward(ThreadPool& pool, int T, int k, const float* x, const in
   float* bd = l.A_d ? static_cast<float*>(s_.bd.ensure(sizeof(float) * std::max(P, 1) * rd)) : nullptr;
   pool.parallel_for(chunks(P), [&](int task, int) {
     for (int p = task * kChunk; p < std::min(P, (task + 1) * kChunk); ++p) {
-      const float* gr = gu + static_cast<size_t>(rt.pair_slot[p]) * 2 * I;
-      float* hr = h + static_cast<size_t>(p) * I;
-      kt.glu(static_cast<int>(act_), gr, gr + I, hr, I, alpha_, limit_);
+      glu_row(kt, rt, p, gu, l, h, a_d);
       if (a_d) {
         const int e = rt.pair_exp[p];
-        const float* A = l.A_d + static_cast<size_t>(e) * rd * I;
-        for (int j = 0; j < rd; ++j) a_d[static_cast<size_t>(p) * rd + j] = dotf(A + static_cast<size_t>(j) * I, hr, I);
         // bd = B_d^T dout[t] (unweighted)
         const float* B = l.B_d + static_cast<size_t>(e) * H * rd;
         const float* d = dout + static_cast<size_t>(tok_of(p)) * H;

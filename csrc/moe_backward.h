@@ -69,6 +69,10 @@ class MoETrain {
   void check_lora(const LoraArgs& l) const;
   // a_gu [P, r_gu] (when LoRA) and the pre-activations into gu [T*k, 2I] (when gu != null).
   void gate_up(ThreadPool& pool, const Routing& rt, int T, const float* x, const LoraArgs& l, float* a_gu, float* gu);
+  // Pair p's row h[p] = act(g) * u from its pre-activations in gu and, with LoRA on down, its
+  // LoRA-A product a_d[p] = A_d[expert] h[p] (when a_d != null); returns h[p].
+  const float* glu_row(const KernelTable& kt, const Routing& rt, int p, const float* gu, const LoraArgs& l, float* h,
+                       float* a_d) const;
   // Scratch of one call, shared by every layer (they run one at a time; the mutex makes sure):
   // the memory is that of the largest call, not one copy per layer.
   struct Scratch {
