@@ -297,15 +297,15 @@ void run_items(ThreadPool& pool, const FlashArgs& a, Item item) {
 // fma rounds once, so an output's bits depend on nothing but its row and W: not on nt, T, the
 // thread split, the vector width or the tier.  (MLA's absorptions: W_UK into the query, W_UV after
 // the weighted sum.)
-inline void head_rows(const float* x, size_t x_tok, size_t x_head, const float* W, int K, int N, float* out,
-                      size_t o_tok, size_t o_head, int h, int t0, int nt) {
-  constexpr int kT = 4, kN = 64;
+template <int kT>
+inline void head_rows_n(const float* x, size_t x_tok, size_t x_head, const float* W, int K, int N, float* out,
+                        size_t o_tok, size_t o_head, int h, int t0) {
+  constexpr int kN = 64;
   const float* xr[kT];
   float* orow[kT];
   for (int r = 0; r < kT; ++r) {
-    const int t = t0 + (r < nt ? r : nt - 1);
-    xr[r] = x + static_cast<size_t>(t) * x_tok + static_cast<size_t>(h) * x_head;
-    orow[r] = out + static_cast<size_t>(t) * o_tok + static_cast<size_t>(h) * o_head;
+    xr[r] = x + static_cast<size_t>(t0 + r) * x_tok + static_cast<size_t>(h) * x_head;
+    orow[r] = out + static_cast<size_t>(t0 + r) * o_tok + static_cast<size_t>(h) * o_head;
   }
   for (int n0 = 0; n0 < N; n0 += kN) {
     alignas(64) float acc[kT][kN] = {};
@@ -324,7 +324,17 @@ inline void head_rows(const float* x, size_t x_tok, size_t x_head, const float* 
           for (int n = 0; n < N - n0; ++n) acc[r][n] = std::fma(xr[r][k], w[n], acc[r][n]);
       }
     }
-    for (int r = 0; r < nt; ++r) std::copy(acc[r], acc[r] + std::min(kN, N - n0), orow[r] + n0);
+    for (int r = 0; r < kT; ++r) std::copy(acc[r], acc[r] + std::min(kN, N - n0), orow[r] + n0);
+  }
+}
+
+inline void head_rows(const float* x, size_t x_tok, size_t x_head, const float* W, int K, int N, float* out,
+                      size_t o_tok, size_t o_head, int h, int t0, int nt) {
+  switch (nt) {  // only the rows asked for (a decode row is one)
+    case 1: return head_rows_n<1>(x, x_tok, x_head, W, K, N, out, o_tok, o_head, h, t0);
+    case 2: return head_rows_n<2>(x, x_tok, x_head, W, K, N, out, o_tok, o_head, h, t0);
+    case 3: return head_rows_n<3>(x, x_tok, x_head, W, K, N, out, o_tok, o_head, h, t0);
+    default: return head_rows_n<4>(x, x_tok, x_head, W, K, N, out, o_tok, o_head, h, t0);
   }
 }
 
