@@ -30,11 +30,10 @@ log = logging.getLogger("ktransformers.server")
 
 
 def runner_class():
-    """The paged batch runner when it is installed, else the reference runner (same interface)."""
-    try:
-        from ..generation.paged import BatchRunner
-    except ImportError:
-        from .reference_runner import BatchRunner
+    """The batch runner the engine steps: the paged runner (``generation/paged.py``, the one decode
+    step over a shared page pool).  ``reference_runner.py`` is the tests' oracle, never served."""
+    from ..generation.paged import BatchRunner
+
     return BatchRunner
 
 

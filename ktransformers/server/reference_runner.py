@@ -1,4 +1,5 @@
-"""A simple batch runner with the paged runner's interface: the oracle and the fallback.
+"""A simple batch runner with the paged runner's interface: the tests' oracle (the server always
+steps the paged runner, ``batch_engine.runner_class``).
 
 Each sequence keeps its own transformers ``DynamicCache`` and runs its own forward; the page
 pool only *counts* pages (``ceil(len / page_size)`` per sequence), so the scheduler's page
