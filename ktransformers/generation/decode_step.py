@@ -937,15 +937,15 @@ class DecodeStep:
                 return None
             slots, after = got
             pos_t = torch.tensor([pos], dtype=torch.int64)
-            los = {}
-            for lay, (kp, vp, cap, roll, n, lenp) in zip(self.layers, slots):
-                los[lay.idx] = torch.tensor([pos + 1 - n], dtype=torch.int64)
+            # each layer's first visible key, one tensor (layer i's at element i): no tensor per layer
+            los = torch.tensor([pos + 1 - sl[4] for sl in slots], dtype=torch.int64)
+            lo0, pv = los.data_ptr(), self._pv_bf16
 
             def keys_of(lay, q, cos, sin, out):
                 kp, vp, cap, roll, n, lenp = slots[lay.idx]
                 self._ops.attend_rows(self._cpuinfer, q, 1, lay.hq, lay.hkv, lay.d, lay.qk_ptr, lay.qk_eps, cos, sin,
                                       kp, vp, lay.d, cap * lay.d, 0, _NO_ROWS.data_ptr(), _NO_ROWS.data_ptr(),
-                                      pos_t.data_ptr(), los[lay.idx].data_ptr(), roll, cap, lenp, lay.scaling, out, bf16_pv=self._pv_bf16)
+                                      pos_t.data_ptr(), lo0 + 8 * lay.idx, roll, cap, lenp, lay.scaling, out, bf16_pv=pv)
 
             logits = self._rows([token], [pos], keys_of)
             if after is not None:
@@ -997,7 +997,7 @@ class DecodeStep:
                 saved.append((cur0, int(cl.cumulative_length), front))
             ptr = torch.zeros(1, dtype=torch.int64)  # one row's position / first key, rewritten per call
             lo = torch.zeros(1, dtype=torch.int64)
-            pp, lop = ptr.data_ptr(), lo.data_ptr()
+            pp, lop, pv = ptr.data_ptr(), lo.data_ptr(), self._pv_bf16
 
             def keys_of(lay, q, cos, sin, out):
                 cl, kp, vp, lp, cap, sliding = plan[lay.idx]
@@ -1014,7 +1014,7 @@ class DecodeStep:
                     self._ops.attend_rows(self._cpuinfer, q + r * qw, 1, lay.hq, lay.hkv, lay.d, lay.qk_ptr,
                                           lay.qk_eps, cos + r * cw, sin + r * cw, kp, vp, lay.d, cap * lay.d, 0,
                                           _NO_ROWS.data_ptr(), _NO_ROWS.data_ptr(), pp, lop, roll, cap, lenp,
-                                          lay.scaling, out + r * ow, bf16_pv=self._pv_bf16)
+                                          lay.scaling, out + r * ow, bf16_pv=pv)
 
             logits = self._rows(list(tokens), list(range(pos, pos + n)), keys_of)
 
@@ -1053,7 +1053,7 @@ class DecodeStep:
             slots, after = got
             ptr = torch.zeros(1, dtype=torch.int64)  # one row's position, rewritten per call
             lo = torch.zeros(1, dtype=torch.int64)   # every dynamic entry is attended: first key 0
-            pp, lop = ptr.data_ptr(), lo.data_ptr()
+            pp, lop, pv = ptr.data_ptr(), lo.data_ptr(), self._pv_bf16
 
             def keys_of(lay, q, cos, sin, out):
                 kp, vp, cap, _, _, _ = slots[lay.idx]
@@ -1063,7 +1063,7 @@ class DecodeStep:
                     self._ops.attend_rows(self._cpuinfer, q + r * qw, 1, lay.hq, lay.hkv, lay.d, lay.qk_ptr,
                                           lay.qk_eps, cos + r * cw, sin + r * cw, kp, vp, lay.d, cap * lay.d, 0,
                                           _NO_ROWS.data_ptr(), _NO_ROWS.data_ptr(), pp, lop, 0, cap, 0,
-                                          lay.scaling, out + r * ow, bf16_pv=self._pv_bf16)
+                                          lay.scaling, out + r * ow, bf16_pv=pv)
 
             logits = self._rows(tokens, list(range(pos, pos + n)), keys_of)
             self._finish_dynamic(after)
@@ -1159,13 +1159,13 @@ class DecodeStep:
         los = {}
         for w in {lay.window for lay in self.layers}:
             los[w] = (pos_t - w + 1).clamp(min=0) if w > 0 else torch.zeros_like(pos_t)
-        n, ps = len(tokens), int(pool.page_size)
+        n, ps, pv = len(tokens), int(pool.page_size), self._pv_bf16
 
         def keys_of(lay, q, cos, sin, out):
             kp, vp = ptrs[lay.idx]
             self._ops.attend_rows(self._cpuinfer, q, n, lay.hq, lay.hkv, lay.d, lay.qk_ptr, lay.qk_eps, cos, sin, kp,
                                   vp, lay.hkv * lay.d, lay.d, ps, pages.data_ptr(), offs.data_ptr(), pos_t.data_ptr(),
-                                  los[lay.window].data_ptr(), 0, 0, 0, lay.scaling, out, bf16_pv=self._pv_bf16)
+                                  los[lay.window].data_ptr(), 0, 0, 0, lay.scaling, out, bf16_pv=pv)
 
         with self._lock:
             return self._rows(tokens, positions, keys_of)
