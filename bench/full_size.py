@@ -31,8 +31,10 @@ Rows, in this order, each side in its own process under ``/usr/bin/time -v``, sa
   ``Generator.prefill``; llama.cpp: ``llama-bench -p P -n 0``).
 ``--gguf FILE`` runs the same rows on another file (the long-context rows use Gemma-3-270M Q4_K_M:
 ``--gguf .cache/models/gemma-3-270m-q4_k_m.gguf --prefill 8192,32000 --depth 8192,32000``).
-Each row also gives both sides' peak RSS (mapped file pages touched included).  The file is
-read through the page cache, so the first process after writing it may find it warm.
+Each row also gives both sides' peak RSS (mapped file pages touched included).  Before each
+measured process (ours and llama.cpp's) the file is read through the page cache (``warm``; off
+with ``--no-warm``): a VM that pages out idle file pages would otherwise make a row's speed depend
+on how long the file sat unread before it.
 Without ``--llama_cpp_bin`` (or ``KT_LLAMA_CPP_BIN``) only our rows print.
 """
 
@@ -200,7 +202,20 @@ def timed_run(cmd: list[str], timeout: float | None) -> dict:
             if wall else None}
 
 
+def warm(path: Path) -> None:
+    """Read the file through the page cache.  Run before each measured process (both sides): some
+    VMs' memory managers page out file pages left unread for about a minute (DAMON ``pageout``,
+    /sys/kernel/mm/damon), and a process then reads part of the model from disk -- its speed would
+    depend on how long the file sat idle before it, not on the code."""
+    buf = bytearray(1 << 24)
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+
+
 def ours(path: Path, job: str, args, repeats: int) -> dict:
+    if args.warm:
+        warm(path)
     r = timed_run([sys.executable, __file__, "--child", job, "--model", str(path), "--threads", str(args.threads),
                    "--repeats", str(repeats), *(["--backend", args.backend] if args.backend else [])], args.timeout)
     for line in r["out"].splitlines():
@@ -210,6 +225,8 @@ def ours(path: Path, job: str, args, repeats: int) -> dict:
 
 
 def llama(path: Path, p: int, n: int, args, repeats: int, depth: int = 0) -> dict:
+    if args.warm:
+        warm(path)
     cmd = [str(args.llama_bin / "llama-bench"), "-m", str(path), "-p", str(p), "-n", str(n), "-t", str(args.threads),
            "-r", str(repeats), "-o", "json", *(["-d", str(depth)] if depth else []), *args.llama_args.split()]
     r = timed_run(cmd, args.timeout)
@@ -318,6 +335,8 @@ def main(argv=None) -> int:
     ap.add_argument("--llama_cpp_bin", default=os.environ.get("KT_LLAMA_CPP_BIN"),
                     help="folder with llama.cpp's llama-bench (default: $KT_LLAMA_CPP_BIN)")
     ap.add_argument("--llama_args", default="", help="extra llama-bench flags, e.g. '--repack 0'")
+    ap.add_argument("--no-warm", dest="warm", action="store_false",
+                    help="do not read the file through the page cache before each measured process")
     ap.add_argument("--backend", help="our experts' backend (default: the rule file's llamafile); a packed one "
                     "(AMXInt8 / AMXBF16 / AMXInt4 / AMXInt4_1) adds rows for a load that packs and caches, then one "
                     "that maps the cache (KT_PACKED_CACHE, default .cache/packed-bench)")

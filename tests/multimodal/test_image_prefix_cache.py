@@ -92,26 +92,48 @@ def _check_cuts(model, prompt, ps=4):
     assert runner.pool.used_count() == 0
 
 
-def test_read_from_a_cached_start_is_the_cold_read_bit_for_bit(vl):
-    """Qwen3-VL-MoE: the features of the image tokens read (deepstack ones too), the positions of
-    the whole prompt (a wrong position after the picture shows in the first logits)."""
-    tok, support, _, model = vl
-    _check_cuts(model, _prompt(tok, support, [photo_like()]))
+# The bit-for-bit checks below use heads of 64 (as released models' are multiples of 64): the pages'
+# prompt chunks then take the prompt flash kernel every route takes.  The tiny configs' heads of 16
+# go to torch's sdpa, whose sums change with the rows of a call on some CPUs (AMD Zen 4: 2e-7), which
+# is outside what docs/server.md ("Determinism") promises.
+FLASH_HEADS = {
+    "qwen3_vl_moe": dict(head_dim=64, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                            mrope_section=[8, 12, 12], mrope_interleaved=True)),
+    "glm4v_moe": dict(head_dim=64, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                         mrope_section=[4, 6, 6], partial_rotary_factor=0.5)),
+    "ernie4_5_vl_moe": dict(head_dim=64, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                               mrope_section=[11, 11, 10])),
+}
 
 
-@pytest.mark.parametrize("arch", ["glm4v_moe", "ernie4_5_vl_moe"])
-def test_other_families_read_from_a_cached_start_bit_for_bit(arch, tiny_model_dir):
-    """GLM-4.5V and ERNIE-4.5-VL (its modality-isolated experts read ``moe_mm_token_type_ids`` of
-    the tokens read)."""
+def _flash_headed(arch, tmp_path_factory):
+    """(tokenizer, image support, loaded model) of the tiny ``arch`` with heads of 64."""
     from transformers import AutoConfig, AutoTokenizer
 
     from ktransformers import load_model
     from ktransformers.multimodal.chat import image_support
+    from ktransformers.util.tiny_models import TINY_CONFIGS, write_tiny_model
 
-    folder = tiny_model_dir(arch)
+    folder = tmp_path_factory.mktemp(f"tiny-{arch}-heads64")
+    write_tiny_model(arch, folder, seed=0, text_config={**TINY_CONFIGS[arch]["text_config"], **FLASH_HEADS[arch]})
     tok = AutoTokenizer.from_pretrained(folder)
     support = image_support(AutoConfig.from_pretrained(folder), tok, folder)
-    _check_cuts(load_model(folder, model_path=folder, allow_unmatched=False), _prompt(tok, support, [photo_like()]))
+    return tok, support, load_model(folder, model_path=folder, allow_unmatched=False)
+
+
+def test_read_from_a_cached_start_is_the_cold_read_bit_for_bit(tmp_path_factory):
+    """Qwen3-VL-MoE: the features of the image tokens read (deepstack ones too), the positions of
+    the whole prompt (a wrong position after the picture shows in the first logits)."""
+    tok, support, model = _flash_headed("qwen3_vl_moe", tmp_path_factory)
+    _check_cuts(model, _prompt(tok, support, [photo_like()]))
+
+
+@pytest.mark.parametrize("arch", ["glm4v_moe", "ernie4_5_vl_moe"])
+def test_other_families_read_from_a_cached_start_bit_for_bit(arch, tmp_path_factory):
+    """GLM-4.5V and ERNIE-4.5-VL (its modality-isolated experts read ``moe_mm_token_type_ids`` of
+    the tokens read)."""
+    tok, support, model = _flash_headed(arch, tmp_path_factory)
+    _check_cuts(model, _prompt(tok, support, [photo_like()]))
 
 
 def test_same_picture_hits_another_picture_does_not(vl):
