@@ -405,6 +405,7 @@ class _MLA:
         self.o = _Proj([mods["o_proj"]])
         self.linears = [q_first, mods["kv_a_proj_with_mqa"], mods["o_proj"]] + (
             [mods["q_b_proj"]] if self.q_b is not None else [])
+        self._serves = None  # (KT_FLASH_ATTN, grad mode) -> the latent kernel serves the rows (fp32 CPU buffers)
 
     def __call__(self, n: int, h: torch.Tensor, pe: list, kv, a: torch.Tensor, bufs: dict, ops) -> None:
         """``a [n, hidden]`` = the attention output of the rows ``h``; ``pe[r]`` the rotary tables of
@@ -431,7 +432,10 @@ class _MLA:
         o = bufs["o"].rows(n, H * self.v)
         from ..operators.mla import apply_mla_rope, latent_kernel_attention, latent_kernel_serves
 
-        kernel = latent_kernel_serves(C, R, q)
+        key = (os.environ.get("KT_FLASH_ATTN"), torch.is_grad_enabled())  # what the answer depends on here
+        if self._serves is None or self._serves[0] != key:
+            self._serves = (key, latent_kernel_serves(C, R, q))
+        kernel = self._serves[1]
         for r in range(n):
             qr = q[r].view(1, H, 1, self.qk)
             q_pe, k_pe = apply_mla_rope(qr[..., nope:], first[r, self.q_width + C:].view(1, 1, 1, R), pe[r],
