@@ -36,6 +36,9 @@ measured process (ours and llama.cpp's) the file is read through the page cache 
 with ``--no-warm``): a VM that pages out idle file pages would otherwise make a row's speed depend
 on how long the file sat unread before it.
 Without ``--llama_cpp_bin`` (or ``KT_LLAMA_CPP_BIN``) only our rows print.
+Last, the decode roofline: the bytes a depth-0 decode step must read from the file (every tensor
+once, the routed experts top-k of E, the embedding rows a lookup) against the DRAM read probe of
+our process -- the most tok/s any engine can reach on this machine -- and both sides' share of it.
 """
 
 from __future__ import annotations
@@ -315,6 +318,53 @@ def machine_line(dram_gbs: float | None) -> str:
             f"{os.cpu_count()} CPUs, ISA tier {tier}{dram}")
 
 
+def decode_read_bytes(path: Path) -> tuple[float, str]:
+    """Bytes a decode step must read from the file at depth 0, and how they were counted: every
+    tensor once (the token embedding only where the output head is tied to it: its rows are a
+    lookup), the routed experts' tensors (``*_exps``) by ``expert_used_count / expert_count``
+    (one token reads top-k of E experts a layer).  The lower bound of any engine's per-token
+    traffic on a memory-bound CPU decode, whatever its kernels (the KV cache at depth 0 is a few kB)."""
+    from gguf import GGUFReader
+
+    r = GGUFReader(str(path))
+    arch = str(bytes(r.fields["general.architecture"].parts[-1]), "utf-8")
+
+    def meta(key):
+        f = r.fields.get(f"{arch}.{key}")
+        return int(f.parts[-1][0]) if f is not None else None
+
+    used, count = meta("expert_used_count"), meta("expert_count")
+    names = {t.name for t in r.tensors}
+    total = 0.0
+    for t in r.tensors:
+        n = int(t.n_bytes)
+        if t.name == "token_embd.weight" and "output.weight" in names:
+            continue
+        if "_exps." in t.name and used and count:
+            n = n * used / count
+        total += n
+    how = "every tensor once, the embedding rows a lookup" + (
+        f", routed experts {used} of {count}" if used and count else "")
+    return total, how
+
+
+def roofline_line(path: Path, dram_gbs: float | None, ours_tps: float | None, llama_tps: float | None) -> str:
+    """The decode roofline of ``path`` at the DRAM read probe: the most tok/s any engine can decode
+    at depth 0 if it reads each byte once at the probe's rate, and where both sides stand."""
+    if not dram_gbs:
+        return "decode roofline: no DRAM probe"
+    nbytes, how = decode_read_bytes(path)
+    top = dram_gbs * 1e9 / nbytes
+    line = (f"decode roofline: {nbytes / 1e9:.2f} GB read a token ({how}); at the probe's {dram_gbs:.1f} GB/s "
+            f"at most {top:.2f} tok/s")
+    if ours_tps:
+        line += f"; ours {ours_tps:.2f} = {100 * ours_tps / top:.0f} %"
+    if llama_tps:
+        line += (f"; llama.cpp {llama_tps:.2f} = {100 * llama_tps / top:.0f} %; 1.5x llama.cpp would be "
+                 f"{1.5 * llama_tps:.2f} tok/s = {150 * llama_tps / top:.0f} % of the roofline")
+    return line
+
+
 # -------------------------------------------------------------------------------------- main
 
 
@@ -392,6 +442,10 @@ def main(argv=None) -> int:
         gb = lambda v: f"{v:.2f} GB" if v else "n/a"  # noqa: E731
         print(f"| {label} | {sa} | {sb} | {ratio(va, vb)} | {gb(ra)} | {gb(rb)} | {ratio(ra, rb)} |")
     print("\n(load: lower is better; prefill/decode: higher is better; RSS: lower is better)")
+    dec = next(((a, b) for label, a, b in rows if label == f"decode {args.decode}"), None)
+    if dec is not None:
+        tps = [x.get("tps") if x and not x["status"] else None for x in dec]
+        print(roofline_line(path, dram, *tps))
     return 0
 
 
