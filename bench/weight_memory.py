@@ -18,6 +18,7 @@ With more layers than the last-level cache holds each call reads its experts fro
 
     .venv/bin/python bench/weight_memory.py                       # 8 layers (3.2 GB per kind), 2 threads
     .venv/bin/python bench/weight_memory.py --down Q5_0 --layers 4
+    .venv/bin/python bench/weight_memory.py --gap_us 2500     # 2.5 ms of other work between calls
 The file goes to ``--dir`` (default .cache) and is removed at the end.
 """
 
@@ -72,6 +73,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5, help="timed passes per kind (median)")
     ap.add_argument("--calls", type=int, default=24, help="routings per pass (each runs every layer)")
     ap.add_argument("--dir", default=str(ROOT / ".cache"), help="folder of the temporary weight file")
+    ap.add_argument("--gap_us", type=float, default=0.0,
+                    help="the calling thread spins this long after each layer's call (not timed), as a model's "
+                         "other work between two MoE calls: the kernel threads wait that long for the next one")
     args = ap.parse_args()
 
     ML.BLOCK.setdefault(args.down, DOWN[args.down])
@@ -123,13 +127,19 @@ def main() -> None:
         routes = ML.routings(1, E, TOP_K, args.calls)
         hit = TOP_K * I * H * (2 * 144 / 256 + DOWN[args.down][1] / DOWN[args.down][0])
         rates: dict[str, list[float]] = {k: [] for k in kinds}
+        gap = args.gap_us * 1e-6
         for _ in range(args.reps + 1):  # the first pass warms up and is dropped
             for k, mods in layers.items():
-                t0 = time.perf_counter()
+                spent = 0.0
                 for ids, w in routes:
                     for m in mods:
+                        t0 = time.perf_counter()
                         m.forward(x, ids, w, out)
-                rates[k].append(hit * len(routes) * len(mods) / (time.perf_counter() - t0) / 1e9)
+                        t1 = time.perf_counter()
+                        spent += t1 - t0
+                        while gap and time.perf_counter() - t1 < gap:  # the rest of a model's layer
+                            pass
+                rates[k].append(hit * len(routes) * len(mods) / spent / 1e9)
         probe = max(pool.probe_read_bw(1 << 29, 3) for _ in range(2))
         base = statistics.median(rates["anon 4K"][1:])
         print(f"DRAM read probe ({args.threads} threads): {probe:.1f} GB/s")
