@@ -42,9 +42,10 @@ import ktransformers.kernels as K  # noqa: E402
 
 SHAPES = {"qwen3": ("Qwen3-30B-A3B", 2048, 768, 128, 8), "dsv2": ("DeepSeek-V2-Lite", 2048, 1408, 64, 6)}
 BLOCK = {"Q4_K": (256, 144), "Q8_0": (32, 34), "BF16": (1, 2), "Q4_0": (32, 18), "Q5_K": (256, 176),
-         "Q6_K": (256, 210), "Q2_K": (256, 84), "Q3_K": (256, 110), "IQ4_XS": (256, 136), "IQ4_NL": (32, 18)}
+         "Q6_K": (256, 210), "Q2_K": (256, 84), "Q3_K": (256, 110), "IQ4_XS": (256, 136), "IQ4_NL": (32, 18),
+         "Q5_0": (32, 22)}
 F16_AT = {"Q4_K": (0, 2), "Q8_0": (0,), "Q4_0": (0,), "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82),
-          "Q3_K": (108,), "IQ4_XS": (0,), "IQ4_NL": (0,)}  # byte offsets of d (, dmin)
+          "Q3_K": (108,), "IQ4_XS": (0,), "IQ4_NL": (0,), "Q5_0": (0,)}  # byte offsets of d (, dmin)
 PACKED = ("AMXInt8", "AMXBF16", "AMXInt4", "AMXInt4_1")  # backends repacked from BF16 at load
 #: bytes read per weight by the packed backends (int4: nibbles + fp16 scale (+ min) per 32)
 PACKED_BPE = {"AMXInt8": 1.0, "AMXBF16": 2.0, "AMXInt4": 0.5 + 2 / 32, "AMXInt4_1": 0.5 + 4 / 32}
@@ -184,7 +185,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,128,512")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--variants", default="torch,Q4_K,Q8_0,BF16,AMXInt8,AMXInt4,AMXInt4_1,AMXBF16",
-                    help="torch first: the other rows report their speed-up over it; also Q4_0, Q5_K, Q6_K; "
+                    help="torch first: the other rows report their speed-up over it; also Q4_0, Q5_0, Q5_K, Q6_K; "
                          "kt:AMXInt8, kt:AMXBF16, kt:AMXInt4 and kt:AMXInt4_1 are appended when kt_kernel is importable")
     ap.add_argument("--reps", type=int, default=20, help="timed calls per row (median)")
     ap.add_argument("--quick", action="store_true",
