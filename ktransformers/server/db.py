@@ -282,6 +282,11 @@ class Database:
     def close(self) -> None:
         if self._presence is not None:
             with contextlib.suppress(Exception):
+                # released here, not when the server backend exits: that happens a moment after
+                # the socket closes, and a server starting in that moment would take these rows as live
+                self._presence.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _lock_key(self.instance_id)})
+                self._presence.commit()
+            with contextlib.suppress(Exception):
                 self._presence.close()
             self._presence = None
         self.engine.dispose()

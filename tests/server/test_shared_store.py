@@ -100,7 +100,7 @@ def test_a_live_server_keeps_its_unfinished_rows(postgres):  # noqa: F811
     b = Database(url=url)
     try:
         assert expire_unfinished_responses(b) == 0 and b.expire_unfinished_runs() == 0
-        a.close()  # as a process that died: its connection, and with it its lock, is gone
+        a.close()  # as a process that ended: its lock is gone
         assert expire_unfinished_responses(b) == 1 and b.expire_unfinished_runs() == 1
     finally:
         b.close()
