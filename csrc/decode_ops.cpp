@@ -409,6 +409,143 @@ void moe_route(uintptr_t logits, int E, int k, bool norm, uintptr_t ids, uintptr
   }
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5): the causal depthwise conv and the gated
+// delta rule, token by token.  Each token's outputs and state come from the same operations in the
+// same order whatever the chunk it arrives in (one token, a prompt chunk, a whole prompt), so a
+// prompt read whole, in chunks or after a cached prefix, and the decode steps, all leave the same
+// bits.  (transformers' chunked form reads a prompt in 64-token chunks of its own: its sums depend
+// on where a call starts.)  The math is transformers' recurrent form.
+
+// out[t][c] = silu(sum_j w[c][j] * x[c][s + t + j]) for t < T, the taps added in order, x the
+// channel-major [C][L] window (L >= T + K - 1: s = L - T - K + 1 earlier columns skipped).
+inline __attribute__((always_inline)) void conv_silu_body(const float* x, int C, int L, const float* w, int K, int T,
+                                                          float* out, int c0, int c1) {
+  const int s = L - T - K + 1;
+  for (int c = c0; c < c1; ++c) {
+    const float* xc = x + static_cast<size_t>(c) * L + s;
+    const float* wc = w + static_cast<size_t>(c) * K;
+    for (int t = 0; t < T; ++t) {
+      float acc = wc[0] * xc[t];
+      for (int j = 1; j < K; ++j) acc = acc + wc[j] * xc[t + j];
+      out[static_cast<size_t>(t) * C + c] = acc / (1.0f + std::exp(-acc));
+    }
+  }
+}
+
+struct DeltaJob {
+  const float* qkv;  // [T][C]: q [hk][dk], k [hk][dk], v [hv][dv]
+  const float* b;    // [T][hv] (b_stride floats a token)
+  const float* a;
+  int64_t b_stride, a_stride;
+  const float* A_log;
+  const float* dt_bias;
+  float* state;  // [hv][dk][dv]
+  float* out;    // [T][hv][dv]
+  int T, C, hk, hv, dk, dv;
+};
+
+// One value head h over the T tokens; kv / qn / kn: scratch of dv, dk, dk floats.
+inline __attribute__((always_inline)) void delta_head_body(const DeltaJob& j, int h, float* kv, float* qn, float* kn) {
+  const int dk = j.dk, dv = j.dv, kh = h / (j.hv / j.hk);
+  const size_t key_dim = static_cast<size_t>(j.hk) * dk;
+  float* S = j.state + static_cast<size_t>(h) * dk * dv;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(dk));
+  const float A = std::exp(j.A_log[h]);
+  for (int t = 0; t < j.T; ++t) {
+    const float* row = j.qkv + static_cast<size_t>(t) * j.C;
+    const float* q = row + static_cast<size_t>(kh) * dk;
+    const float* k = row + key_dim + static_cast<size_t>(kh) * dk;
+    const float* v = row + 2 * key_dim + static_cast<size_t>(h) * dv;
+    float sq = 0.f, sk = 0.f;
+    for (int i = 0; i < dk; ++i) sq = sq + q[i] * q[i];
+    for (int i = 0; i < dk; ++i) sk = sk + k[i] * k[i];
+    const float iq = 1.0f / std::sqrt(sq + 1e-6f), ik = 1.0f / std::sqrt(sk + 1e-6f);
+    for (int i = 0; i < dk; ++i) qn[i] = (q[i] * iq) * scale;
+    for (int i = 0; i < dk; ++i) kn[i] = k[i] * ik;
+    const float bb = j.b[t * j.b_stride + h], aa = j.a[t * j.a_stride + h] + j.dt_bias[h];
+    const float beta = 1.0f / (1.0f + std::exp(-bb));
+    const float sp = aa > 20.f ? aa : std::log1p(std::exp(aa));  // softplus (torch's threshold 20)
+    const float decay = std::exp(-A * sp);
+    // S *= decay; kv = k^T S
+    for (int e = 0; e < dv; ++e) kv[e] = 0.f;
+    for (int i = 0; i < dk; ++i) {
+      float* Si = S + static_cast<size_t>(i) * dv;
+      const float ki = kn[i];
+      for (int e = 0; e < dv; ++e) {
+        Si[e] = Si[e] * decay;
+        kv[e] = kv[e] + Si[e] * ki;
+      }
+    }
+    for (int e = 0; e < dv; ++e) kv[e] = (v[e] - kv[e]) * beta;  // delta
+    // S += k delta^T; out = q^T S
+    float* o = j.out + (static_cast<size_t>(t) * j.hv + h) * dv;
+    for (int e = 0; e < dv; ++e) o[e] = 0.f;
+    for (int i = 0; i < dk; ++i) {
+      float* Si = S + static_cast<size_t>(i) * dv;
+      const float ki = kn[i], qi = qn[i];
+      for (int e = 0; e < dv; ++e) {
+        Si[e] = Si[e] + ki * kv[e];
+        o[e] = o[e] + Si[e] * qi;
+      }
+    }
+  }
+}
+
+void conv_silu_base(const float* x, int C, int L, const float* w, int K, int T, float* out, int c0, int c1) {
+  conv_silu_body(x, C, L, w, K, T, out, c0, c1);
+}
+__attribute__((target("avx2,fma"))) void conv_silu_avx2(const float* x, int C, int L, const float* w, int K, int T,
+                                                        float* out, int c0, int c1) {
+  conv_silu_body(x, C, L, w, K, T, out, c0, c1);
+}
+__attribute__((target("avx512f,avx512vl,avx2,fma"))) void conv_silu_avx512(const float* x, int C, int L,
+                                                                          const float* w, int K, int T, float* out,
+                                                                          int c0, int c1) {
+  conv_silu_body(x, C, L, w, K, T, out, c0, c1);
+}
+void delta_head_base(const DeltaJob& j, int h, float* kv, float* qn, float* kn) { delta_head_body(j, h, kv, qn, kn); }
+__attribute__((target("avx2,fma"))) void delta_head_avx2(const DeltaJob& j, int h, float* kv, float* qn, float* kn) {
+  delta_head_body(j, h, kv, qn, kn);
+}
+__attribute__((target("avx512f,avx512vl,avx2,fma"))) void delta_head_avx512(const DeltaJob& j, int h, float* kv,
+                                                                           float* qn, float* kn) {
+  delta_head_body(j, h, kv, qn, kn);
+}
+
+// The conv of one chunk: x [C][L] channel-major (the cache's window then the chunk), w [C][K] ->
+// out [T][C], the pool splitting the channels.
+void conv_silu(CPUInfer& ci, uintptr_t x, int C, int L, uintptr_t w, int K, int T, uintptr_t out) {
+  if (C <= 0 || K <= 0 || T <= 0 || L < T + K - 1)
+    throw std::invalid_argument("conv_silu: need C, K, T > 0 and L >= T + K - 1");
+  const IsaTier tier = active_tier();
+  auto fn = tier >= IsaTier::AVX512 ? conv_silu_avx512
+            : (tier >= IsaTier::AVX2 && cpu_features().fma) ? conv_silu_avx2 : conv_silu_base;
+  const int per = 64, n = (C + per - 1) / per;
+  ci.pool().parallel_for(n, [&](int task, int) {
+    fn(ptr<const float>(x), C, L, ptr<const float>(w), K, T, ptr<float>(out), task * per, std::min(C, (task + 1) * per));
+  });
+}
+
+// The gated delta rule over T tokens of one sequence, the pool splitting the value heads; the
+// state [hv][dk][dv] is read and updated in place.
+void gated_delta_rule(CPUInfer& ci, uintptr_t qkv, int T, int C, int hk, int hv, int dk, int dv, uintptr_t b,
+                      int64_t b_stride, uintptr_t a, int64_t a_stride, uintptr_t A_log, uintptr_t dt_bias,
+                      uintptr_t state, uintptr_t out) {
+  if (T <= 0 || hk <= 0 || hv <= 0 || hv % hk || dk <= 0 || dv <= 0 || C != 2 * hk * dk + hv * dv)
+    throw std::invalid_argument("gated_delta_rule: need T > 0, hv a multiple of hk, C = 2 hk dk + hv dv");
+  const DeltaJob j{ptr<const float>(qkv), ptr<const float>(b), ptr<const float>(a), b_stride, a_stride,
+                   ptr<const float>(A_log), ptr<const float>(dt_bias), ptr<float>(state), ptr<float>(out),
+                   T, C, hk, hv, dk, dv};
+  const IsaTier tier = active_tier();
+  auto fn = tier >= IsaTier::AVX512 ? delta_head_avx512
+            : (tier >= IsaTier::AVX2 && cpu_features().fma) ? delta_head_avx2 : delta_head_base;
+  ci.pool().parallel_for(hv, [&](int h, int) {
+    std::vector<float> scratch(static_cast<size_t>(dv) + 2 * static_cast<size_t>(dk));
+    fn(j, h, scratch.data(), scratch.data() + dv, scratch.data() + dv + dk);
+  });
+}
 }  // namespace
 
 void register_decode_ops(py::module_& m) {
@@ -425,6 +562,11 @@ void register_decode_ops(py::module_& m) {
         py::arg("keys"), py::arg("values"), py::arg("tok_stride"), py::arg("head_stride"), py::arg("page_size"),
         py::arg("pages"), py::arg("offsets"), py::arg("pos"), py::arg("lo"), py::arg("roll"), py::arg("cap"),
         py::arg("len"), py::arg("scale"), py::arg("out"), py::arg("bf16_pv") = false);
+  d.def("conv_silu", &conv_silu, py::arg("cpu_infer"), py::arg("x"), py::arg("C"), py::arg("L"), py::arg("w"),
+        py::arg("K"), py::arg("T"), py::arg("out"));
+  d.def("gated_delta_rule", &gated_delta_rule, py::arg("cpu_infer"), py::arg("qkv"), py::arg("T"), py::arg("C"),
+        py::arg("hk"), py::arg("hv"), py::arg("dk"), py::arg("dv"), py::arg("b"), py::arg("b_stride"), py::arg("a"),
+        py::arg("a_stride"), py::arg("A_log"), py::arg("dt_bias"), py::arg("state"), py::arg("out"));
   d.def("moe_route", &moe_route, py::arg("logits"), py::arg("num_experts"), py::arg("top_k"), py::arg("norm"),
         py::arg("ids"), py::arg("weights"), py::arg("rows") = 1, py::arg("stride") = 0);
 }

@@ -185,5 +185,57 @@ def rope_prompt(pool: CPUInfer, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return out.transpose(1, 2)
 
 
-__all__ = ["flash_attention", "flash_attention_paged", "flash_attention_supported", "mla_attention",
-           "mla_attention_supported", "rope_prompt"]
+def _f32(name: str, t: torch.Tensor, shape: tuple | None = None) -> None:
+    if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous float32 CPU tensor, got {t.dtype} on {t.device}")
+    if shape is not None and tuple(t.shape) != shape:
+        raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
+
+
+def causal_conv_silu(pool: CPUInfer, x: torch.Tensor, w: torch.Tensor, T: int) -> torch.Tensor:
+    """A gated-DeltaNet layer's causal depthwise conv and SiLU for its last ``T`` inputs: ``x [C, L]``
+    (channel-major: the cache's earlier inputs then the chunk's, ``L >= T + K - 1``), ``w [C, K]``
+    -> ``[T, C]``.  Each output is the K taps added in order, the same bits whatever the chunk."""
+    _f32("x", x)
+    C, L = x.shape
+    _f32("w", w)
+    if w.dim() != 2 or w.shape[0] != C:
+        raise ValueError(f"causal_conv_silu: w {tuple(w.shape)} does not match x {tuple(x.shape)}")
+    K = w.shape[1]
+    if T < 1 or L < T + K - 1:
+        raise ValueError(f"causal_conv_silu: {L} inputs cannot give {T} outputs of a {K}-tap conv")
+    out = torch.empty(T, C, dtype=torch.float32)
+    _ext.decode_ops.conv_silu(pool._c, x.data_ptr(), C, L, w.data_ptr(), K, T, out.data_ptr())
+    return out
+
+
+def gated_delta_rule(pool: CPUInfer, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor,
+                     dt_bias: torch.Tensor, state: torch.Tensor, hk: int, dk: int) -> torch.Tensor:
+    """The gated delta rule token by token (transformers' recurrent form, fp32), the state updated in place.
+
+    ``qkv [T, C]``: per token the conv's output, q ``[hk, dk]`` then k ``[hk, dk]`` then v ``[hv, dv]``;
+    ``b`` / ``a [T, hv]`` (beta = sigmoid(b), decay = exp(-exp(A_log) * softplus(a + dt_bias))),
+    ``state [hv, dk, dv]`` -> out ``[T, hv, dv]``.  q and k are L2-normed per head and q scaled by
+    dk^-0.5 inside.  A token's output and state are the same operations in the same order whether it
+    comes alone or in a chunk of any size."""
+    _f32("qkv", qkv)
+    T, C = qkv.shape
+    hv, dk_s, dv = state.shape
+    _f32("state", state)
+    if dk_s != dk or hk < 1 or hv % hk or C != 2 * hk * dk + hv * dv:
+        raise ValueError(f"gated_delta_rule: qkv [{T}, {C}] does not hold {hk} key heads of {dk} and "
+                         f"the state's {hv} value heads of {dv}")
+    for name, t in (("b", b), ("a", a)):
+        if (t.dtype != torch.float32 or t.device.type != "cpu" or tuple(t.shape) != (T, hv) or t.stride(1) != 1):
+            raise ValueError(f"gated_delta_rule: {name} must be float32 [{T}, {hv}] with contiguous rows")
+    _f32("A_log", A_log, (hv,))
+    _f32("dt_bias", dt_bias, (hv,))
+    out = torch.empty(T, hv, dv, dtype=torch.float32)
+    _ext.decode_ops.gated_delta_rule(pool._c, qkv.data_ptr(), T, C, hk, hv, dk, dv, b.data_ptr(), b.stride(0),
+                                     a.data_ptr(), a.stride(0), A_log.data_ptr(), dt_bias.data_ptr(),
+                                     state.data_ptr(), out.data_ptr())
+    return out
+
+
+__all__ = ["causal_conv_silu", "flash_attention", "flash_attention_paged", "flash_attention_supported", "mla_attention",
+           "gated_delta_rule", "mla_attention_supported", "rope_prompt"]

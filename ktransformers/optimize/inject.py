@@ -17,6 +17,7 @@ from ..errors import KTError, RuleError, WeightError
 from ..operators.base import BaseInjectedModule, move_to
 from ..operators.cpu_attention import use_cpu_attention, use_prompt_rope
 from ..operators.cpu_mlp import use_fused_mlp
+from ..operators.cpu_linear_attention import use_cpu_linear_attention
 from ..operators.cpu_norm import use_fast_norms
 from ..operators.cpu_threads import install_prefill_threads
 from ..util.peft_adapter import apply_adapter
@@ -217,6 +218,7 @@ def inject(
     use_cpu_attention(model)
     use_prompt_rope(model)
     use_fast_norms(model)
+    use_cpu_linear_attention(model)
     use_fused_mlp(model)
     model.kt_plan = plan
     model.kt_load_report = report

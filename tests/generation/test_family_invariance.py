@@ -7,8 +7,9 @@ same prompt read cold, and those of the single-sequence route.
 Families: dense (Llama, Qwen3), Qwen3-MoE, DeepSeek-V2 and V3 (MLA: prompt and decode rows on the
 latent kernel, ``kernels.mla_attention``, kv_lora_rank 64 -- its narrowest latent; without it the
 prompt rows go through ``mla.causal_prompt_attention``, blocks fixed from position 0, and the decode
-rows through torch), Gemma-3 (a prompt past its sliding window) and Qwen3-Next (linear attention:
-not chunk-invariant, the expected failure below says why).  The dense families' prompt attention is
+rows through torch), Gemma-3 (a prompt past its sliding window) and Qwen3-Next (gated-DeltaNet
+linear attention token by token, ``operators/cpu_linear_attention.py``: its conv and recurrent
+states compared too).  The dense families' prompt attention is
 the flash kernel (head_dim 64, AVX2 + FMA and up; skipped without it).  ``test_the_matrix_at_avx2`` re-runs this file at
 ``KT_ISA=avx2``.  Scope: docs/server.md, "Determinism"."""
 
@@ -39,10 +40,6 @@ FAMILIES = {
 MLA = ("deepseek_v2", "deepseek_v3")
 #: served by the batching server's BatchRunner (pages)
 PAGED = ("llama", "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gemma3_text")
-NOT_INVARIANT = {
-    "qwen3_next": "Qwen3-Next's linear attention (transformers' torch gated delta rule) reads a prompt in "
-                  "64-token chunks of its own plus a recurrent state: another chunking, other sums",
-}
 PROMPT_LEN = 150  # three MLA blocks of 64; Gemma's window (16) rolls many times
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -50,17 +47,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def _cases():
     """(arch, chunk, split): chunks of 1 / 7 / 64, or a cached prefix of 70 or 128 tokens and the rest."""
-    out = []
-    for arch in FAMILIES:
-        for chunk, split in [(1, None), (7, None), (64, None), (8192, 70), (8192, 128)]:
-            if arch in NOT_INVARIANT:
-                if split == 128:
-                    continue  # a prefix of whole 64-token chunks of the delta rule's own happens to match
-                out.append(pytest.param(arch, chunk, split,
-                                        marks=pytest.mark.xfail(strict=True, reason=NOT_INVARIANT[arch])))
-            else:
-                out.append((arch, chunk, split))
-    return out
+    return [(arch, chunk, split) for arch in FAMILIES
+            for chunk, split in [(1, None), (7, None), (64, None), (8192, 70), (8192, 128)]]
 
 
 def _model(tiny, arch):

@@ -1,6 +1,7 @@
 """Qwen3-Next through the shipped rules: gated-DeltaNet linear attention (fused in_proj_qkvz /
-in_proj_ba projections on KLinearCPU, the recurrent and conv state in the cache) and gated full
-attention keep their transformers forward; the routed experts run on every expert backend, the
+in_proj_ba projections on KLinearCPU, the conv and the delta rule token by token in C++ --
+operators/cpu_linear_attention.py --, the recurrent and conv state in the cache) and gated full
+attention (its transformers forward); the routed experts run on every expert backend, the
 gated shared expert beside them, against the unmodified transformers model.  fp32 / bf16 parity of
 the shipped CPU rules runs in tests/generation/test_parity.py (the tiny config is in TINY_CONFIGS).
 Measured on the tiny model (max |Δ| relative to max |logit|):
@@ -116,3 +117,32 @@ def test_server_falls_back_to_one_request_at_a_time(tiny_model_dir, caplog):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CPU+GPU rule files)")
 def test_gpu_rules_cross_device_parity(tiny_model_dir, hf):
     check_gpu_rules_cross_device_parity(tiny_model_dir(ARCH), hf)  # picks Qwen3Next.yaml
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe_text"])
+def test_deltanet_layers_run_token_by_token(tiny_model_dir, arch, monkeypatch):
+    """Every gated-DeltaNet layer (Qwen3-Next's fused projections, Qwen3.5's split ones) takes the
+    token-by-token CPU forward (operators/cpu_linear_attention.py), whose prompt logits match the
+    unmodified model's (its chunked delta rule: another grouping of the same sums,
+    within 1e-4 of max |logit|); ``KT_FAST_DELTANET=0`` runs transformers' forward."""
+    from transformers import AutoModelForCausalLM
+
+    from ktransformers.operators import cpu_linear_attention as LA
+
+    d = tiny_model_dir(arch)
+    ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    ours = load_model(d, model_path=d)
+    layers = [m for m in ours.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+    assert layers and all(hasattr(m, "_kt_original_forward") for m in layers)
+    calls = []
+    real = LA.gated_delta_rule
+    monkeypatch.setattr(LA, "gated_delta_rule", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ids = torch.randint(3, 200, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = ours(ids).logits, ref(ids).logits
+    assert len(calls) == len(layers)
+    assert rel_err(got, want) < 1e-4
+    monkeypatch.setenv("KT_FAST_DELTANET", "0")
+    with torch.no_grad():
+        ours(ids)
+    assert len(calls) == len(layers)  # transformers' forward: no new call
