@@ -18,6 +18,7 @@ sliding windows included (a chunk past the window reads the rolled layer through
 DeepSeek MLA: the Generator, generate() and the batching server, the prompt whole or in chunks
 (alone and beside others), on every tier: MLA's prompt attention is ``mla.causal_prompt_attention``
 (torch, in blocks fixed from position 0) over a cache and over the gathered latent pages alike.
+Qwen3-Next: the Generator and generate(), its DeltaNet layers token by token.
 """
 
 from __future__ import annotations
@@ -183,3 +184,21 @@ def test_mla_generator_and_generate_give_the_same_bits(tiny, arch, monkeypatch):
         del calls[:]
         _same(f"generate(), {cache or 'dynamic'} cache", _generate_rows(model, prompt, 8, cache), want)
         assert len(calls) >= 8, f"generate() with a {cache or 'dynamic'} cache did not decode through the step"
+
+
+def test_qwen3_next_generator_and_generate_give_the_same_bits(tiny):
+    """Qwen3-Next (gated-DeltaNet layers token by token, operators/cpu_linear_attention.py; one
+    request at a time: no batching server): the Generator with the prompt whole, in chunks of 7 and
+    of 1, and transformers' generate(), on the prompt's last position and 8 greedy decode steps; and
+    the answer read back as a prompt gives the last decode row's bits."""
+    _flash_or_skip()
+    model = tiny("qwen3_next", head_dim=64)
+    rng = np.random.default_rng(7)
+    prompt = [int(i) for i in rng.integers(3, 250, 30)]
+    want = _generator_rows(model, prompt, steps=8, chunk=8192)
+    for chunk in (7, 1):
+        _same(f"Generator, chunks of {chunk}", _generator_rows(model, prompt, steps=8, chunk=chunk), want)
+    _same("generate()", _generate_rows(model, prompt, 8), want)
+    answer = [int(r.argmax()) for r in want[:-1]]
+    again = _generator_rows(model, prompt + answer, steps=0, chunk=8192)
+    assert torch.equal(again[0], want[-1]), "the answer read as a prompt gives other bits than its decode"
