@@ -19,6 +19,7 @@ measured at start-up (the extension's probes), and the speed-up over the torch l
     .venv/bin/python bench/moe_layer.py --shapes qwen3 --tokens 1 --threads 1 --reps 30
     .venv/bin/python bench/moe_layer.py --quick          # Qwen3 only, T=1,128, 1 thread, no torch row
     .venv/bin/python bench/moe_layer.py --quick --variants Q4_K --tokens 1   # --quick + overrides
+    .venv/bin/python bench/moe_layer.py --variants Q4_K,Q4_K@llamafile_panels --tokens 1,32,512  # TYPE@backend
 Weights are random (valid blocks), allocated once per shape and variant and freed afterwards
 (Qwen3 BF16 layer ~1.2 GB).  DeepSeek-V2-Lite's I=1408 is not a multiple of 256, so its "Q4_K"
 row uses Q4_K for gate/up and Q8_0 for down (what llama.cpp's quantizer falls back to).
@@ -119,8 +120,8 @@ def kernel_label(var: str, types: tuple[str, str, str], T: int) -> str:
         return "torch"
     if var.startswith("kt:"):
         return f"kt_kernel {var[3:]}_MOE"
-    if var in PACKED:
-        dec, pre, _ = ext.packed_rows()[var]
+    if var in PACKED or "@" in var:
+        dec, pre, _ = ext.packed_rows()[var.partition("@")[2] or var]
         return dec if T == 1 else pre
     rows = ext.kernel_rows()
     names = dict.fromkeys(rows[t][0 if T == 1 else 1] for t in (types[0], types[2]))
@@ -241,17 +242,18 @@ def main() -> None:
         torch_ms: dict = {}
         for var in variants:
             rng = np.random.default_rng(1)
+            vtype, _, vbackend = var.partition("@")  # "Q4_K@llamafile_panels": a GGUF type on another backend
             if var in ("BF16", "torch") or var in PACKED or var.startswith("kt:"):
                 gt = ut = dt = "BF16"
-            elif var == "Q4_K" and I % 256:
+            elif vtype == "Q4_K" and I % 256:
                 gt, ut, dt = "Q4_K", "Q4_K", "Q8_0"
             else:
-                gt = ut = dt = var
+                gt = ut = dt = vtype
             t0 = time.perf_counter()
             g = rand_weights(gt, E * I, H, rng)
             u = rand_weights(ut, E * I, H, rng)
             d = rand_weights(dt, E * H, I, rng)
-            label = var if (gt, dt) == (var, var) or var in PACKED or var in ("torch",) or var.startswith("kt:") \
+            label = var if (gt, dt) == (vtype, vtype) or var in PACKED or var in ("torch",) or var.startswith("kt:") \
                 else f"{gt}/down {dt}"
             for th in threads_l:
                 pool = K.cpu_infer(th)
@@ -269,7 +271,7 @@ def main() -> None:
                         continue
                     load_s = time.perf_counter() - tl
                 else:
-                    backend = var if var in PACKED else "llamafile"
+                    backend = var if var in PACKED else (vbackend or "llamafile")
                     tl = time.perf_counter()
                     moe = K.MoEKernel(pool, backend, E, H, I, g, u, d, gt, ut, dt)
                     load_s = time.perf_counter() - tl
@@ -292,7 +294,7 @@ def main() -> None:
                         bpe = (PACKED_BPE[var.removeprefix("kt:")],) * 3
                     elif var in ("BF16", "torch"):
                         bpe = (2.0, 2.0, 2.0)
-                    else:
+                    else:  # (llamafile_panels: 148 bytes a Q4_K superblock row where the file has 144)
                         bpe = tuple(BLOCK[t][1] / BLOCK[t][0] for t in (gt, ut, dt))
                     wbytes = hit * I * H * sum(bpe)
                     gbs = wbytes / ms / 1e6
@@ -308,7 +310,7 @@ def main() -> None:
                     print(line, flush=True)
                     rows.append(line)
                     timed[(sname, var, th, T)] = ms
-                if moe is not None and var in PACKED:
+                if moe is not None and (var in PACKED or vbackend):
                     print(f"  ({var} load+repack {load_s:.1f} s, {moe.packed_bytes / 1e9:.2f} GB)")
                 del moe
             del g, u, d

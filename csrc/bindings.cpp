@@ -136,7 +136,8 @@ PYBIND11_MODULE(KT_EXT_NAME, m) {
   }, "llamafile kernel table of the tier in force: {type name: (decode kernel, prefill kernel, activation format)}");
   m.def("packed_rows", [] {
     const KernelTable& t = kernels();
-    const ActFmt acts[4] = {t.packed_i8_act, t.packed_bf16_act, t.packed_i4_act, t.packed_i4_act};
+    const ActFmt acts[5] = {t.packed_i8_act, t.packed_bf16_act, t.packed_i4_act, t.packed_i4_act,
+                            t.panels_q4k ? ActFmt::Q8_256 : t.lf_act[GGML_Q4_K]};
     py::dict d;
     for (int b = 1; b < kNumBackends; ++b)
       d[py::str(backend_name(static_cast<Backend>(b)))] =

@@ -52,6 +52,12 @@ constexpr int kBf16KAlign = 32;      // K padding for bf16
 constexpr int kI4Group = 32;
 inline size_t i4_panel_bytes(int Kpad, bool with_min) { return (with_min ? 10ull : 9ull) * Kpad; }
 
+// Q4_K in panels of 16 rows (llamafile_panels backend): the blocks' own integers, rows
+// interleaved; per panel and superblock of 256 k: qs [4][8][16 rows][4 bytes] (2048), scales and
+// mins as bytes [8][16 rows] (128 + 128), d and dmin fp16 [16 rows] (32 + 32).  vnni512.inc.
+constexpr size_t kQ4KPanelBlock = 2368;
+inline size_t q4k_panel_bytes(int K) { return static_cast<size_t>(K / 256) * kQ4KPanelBlock; }
+
 // C[t*ldc + r] = dot(weight row r, activation row t) for r < nr, t < nt.
 struct GemmArgs {
   int K = 0;                         // logical row length
@@ -100,10 +106,11 @@ struct KernelTable {
   GemmFn packed_i4 = nullptr;    // AMXInt4
   GemmFn packed_i4_1 = nullptr;  // AMXInt4_1
   ActFmt packed_i4_act = ActFmt::Q8_32;
+  GemmFn panels_q4k = nullptr;   // llamafile_panels (Q4_K; other types stay llamafile); Q8_256 activations
   // Name of the kernel that serves decode / prefill for each packed backend (index Backend - 1:
-  // AMXInt8, AMXBF16, AMXInt4, AMXInt4_1).
-  const char* packed_decode[4] = {};
-  const char* packed_prefill[4] = {};
+  // AMXInt8, AMXBF16, AMXInt4, AMXInt4_1, llamafile_panels).
+  const char* packed_decode[5] = {};
+  const char* packed_prefill[5] = {};
   // x[K] fp32 -> one activation row (Kpad >= K, padding is zero)
   void (*quantize_act)(ActFmt f, const float* x, int K, int Kpad, uint8_t* dst) = nullptr;
   void (*dequant_row)(int type, const void* src, float* dst, int64_t n) = nullptr;

@@ -1,5 +1,7 @@
 #include "weights.h"
 
+#include "ggml_blocks.h"
+
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -23,6 +25,7 @@ const char* backend_name(Backend b) {
     case Backend::AMXBF16: return "AMXBF16";
     case Backend::AMXInt4: return "AMXInt4";
     case Backend::AMXInt4_1: return "AMXInt4_1";
+    case Backend::LlamafilePanels: return "llamafile_panels";
   }
   return "?";
 }
@@ -109,6 +112,30 @@ static void pack_i4_panel(const float* w, int Kpad, bool with_min, uint8_t* P) {
     }
 }
 
+// Rows r0 .. r0+15 of a Q4_K matrix (rows past `rows`: zeros) into one panel of kernels.h's
+// llamafile_panels layout: the same integers and fp16 scales, moved.
+static void pack_q4k_panel(const uint8_t* mat, size_t row_bytes, int r0, int rows, int cols, uint8_t* P) {
+  const int nb = cols / QK_K;
+  std::memset(P, 0, static_cast<size_t>(nb) * kQ4KPanelBlock);
+  for (int r = 0; r < kPanelRows && r0 + r < rows; ++r) {
+    const block_q4_K* x = reinterpret_cast<const block_q4_K*>(mat + static_cast<size_t>(r0 + r) * row_bytes);
+    for (int i = 0; i < nb; ++i) {
+      uint8_t* B = P + static_cast<size_t>(i) * kQ4KPanelBlock;
+      const uint8_t* q = x[i].scales;
+      for (int j = 0; j < 8; ++j) {  // ggml's 6-bit scale / min unpacking
+        const uint8_t sc = j < 4 ? q[j] & 63 : (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        const uint8_t m = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+        B[2048 + 16 * j + r] = sc;
+        B[2048 + 128 + 16 * j + r] = m;
+      }
+      std::memcpy(B + 2048 + 256 + 2 * r, &x[i].d, 2);
+      std::memcpy(B + 2048 + 288 + 2 * r, &x[i].dmin, 2);
+      for (int g = 0; g < 4; ++g)
+        for (int qd = 0; qd < 8; ++qd) std::memcpy(B + 64 * (8 * g + qd) + 4 * r, x[i].qs + 32 * g + 4 * qd, 4);
+    }
+  }
+}
+
 ProjWeights describe_weights(Backend b, const void* src, int src_type, int count, int rows, int cols,
                              const std::string& what) {
   if (!src) throw std::invalid_argument(what + ": weight pointer is null");
@@ -124,6 +151,7 @@ ProjWeights describe_weights(Backend b, const void* src, int src_type, int count
   p.rows = rows;
   p.cols = cols;
   p.row_bytes = row_bytes(src_type, cols);
+  if (b == Backend::LlamafilePanels && !(src_type == GGML_Q4_K && kt.panels_q4k)) b = p.backend = Backend::Llamafile;
   if (b == Backend::Llamafile) {
     if (!kt.lf_gemm[src_type]) throw std::invalid_argument(what + ": no llamafile kernel for " + type_info(src_type).name);
     p.Kpad = cols;
@@ -145,6 +173,12 @@ ProjWeights describe_weights(Backend b, const void* src, int src_type, int count
     p.mat_bytes = static_cast<size_t>(p.rows_pad / kPanelRows) * i4_panel_bytes(p.Kpad, with_min);
     p.act = kt.packed_i4_act;
     p.gemm = with_min ? kt.packed_i4_1 : kt.packed_i4;
+  } else if (b == Backend::LlamafilePanels) {
+    p.Kpad = cols;
+    p.rows_pad = round_up(rows, kPanelRows);
+    p.mat_bytes = static_cast<size_t>(p.rows_pad / kPanelRows) * q4k_panel_bytes(cols);
+    p.act = ActFmt::Q8_256;
+    p.gemm = kt.panels_q4k;
   } else if (b == Backend::AMXBF16) {
     p.Kpad = round_up(cols, kBf16KAlign);
     p.rows_pad = round_up(rows, kPanelRows);
@@ -196,6 +230,15 @@ void pack_weights(ProjWeights& p, const void* src, uint8_t* dst, ThreadPool& poo
   int32_t* corr = i8 ? reinterpret_cast<int32_t*>(scales + static_cast<size_t>(p.rows_pad) * p.count) : nullptr;
   const int ng = p.Kpad / kI8Group;
   const uint8_t* s = static_cast<const uint8_t*>(src);
+  if (p.backend == Backend::LlamafilePanels) {
+    pool.parallel_for(ntasks, [&](int task, int) {
+      const int e = task / panels, pn = task % panels;
+      pack_q4k_panel(s + e * (p.row_bytes * p.rows), p.row_bytes, pn * kPanelRows, p.rows, p.cols,
+                     dst + e * p.mat_bytes + static_cast<size_t>(pn) * panel_bytes);
+    });
+    adopt_packed(p, dst);
+    return;
+  }
   std::vector<std::vector<float>> scratch(pool.size());
   pool.parallel_for(ntasks, [&](int task, int tid) {
     const int e = task / panels, pn = task % panels;

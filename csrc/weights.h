@@ -11,8 +11,11 @@
 
 namespace kt {
 
-enum class Backend : int { Llamafile = 0, AMXInt8 = 1, AMXBF16 = 2, AMXInt4 = 3, AMXInt4_1 = 4 };
-constexpr int kNumBackends = 5;
+// LlamafilePanels: Q4_K weights copied into 16-row panels of their own integers (the same bits
+// as Llamafile, no per-call unpack); a weight of another type, or a tier without the panel
+// kernel, is described as Llamafile (read in place).
+enum class Backend : int { Llamafile = 0, AMXInt8 = 1, AMXBF16 = 2, AMXInt4 = 3, AMXInt4_1 = 4, LlamafilePanels = 5 };
+constexpr int kNumBackends = 6;
 const char* backend_name(Backend b);
 
 // 64-byte aligned, grow-only buffer.

@@ -9,10 +9,15 @@ from .args import _desc, _empty_like, _nbytes, _weight, ggml_type, moe_call_args
 from .pool import CPUInfer, cpu_infer
 
 #: the MoE backends by name (their C++ ids): ``llamafile`` reads the weights in place in their stored
-#: type, each of the others packs a copy at load (``PACKED_BACKENDS``)
-BACKENDS = {"llamafile": 0, "AMXInt8": 1, "AMXBF16": 2, "AMXInt4": 3, "AMXInt4_1": 4}
+#: type, each of the others packs a copy at load (``PACKED_BACKENDS``).  ``llamafile_panels`` copies
+#: Q4_K weights into 16-row panels of their own integers (llamafile's bits, no per-call unpack in
+#: prefill; VNNI-512 tiers) and reads every other type, or every weight on other tiers, in place.
+BACKENDS = {"llamafile": 0, "AMXInt8": 1, "AMXBF16": 2, "AMXInt4": 3, "AMXInt4_1": 4, "llamafile_panels": 5}
 IN_PLACE_BACKEND = "llamafile"
+PANELS_BACKEND = "llamafile_panels"
 PACKED_BACKENDS = tuple(b for b in BACKENDS if b != IN_PLACE_BACKEND)
+#: the packed backends of the AMX tile layouts (requantized copies)
+AMX_LAYOUT_BACKENDS = ("AMXInt8", "AMXBF16", "AMXInt4", "AMXInt4_1")
 #: the backends whose weights the LoRA forward / backward kernels (``moe_train.MoETrainKernel``) read;
 #: the int4 ones have no such kernel
 LORA_BACKENDS = (IN_PLACE_BACKEND, "AMXInt8", "AMXBF16")
@@ -38,6 +43,13 @@ def route_softmax_topk(logits, num_experts: int, top_k: int, norm: bool):
         _ext.decode_ops.moe_route(logits.data_ptr(), num_experts, top_k, bool(norm), ids.data_ptr(), w.data_ptr(),
                                   rows=T, stride=int(logits.stride(0)))
     return w, ids
+
+
+def panels_pack(weight_type: Any) -> bool:
+    """Whether the ``llamafile_panels`` backend copies a weight of ``weight_type`` into its panels on
+    the tier in force (Q4_K on the VNNI-512 tiers); else it reads that weight in place."""
+    return (ggml_type(weight_type, "weight_type").name == "Q4_K"
+            and _ext.packed_rows()[PANELS_BACKEND][0] != IN_PLACE_BACKEND)
 
 
 def _backend(b: Any) -> int:
@@ -100,7 +112,7 @@ class MoEKernel:
             raise ValueError(f"prepacked: {n} bytes, this layer's {backend} copy takes a different size")
         # zero-copy: the kernel reads these in place (llamafile weights; biases on every backend); the
         # packed backends hold their own requantized copy (or read `prepacked`), so the source weights can go
-        keep = (gate, up, down) if backend == IN_PLACE_BACKEND else ()
+        keep = (gate, up, down) if backend in (IN_PLACE_BACKEND, PANELS_BACKEND) else ()
         self._weights = (*keep, gate_bias, up_bias, down_bias, prepacked)
 
     @classmethod

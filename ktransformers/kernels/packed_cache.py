@@ -156,7 +156,14 @@ def packed_moe(pool: CPUInfer, backend: str, key: str, source_path, num_experts:
                **kwargs) -> tuple[MoEKernel, str]:
     """A ``MoEKernel`` on a packed backend, from the cache when it holds a valid copy of this layer
     (else packed now and written there).  Returns (kernel, how: "mapped" | "packed+cached" |
-    "packed"); the arguments are ``MoEKernel``'s plus the layer ``key`` and the source path."""
+    "packed" | "in place": a ``llamafile_panels`` layer with no weight it packs on this tier);
+    the arguments are ``MoEKernel``'s plus the layer ``key`` and the source path."""
+    from .moe import packed_weight_bytes
+
+    E, H, I = num_experts, hidden, intermediate
+    if not any(packed_weight_bytes(backend, t, E, r, c) for t, r, c in
+               ((gate_type, I, H), (up_type, I, H), (down_type, H, I))):
+        return MoEKernel(pool, backend, E, H, I, gate, up, down, gate_type, up_type, down_type, **kwargs), "in place"
     folder = cache_dir()
     ident = layer_ident(key, backend, source_path, num_experts, hidden, intermediate, (gate_type, up_type, down_type))
     if folder is None or ident is None:

@@ -13,7 +13,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-from ..kernels.moe import PACKED_BACKENDS
+from ..kernels.moe import AMX_LAYOUT_BACKENDS
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ OPS: dict[str, dict[str, Alias]] = {
 #: ``backend`` values that name the AMX tile layout (the packing backends): on a CPU without AMX the
 #: same layout runs on the best ISA tier it has (docs/rules.md, backend table); the rule records one
 #: line saying so
-AMX_BACKENDS = PACKED_BACKENDS
+AMX_BACKENDS = AMX_LAYOUT_BACKENDS
 
 #: kwarg spellings of the reference system -> ours
 KWARGS: dict[str, str] = {

@@ -68,8 +68,10 @@ class KExpertsCPU(ExpertsOp):
         else:
             arrays = {p: read_for_kernel(weights, f"{self.key}.{p}", fmt) for p, fmt in fmts.items()}
         types = {p: fmt.read.type for p, fmt in fmts.items()}
-        backend = kernel_backend(fmts["gate_proj"])  # the plan's: the rule's backend, decided once
-        packed = fmts["gate_proj"].kind == PACKED
+        # the plan's: the rule's backend, decided once (llamafile_panels may pack some projections only)
+        packed_fmts = [f for f in fmts.values() if f.kind == PACKED]
+        backend = kernel_backend(packed_fmts[0] if packed_fmts else fmts["gate_proj"])
+        packed = bool(packed_fmts)
         b = self.biases(weights, torch.float32) or {}
         self._biases = b  # the kernel reads them in place
         self.pool = kernel_pool()
@@ -92,7 +94,8 @@ class KExpertsCPU(ExpertsOp):
             raise WeightError(f"{weights.path}: {self.key}: the {backend} CPU kernel cannot take these "
                               f"weights: {e}") from None
         # the llamafile kernel reads them in place; the packed backends keep their own copy (then
-        # dropping these frees a float copy of every expert: the peak RSS of a bf16 checkpoint's load)
+        # dropping these frees a float copy of every expert: the peak RSS of a bf16 checkpoint's load);
+        # llamafile_panels reads its other projections in place (the kernel keeps them referenced)
         self._arrays = arrays if not packed else {}
         self.out_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
 
@@ -108,12 +111,14 @@ class KExpertsCPU(ExpertsOp):
         shapes = [tuple(weights.shape(f"{key}.{p}")) for p in EXPERT_PROJS]
         if any(len(s) != 3 for s in shapes):
             return None
-        if fmts[0].kind != PACKED:
+        packed = [f for f in fmts if f.kind == PACKED]
+        if not packed:
             return sum(f.type.nbytes(s) for f, s in zip(fmts, shapes)), "in_place"
         from ..kernels.moe import packed_weight_bytes
         from ..kernels.packed_cache import cached, layer_ident
 
-        backend = fmts[0].backend
+        backend = packed[0].backend
+        # (llamafile_panels: the projections it reads in place count 0 here, as the file's pages)
         total = sum(packed_weight_bytes(backend, f.read.type, *s) for f, s in zip(fmts, shapes))
         E, I, H = shapes[0]
         ident = layer_ident(key, backend, getattr(weights, "path", None), E, H, I, [f.read.type for f in fmts])

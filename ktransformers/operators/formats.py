@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import WeightError
-from ..kernels.moe import IN_PLACE_BACKEND, PACKED_BACKENDS
+from ..kernels.moe import IN_PLACE_BACKEND, PACKED_BACKENDS, PANELS_BACKEND, panels_pack
 from ..weights.ggml_types import BY_NAME, TYPES, GGMLType
 
 RAW, FLOAT, PACKED, FP8 = "raw", "float", "packed", "fp8"
@@ -92,11 +92,14 @@ def stored_type(weights, name: str) -> GGMLType | None:
 def kernel_format(stored: GGMLType | None, dtype: torch.dtype, backend: str = IN_PLACE_BACKEND) -> WeightFormat:
     """The CPU kernels' format of a weight stored as ``stored`` (:func:`stored_type`): its raw
     blocks where the kernels compute on the type, else a float copy (F32 for an fp32 model, else
-    BF16); packed from either by a packing ``backend``."""
+    BF16); packed from either by a packing ``backend`` (``llamafile_panels``: Q4_K blocks where the
+    tier has the panel kernel; it reads any other weight as llamafile does)."""
     if stored is not None and stored.kernel:
         fmt = raw_format(stored)
     else:
         fmt = float_format(torch.float32 if dtype == torch.float32 else torch.bfloat16)
+    if backend == PANELS_BACKEND and not (fmt.kind == RAW and panels_pack(fmt.type.name)):
+        return fmt
     return WeightFormat(PACKED, backend=backend, source=fmt) if backend in PACKED_BACKENDS else fmt
 
 

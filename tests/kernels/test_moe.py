@@ -21,6 +21,7 @@ from quant_ref import ALL_TYPES, block_elems, make_weights
 from ref import moe_ref, rel_err
 
 import ktransformers.kernels as K
+from ktransformers import cpuinfer_ext as ext
 
 E, TOPK = 8, 3
 SHAPES = {"H256_I512": (256, 512), "H320_I96": (320, 96)}  # second one: not multiples of 256
@@ -230,3 +231,27 @@ def test_torch_fast_path_matches_checked_path(pool):
         moe.forward(x, ids, w[:, :2].contiguous(), torch.empty(3, H))
     with pytest.raises(TypeError, match="x: expected float32 or bfloat16"):
         moe.forward(x.double(), ids, w, torch.empty(3, H))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("down", [QT.Q4_K, QT.Q6_K])
+def test_llamafile_panels_give_llamafile_bits(down, threads):
+    """``llamafile_panels`` (Q4_K copied into 16-row panels of its own integers; the Q6_K down of a
+    Q4_K_M layer read in place): outputs bit for bit the llamafile backend's, for every token count
+    (the decode row tiles, the prompt panels, the panel layout's tiles), skewed routing included."""
+    pool = K.cpu_infer(threads)
+    H, I = 256, 512
+    rng = np.random.default_rng(11)
+    g, u = (make_weights(QT.Q4_K, (E, I, H), rng)[0] for _ in range(2))
+    d = make_weights(down, (E, H, I), rng)[0]
+    ref = K.MoEKernel(pool, "llamafile", E, H, I, g, u, d, QT.Q4_K, QT.Q4_K, down)
+    pan = K.MoEKernel(pool, "llamafile_panels", E, H, I, g, u, d, QT.Q4_K, QT.Q4_K, down)
+    if ext.packed_rows()["llamafile_panels"][0] != "llamafile":  # a tier with the panel kernel: a copy
+        q4k = 3 if down == QT.Q4_K else 2
+        assert pan.packed_bytes == q4k * E * (I * H // 256) * 2368 // 16
+    for T in (1, 2, 3, 5, 6, 31, 100):
+        for skew in (False, True):
+            x = rng.standard_normal((T, H)).astype(np.float32)
+            ids, w = routing(T, rng, skew)
+            a, b = ref.forward(x, ids, w), pan.forward(x, ids, w)
+            assert np.array_equal(a, b), f"T={T} skew={skew}: max |diff| {np.abs(a - b).max():.3g}"

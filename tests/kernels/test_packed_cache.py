@@ -61,15 +61,18 @@ def _files(cache):
     return sorted(cache.rglob("*.ktpack"))
 
 
-@pytest.mark.parametrize("backend", ["AMXInt8", "AMXBF16", "AMXInt4", "AMXInt4_1"])
+@pytest.mark.parametrize("backend", ["AMXInt8", "AMXBF16", "AMXInt4", "AMXInt4_1", "llamafile_panels"])
 def test_packed_once_then_mapped_with_the_same_outputs(layer, src, cache, backend):
     g, u, d = layer
     plain = K.MoEKernel(K.cpu_infer(2), backend, E, H, I, g, u, d, QT.Q4_K, QT.Q4_K, QT.Q4_K)
     first, how1 = _kernel(layer, src, backend)
     second, how2 = _kernel(layer, src, backend)
-    assert (how1, how2) == ("packed+cached", "mapped")
-    (f,) = _files(cache)
-    assert f.stat().st_size == pc.HEADER + plain.packed_bytes
+    if plain.packed_bytes == 0:  # llamafile_panels on a tier without its kernel: in place, no file
+        assert (how1, how2) == ("in place", "in place") and not _files(cache)
+    else:
+        assert (how1, how2) == ("packed+cached", "mapped")
+        (f,) = _files(cache)
+        assert f.stat().st_size == pc.HEADER + plain.packed_bytes
     x, ids, w = _inputs()
     want = plain.forward(x, ids, w)
     assert np.array_equal(first.forward(x, ids, w), want)
