@@ -219,6 +219,10 @@ def warm(path: Path) -> None:
 def ours(path: Path, job: str, args, repeats: int) -> dict:
     if args.warm:
         warm(path)
+        cache = os.environ.get("KT_PACKED_CACHE")
+        if args.backend and args.backend != "llamafile" and cache and Path(cache).is_dir():
+            for f in sorted(Path(cache).rglob("*.ktpack")):  # what a packed backend reads instead, last
+                warm(f)
     r = timed_run([sys.executable, __file__, "--child", job, "--model", str(path), "--threads", str(args.threads),
                    "--repeats", str(repeats), *(["--backend", args.backend] if args.backend else [])], args.timeout)
     for line in r["out"].splitlines():
