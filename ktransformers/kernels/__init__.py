@@ -43,8 +43,9 @@ prepacked=None)``
     ``backend``: ``"llamafile"`` (weights used in place in their ggml type), ``"AMXInt8"``
     (requantised at load to int8, per-row scales, VNNI/AMX tile layout), ``"AMXBF16"``
     (repacked to bf16), ``"AMXInt4"`` / ``"AMXInt4_1"`` (requantised to int4 per 32-k group,
-    fp16 scale / scale + min, two weights per byte; ``cpuinfer_ext.packed_rows()`` names the
-    kernel of each packed backend).  The int4 backends have no ``MoETrainKernel``.  ``gate``/``up`` hold ``[E, I, H]`` and ``down`` ``[E, H, I]`` in the
+    fp16 scale / scale + min, two weights per byte), ``"llamafile_panels"`` (Q4_K copied into
+    16-row panels of its own integers on the VNNI-512 tiers, llamafile's bits; other weights in
+    place); ``cpuinfer_ext.packed_rows()`` names the kernel of each packed backend.  The int4 backends have no ``MoETrainKernel``.  ``gate``/``up`` hold ``[E, I, H]`` and ``down`` ``[E, H, I]`` in the
     stacked GGUF layout: either raw bytes (numpy/torch ``uint8``, any shape, exactly
     ``E*rows*row_bytes(type, cols)`` bytes, C-contiguous) or, for F32/F16/BF16, float tensors of
     that shape.  Types: F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL
@@ -115,7 +116,7 @@ from ..weights.ggml_types import KERNEL_TYPES
 
 #: version of the public API below (the names in ``__all__``): MAJOR.MINOR.PATCH, with the
 #: compatibility promise of docs/kernels.md
-API_VERSION = "1.1.0"
+API_VERSION = "1.2.0"
 
 from .args import ggml_type
 from .attention import (flash_attention, flash_attention_paged, flash_attention_supported, mla_attention,

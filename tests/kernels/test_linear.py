@@ -139,3 +139,17 @@ def test_linear_torch_fast_path(pool):
         lin.forward(torch.zeros(512, 2).t(), torch.empty(2, 37))
     with pytest.raises(TypeError, match="x: expected float32 or bfloat16"):
         lin.forward(torch.zeros(1, 512, dtype=torch.float64), torch.empty(1, 37))
+
+
+def test_llamafile_panels_linear_gives_llamafile_bits():
+    """``LinearKernel`` on ``llamafile_panels``: a Q4_K weight (rows not a multiple of 16: the last
+    panel padded) packed into panels, a Q8_0 one read in place; the outputs are llamafile's bits."""
+    pool = K.cpu_infer(2)
+    rng = np.random.default_rng(5)
+    for t, (out_f, in_f) in ((QT.Q4_K, (200, 512)), (QT.Q8_0, (64, 96))):
+        w = make_weights(t, (out_f, in_f), rng)[0]
+        ref = K.LinearKernel(pool, "llamafile", in_f, out_f, w, t)
+        pan = K.LinearKernel(pool, "llamafile_panels", in_f, out_f, w, t)
+        for T in (1, 3, 7, 64):
+            x = rng.standard_normal((T, in_f)).astype(np.float32)
+            assert np.array_equal(ref.forward(x), pan.forward(x)), f"{t.name} T={T}"
