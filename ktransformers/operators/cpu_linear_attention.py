@@ -7,8 +7,8 @@ prefix, or continued by decode steps therefore gives other sums, other bits -- a
 answer at a near tie.  Here the conv and the delta rule run token by token
 (``kernels.attention.causal_conv_silu`` / ``gated_delta_rule``: the recurrent form's math, every
 token the same operations in the same order), so every chunking leaves the same state and logits.
-Cost: the recurrent form is O(T) state updates where the chunked one batches them into matmuls;
-on the CPU both are small next to the projections and the MoE.
+Speed: faster than transformers' torch code on the CPU (``bench/linear_attention.py``, Qwen3-Next's
+shape, 2 threads: 1.9-3.4x on a prompt of 512-4096 tokens, 4.7x for a decode token).
 
 The projections, the gated RMSNorm and the output projection are the module's own (on whatever
 ops the rules put there).  The conv and recurrent states stay in transformers' cache in its own
