@@ -189,15 +189,20 @@ __attribute__((target("avx512f,avx512vl,avx2,fma"))) void attend_chunk_avx512(co
   attend_chunk_body(a);
 }
 
+// The variant of a helper for the tier in force: this file is built for the baseline, each helper
+// also as target("avx2,fma") and target("avx512f,...") functions of one body.
+template <class F>
+F tier_variant(F base, F avx2, F avx512) {
+  const IsaTier t = active_tier();
+  if (t >= IsaTier::AVX512) return avx512;
+  if (t >= IsaTier::AVX2 && cpu_features().fma) return avx2;
+  return base;
+}
+
 using ChunkFn = void (*)(const ChunkJob&);
 // The tier's generic chunk kernel: head sizes the prompt flash kernel does not read (not a multiple
 // of 64, or a tier without AVX2 + FMA); the others take flash_decode_chunk.
-ChunkFn chunk_fn() {
-  const IsaTier t = active_tier();
-  if (t >= IsaTier::AVX512) return attend_chunk_avx512;
-  if (t >= IsaTier::AVX2 && cpu_features().fma) return attend_chunk_avx2;
-  return attend_chunk_base;
-}
+ChunkFn chunk_fn() { return tier_variant<ChunkFn>(attend_chunk_base, attend_chunk_avx2, attend_chunk_avx512); }
 
 // The rows of one decode step: N single-token rows, each of its own sequence (a page pool) or one
 // row of one cache layer.  Key / value row of position p of row r, kv head g:
@@ -519,9 +524,7 @@ __attribute__((target("avx512f,avx512vl,avx2,fma"))) void delta_head_avx512(cons
 void conv_silu(CPUInfer& ci, uintptr_t x, int C, int L, uintptr_t w, int K, int T, uintptr_t out) {
   if (C <= 0 || K <= 0 || T <= 0 || L < T + K - 1)
     throw std::invalid_argument("conv_silu: need C, K, T > 0 and L >= T + K - 1");
-  const IsaTier tier = active_tier();
-  auto fn = tier >= IsaTier::AVX512 ? conv_silu_avx512
-            : (tier >= IsaTier::AVX2 && cpu_features().fma) ? conv_silu_avx2 : conv_silu_base;
+  const auto fn = tier_variant(conv_silu_base, conv_silu_avx2, conv_silu_avx512);
   const int per = 64, n = (C + per - 1) / per;
   ci.pool().parallel_for(n, [&](int task, int) {
     fn(ptr<const float>(x), C, L, ptr<const float>(w), K, T, ptr<float>(out), task * per, std::min(C, (task + 1) * per));
@@ -538,11 +541,10 @@ void gated_delta_rule(CPUInfer& ci, uintptr_t qkv, int T, int C, int hk, int hv,
   const DeltaJob j{ptr<const float>(qkv), ptr<const float>(b), ptr<const float>(a), b_stride, a_stride,
                    ptr<const float>(A_log), ptr<const float>(dt_bias), ptr<float>(state), ptr<float>(out),
                    T, C, hk, hv, dk, dv};
-  const IsaTier tier = active_tier();
-  auto fn = tier >= IsaTier::AVX512 ? delta_head_avx512
-            : (tier >= IsaTier::AVX2 && cpu_features().fma) ? delta_head_avx2 : delta_head_base;
+  const auto fn = tier_variant(delta_head_base, delta_head_avx2, delta_head_avx512);
   ci.pool().parallel_for(hv, [&](int h, int) {
-    std::vector<float> scratch(static_cast<size_t>(dv) + 2 * static_cast<size_t>(dk));
+    thread_local std::vector<float> scratch;  // a decode step calls this per layer: no allocation per head
+    scratch.resize(static_cast<size_t>(dv) + 2 * static_cast<size_t>(dk));
     fn(j, h, scratch.data(), scratch.data() + dv, scratch.data() + dv + dk);
   });
 }

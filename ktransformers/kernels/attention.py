@@ -237,5 +237,5 @@ def gated_delta_rule(pool: CPUInfer, qkv: torch.Tensor, b: torch.Tensor, a: torc
     return out
 
 
-__all__ = ["causal_conv_silu", "flash_attention", "flash_attention_paged", "flash_attention_supported", "mla_attention",
-           "gated_delta_rule", "mla_attention_supported", "rope_prompt"]
+__all__ = ["causal_conv_silu", "flash_attention", "flash_attention_paged", "flash_attention_supported",
+           "gated_delta_rule", "mla_attention", "mla_attention_supported", "rope_prompt"]

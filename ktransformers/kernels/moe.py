@@ -45,13 +45,6 @@ def route_softmax_topk(logits, num_experts: int, top_k: int, norm: bool):
     return w, ids
 
 
-def panels_pack(weight_type: Any) -> bool:
-    """Whether the ``llamafile_panels`` backend copies a weight of ``weight_type`` into its panels on
-    the tier in force (Q4_K on the VNNI-512 tiers); else it reads that weight in place."""
-    return (ggml_type(weight_type, "weight_type").name == "Q4_K"
-            and _ext.packed_rows()[PANELS_BACKEND][0] != IN_PLACE_BACKEND)
-
-
 def _backend(b: Any) -> int:
     if b not in BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {b!r}")
@@ -73,6 +66,18 @@ def packed_weight_bytes(backend: str, weight_type: Any, count: int, rows: int, c
     ``backend`` (what ``MoEKernel.packed_bytes`` sums over gate / up / down); 0 for llamafile."""
     return int(_ext.packed_weight_bytes(_backend(backend), ggml_type(weight_type, "weight_type").id,
                                         int(count), int(rows), int(cols)))
+
+
+def packs(backend: str, weight_type: Any) -> bool:
+    """Whether ``backend`` holds a packed copy of a weight of ``weight_type`` on the tier in force,
+    as the kernels decide it (``llamafile_panels``: Q4_K on the VNNI-512 tiers; every other weight,
+    and ``llamafile``, read in place)."""
+    if backend == IN_PLACE_BACKEND:
+        return False
+    try:
+        return packed_weight_bytes(backend, weight_type, 1, 16, 256) > 0
+    except ValueError:  # a type the backend cannot take: the load says so, with the tensor's name
+        return False
 
 
 class MoEKernel:

@@ -99,8 +99,9 @@ def _fast_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs
     else:
         state = torch.zeros(hv, dk, dv) if prev is None else prev[0].float().contiguous()
         prev = None
-    out = gated_delta_rule(pool, qkv, b.float(), a.float(), self.A_log.detach().contiguous(),
-                           self.dt_bias.detach().contiguous(), state, self.num_k_heads, dk)
+    out = gated_delta_rule(pool, qkv, b.float().contiguous(), a.float().contiguous(),
+                           self.A_log.detach().contiguous(), self.dt_bias.detach().contiguous(), state,
+                           self.num_k_heads, dk)
     if cache is not None and prev is None:
         cache.update_recurrent_state(state[None], self.layer_idx)
     out = self.norm(out.reshape(-1, dv), z.reshape(-1, dv))

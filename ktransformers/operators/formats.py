@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import WeightError
-from ..kernels.moe import IN_PLACE_BACKEND, PACKED_BACKENDS, PANELS_BACKEND, panels_pack
+from ..kernels.moe import IN_PLACE_BACKEND, PACKED_BACKENDS, packs
 from ..weights.ggml_types import BY_NAME, TYPES, GGMLType
 
 RAW, FLOAT, PACKED, FP8 = "raw", "float", "packed", "fp8"
@@ -98,9 +98,8 @@ def kernel_format(stored: GGMLType | None, dtype: torch.dtype, backend: str = IN
         fmt = raw_format(stored)
     else:
         fmt = float_format(torch.float32 if dtype == torch.float32 else torch.bfloat16)
-    if backend == PANELS_BACKEND and not (fmt.kind == RAW and panels_pack(fmt.type.name)):
-        return fmt
-    return WeightFormat(PACKED, backend=backend, source=fmt) if backend in PACKED_BACKENDS else fmt
+    packed = backend in PACKED_BACKENDS and packs(backend, fmt.type.name)
+    return WeightFormat(PACKED, backend=backend, source=fmt) if packed else fmt
 
 
 def kernel_backend(fmt: WeightFormat) -> str:
