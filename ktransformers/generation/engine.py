@@ -395,7 +395,12 @@ class Generator:
         if self.speculative is None:
             return None
         step = self._decode_step()
-        if step is None or (self.speculative == "mtp" and not hidden):
+        if step is None:
+            from .verify_forward import forward_verifies
+
+            if self.speculative == "mtp" or not forward_verifies(self.model):
+                return None  # no way to verify rows: plain decoding
+        elif self.speculative == "mtp" and not hidden:
             return None
         from .speculative import Policy, make_drafter
 
@@ -411,7 +416,12 @@ class Generator:
         rows of ``token`` and the accepted guesses), or None when the step cannot take the cache."""
         step = self._decode_step()
         rows = [token] + list(guesses)
-        got = step.step_rows(rows, pos, cache) if step.accepts(cache) else None
+        if step is None:  # a model the decode step does not serve: its own forward (verify_forward.py)
+            from .verify_forward import forward_rows
+
+            got = forward_rows(self.model, rows, pos, cache)
+        else:
+            got = step.step_rows(rows, pos, cache) if step.accepts(cache) else None
         if got is None:
             return None
         logits, undo = got

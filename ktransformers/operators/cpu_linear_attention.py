@@ -16,10 +16,17 @@ layout, so ``generate()`` and every other reader of the cache see what they expe
 path takes one sequence of fp32 CPU activations under no gradient, in eval mode, with a SiLU conv
 without bias and no padding mask; anything else (training, batches, bf16 models, a cache that
 records its past for speculative rollback) and ``KT_FAST_DELTANET=0`` run transformers' forward.
+
+Speculative verify (generation/verify_forward.py): under ``recording(model)`` each layer's call also
+keeps what undoing its rows needs -- the conv window it read, the recurrent state before the call
+and the delta rule's inputs -- and ``undo_rows`` puts a layer back as if only its first ``kept``
+rows had been read (the window cut there, the state replayed over those rows: the same bits, since
+the rule runs token by token).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import types
 
@@ -99,13 +106,83 @@ def _fast_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs
     else:
         state = torch.zeros(hv, dk, dv) if prev is None else prev[0].float().contiguous()
         prev = None
-    out = gated_delta_rule(pool, qkv, b.float().contiguous(), a.float().contiguous(),
-                           self.A_log.detach().contiguous(), self.dt_bias.detach().contiguous(), state,
-                           self.num_k_heads, dk)
+    b, a = b.float().contiguous(), a.float().contiguous()
+    record = self.__dict__.get("_kt_record")
+    if record is not None:  # a speculative verify: what undoing some of these rows needs
+        record.append(_Rows(self, x, state.clone(), qkv, b, a))
+    out = gated_delta_rule(pool, qkv, b, a, self.A_log.detach().contiguous(), self.dt_bias.detach().contiguous(),
+                           state, self.num_k_heads, dk)
     if cache is not None and prev is None:
         cache.update_recurrent_state(state[None], self.layer_idx)
     out = self.norm(out.reshape(-1, dv), z.reshape(-1, dv))
     return self.out_proj(out.reshape(1, T, -1))
+
+
+class _Rows:
+    """One layer's call under ``recording``: ``window`` the conv inputs it read ``[C, W + T]``
+    (the cached window of ``W``, then the call's rows), ``state`` the recurrent state before it, and the
+    delta rule's inputs (``qkv`` after the conv, ``b``, ``a``)."""
+
+    def __init__(self, mod, window, state, qkv, b, a):
+        self.mod, self.window, self.state, self.qkv, self.b, self.a = mod, window, state, qkv, b, a
+
+
+def deltanet_layers(model) -> list:
+    """The model's gated-DeltaNet layers (any forward)."""
+    return [m for m in model.modules() if _recognised(m)]
+
+
+def fast_path_takes(model, cache) -> bool:
+    """Whether every DeltaNet layer of ``model`` takes one sequence of its activations on the
+    token-by-token forward with ``cache`` (what a speculative verify's undo needs)."""
+    layers = deltanet_layers(model)
+    if not layers:
+        return False
+    emb = model.get_input_embeddings()
+    probe = torch.empty(1, 1, 1, dtype=getattr(getattr(emb, "weight", None), "dtype", torch.float32))
+    return all(hasattr(m, "_kt_original_forward") and _eligible(m, probe, cache, None, {}) for m in layers)
+
+
+@contextlib.contextmanager
+def recording(model):
+    """Within it, every DeltaNet layer's fast forward records its rows; yields the records (a list,
+    in call order)."""
+    layers = deltanet_layers(model)
+    records: list[_Rows] = []
+    for m in layers:
+        m._kt_record = records
+    try:
+        yield records
+    finally:
+        for m in layers:
+            m.__dict__.pop("_kt_record", None)
+
+
+def undo_rows(records, cache, kept: int) -> None:
+    """Put each recorded layer's cache back as if only the first ``kept`` rows of its call had been
+    read: the cached conv window ends before row ``kept``, the recurrent state the one
+    before the call with the delta rule run again over those rows."""
+    pool = kernel_pool()
+    for r in records:
+        mod = r.mod
+        K = int(mod.conv_kernel_size)
+        T = r.qkv.shape[0]
+        if kept >= T:
+            continue
+        layer = cache.layers[mod.layer_idx]
+        conv = layer.conv_states[0]
+        width = conv.shape[-1]  # the cache keeps the last ``width`` inputs (the kernel size)
+        end = r.window.shape[1] - (T - kept)
+        win = r.window[:, max(0, end - width):end]
+        if win.shape[1] < width:  # the sequence's first inputs: zeros before them
+            win = F.pad(win, (width - win.shape[1], 0))
+        conv.copy_(win.to(conv.dtype)[None])
+        state = r.state.clone()
+        if kept:
+            gated_delta_rule(pool, r.qkv[:kept].contiguous(), r.b[:kept].contiguous(), r.a[:kept].contiguous(),
+                             mod.A_log.detach().contiguous(), mod.dt_bias.detach().contiguous(), state,
+                             mod.num_k_heads, int(mod.head_k_dim))
+        layer.recurrent_states[0].copy_(state[None].to(layer.recurrent_states[0].dtype))
 
 
 def use_cpu_linear_attention(model) -> int:
@@ -121,4 +198,4 @@ def use_cpu_linear_attention(model) -> int:
     return n
 
 
-__all__ = ["use_cpu_linear_attention"]
+__all__ = ["deltanet_layers", "fast_path_takes", "recording", "undo_rows", "use_cpu_linear_attention"]

@@ -36,6 +36,7 @@ FAMILIES = {
     "deepseek_v3": {"kv_lora_rank": 64, "qk_rope_head_dim": 16},
     "gemma3_text": {"head_dim": 64, "sliding_window": 16},
     "qwen3_next": {"head_dim": 64},
+    "qwen3_5_moe_text": {"head_dim": 64},
 }
 MLA = ("deepseek_v2", "deepseek_v3")
 #: served by the batching server's BatchRunner (pages)
