@@ -193,8 +193,13 @@ class Generator:
         if speculative == "mtp":  # the model's own MTP layer (generation/mtp.py): loaded now, one error if none
             from .mtp import check_mtp_layer, load_mtp_layer, mtp_plain_notice, mtp_runner
 
+            from .verify_forward import forward_verifies
+
             step = self._decode_step()
-            if step is None:  # no step to verify guesses: the layer is checked, not loaded; plain decoding
+            if step is None and forward_verifies(model):  # Qwen3-Next / Qwen3.5: verified by the forward
+                load_mtp_layer(model)
+                mtp_runner(model, None)
+            elif step is None:  # no step to verify guesses: the layer is checked, not loaded; plain decoding
                 check_mtp_layer(model)
                 off = os.environ.get("KT_LEAN_DECODE", "1") == "0"
                 mtp_plain_notice(model, "KT_LEAN_DECODE=0" if off else None)
@@ -325,7 +330,7 @@ class Generator:
         t0 = time.perf_counter()
         cap = n + max_new
         cache = self.new_cache(cap)
-        hidden = [] if self.speculative == "mtp" and vision is None and self._decode_step() is not None else None
+        hidden = [] if self.speculative == "mtp" and vision is None and self._verifies_rows() else None
         logits = self.prefill(input_ids, cache, cancel, vision, hidden=hidden)
         stats.prefill_seconds = time.perf_counter() - t0  # updated below to include the first sample
         sampler = Sampler(params, logits.device if logits is not None else self.device)
@@ -334,6 +339,16 @@ class Generator:
             history = torch.zeros((1, cap), dtype=torch.long, device=sampler_device(logits, self.device))
             history[0, :n] = torch.tensor(input_ids, dtype=torch.long)
         spec = self._speculation(input_ids, cap, hidden) if vision is None else None
+        try:
+            yield from self._decode(input_ids, params, max_new, cancel, vision, out, stats, cache, logits, sampler,
+                                    history, spec, t0)
+        finally:
+            if spec is not None and hasattr(spec[0], "close"):
+                spec[0].close()
+
+    def _decode(self, input_ids, params, max_new, cancel, vision, out, stats, cache, logits, sampler, history,
+                spec, t0):
+        n, cap = len(input_ids), len(input_ids) + max_new
         pos = n          # where the newest decided token goes in the cache
         finish = None
         first = True
@@ -377,7 +392,7 @@ class Generator:
             room = min(cap - 1 - pos, max_new - out.generated - 1)
             guesses = spec[0].draft(min(spec[1].next_k(), room)) if spec is not None and room > 0 else []
             with torch.inference_mode():
-                got = self._verify(token, guesses, pos, cache, sampler, history, stats, spec[1]) if guesses else None
+                got = self._verify(token, guesses, pos, cache, sampler, history, stats, spec[1], spec[0]) if guesses else None
                 if got is not None:
                     decided = got  # sampled already; the next logits are not needed
                 else:
@@ -385,6 +400,8 @@ class Generator:
                         spec = None
                     logits = self._forward(torch.tensor([[token]], dtype=torch.long, device=self.device), pos, cache,
                                            vision)
+                    if spec is not None and hasattr(spec[0], "took"):
+                        spec[0].took(pos)
             pos += 1
         yield out.final(finish)
 
@@ -395,13 +412,8 @@ class Generator:
         if self.speculative is None:
             return None
         step = self._decode_step()
-        if step is None:
-            from .verify_forward import forward_verifies
-
-            if self.speculative == "mtp" or not forward_verifies(self.model):
-                return None  # no way to verify rows: plain decoding
-        elif self.speculative == "mtp" and not hidden:
-            return None
+        if not self._verifies_rows() or (self.speculative == "mtp" and not hidden):
+            return None  # no way to verify rows: plain decoding
         from .speculative import Policy, make_drafter
 
         draft = Generator(self.draft_model, None) if self.draft_model is not None else None
@@ -410,7 +422,16 @@ class Generator:
         drafter.extend(input_ids)
         return drafter, Policy(self.draft_max)
 
-    def _verify(self, token, guesses, pos, cache, sampler, history, stats, policy) -> list[int] | None:
+    def _verifies_rows(self) -> bool:
+        """Whether guesses can be verified: by the decode step's rows, or by the model's own forward
+        (Qwen3-Next / Qwen3.5, generation/verify_forward.py)."""
+        if self._decode_step() is not None:
+            return True
+        from .verify_forward import forward_verifies
+
+        return forward_verifies(self.model)
+
+    def _verify(self, token, guesses, pos, cache, sampler, history, stats, policy, drafter=None) -> list[int] | None:
         """One speculative step: ``token`` at ``pos`` and the ``guesses`` after it as rows of one
         step; the accepted guesses and the model's token after them (the cache keeps exactly the
         rows of ``token`` and the accepted guesses), or None when the step cannot take the cache."""
@@ -420,6 +441,8 @@ class Generator:
             from .verify_forward import forward_rows
 
             got = forward_rows(self.model, rows, pos, cache)
+            if got is not None and hasattr(drafter, "took"):
+                drafter.took(pos)
         else:
             got = step.step_rows(rows, pos, cache) if step.accepts(cache) else None
         if got is None:

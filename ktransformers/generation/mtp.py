@@ -1,4 +1,4 @@
-"""The multi-token-prediction (MTP) layer of DeepSeek-V3 and GLM-4-MoE as a speculative drafter.
+"""The multi-token-prediction (MTP) layer (DeepSeek-V3, GLM-4-MoE, Qwen3-Next, Qwen3.5) as a drafter.
 
 A DeepSeek-V3 / R1 or GLM-4.5 / 4.6 / 4.7 checkpoint carries, after its ``num_hidden_layers``
 decoder layers, a next-token-prediction layer (``model.layers.{num_hidden_layers}.*``): ``enorm`` /
@@ -26,6 +26,13 @@ step's rows, ``DecodeStep.last_hidden``).  A draft of ``k`` tokens chains the la
 from the model's last hidden state and the pending token, each next one from the layer's own
 ``h'`` and the previous guess.  The guessed entries are dropped before the next draft.
 
+Qwen3-Next and Qwen3.5-MoE keep the same layer as ``mtp.*`` (``fc``, ``pre_fc_norm_embedding`` /
+``pre_fc_norm_hidden``, ``layers.0``: gated full attention and MoE, ``norm``; transformers' model
+drops it at load), read here under the names above (``QWEN_MTP``).  The decode step does not serve
+their models (gated-DeltaNet layers), so the layer runs by its injected forward over a dynamic cache
+of its own (``_ForwardMTPLayer``), the model's hidden rows come from a hook on its final norm
+(``HiddenTap``) and the model's own forward verifies the guesses (verify_forward.py).
+
 The drafted tokens are only guesses: the model verifies them as rows of its decode step
 (``DecodeStep.step_rows``), so greedy answers are the plain ones token for token whatever the
 layer guesses.
@@ -39,15 +46,22 @@ import logging
 import torch
 
 from ..errors import ConfigError, WeightError
+from ..weights.source import WeightSource
 
 log = logging.getLogger(__name__)
 
 #: model types whose checkpoints carry an MTP layer (``model.layers.{num_hidden_layers}``) the drafter
 #: reads (DeepSeek-V3.2 / GLM-5: checked, not loaded: the decode step, which verifies the guesses,
-#: does not serve their sparse-attention indexer; ``check_mtp_layer``)
-MTP_MODEL_TYPES = ("deepseek_v3", "glm4_moe", "deepseek_v32", "glm_moe_dsa")
+#: does not serve their sparse-attention indexer; ``check_mtp_layer``); Qwen3-Next / Qwen3.5 keep it
+#: as ``mtp.*`` (``QWEN_MTP``)
+MTP_MODEL_TYPES = ("deepseek_v3", "glm4_moe", "deepseek_v32", "glm_moe_dsa", "qwen3_next", "qwen3_5_moe_text")
 #: the MTP layer's own tensors (beside its decoder layer's), under ``model.layers.{num_hidden_layers}.``
 MTP_TENSORS = ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight")
+#: Qwen3-Next / Qwen3.5: the same layer stored as ``mtp.*`` (its decoder layer ``mtp.layers.0.*``, a
+#: full-attention MoE layer) -> the names it is built under here (``model.layers.{n}.*``)
+QWEN_MTP = {"eh_proj.weight": "mtp.fc.weight", "enorm.weight": "mtp.pre_fc_norm_embedding.weight",
+            "hnorm.weight": "mtp.pre_fc_norm_hidden.weight", "shared_head.norm.weight": "mtp.norm.weight"}
+QWEN_TYPES = ("qwen3_next", "qwen3_5_moe_text")
 
 
 def has_own_indexer(names, n: int) -> bool:
@@ -65,6 +79,8 @@ def mtp_config(config, own_indexer: bool = True):
     n = int(cfg.num_hidden_layers)
     cfg.num_hidden_layers = n + 1
     kind = {"mlp_layer_types": "sparse", "indexer_types": "full" if own_indexer else "shared"}
+    if getattr(cfg, "model_type", None) in QWEN_TYPES:
+        kind["layer_types"] = "full_attention"  # Qwen3-Next / Qwen3.5's MTP layer: gated full attention
     for key in ("layer_types", "mlp_layer_types", "indexer_types"):
         got = getattr(cfg, key, None)
         if isinstance(got, list) and len(got) == n:
@@ -105,6 +121,62 @@ def load_mtp_layer(model):
     return layer
 
 
+class _QwenMtpNames(WeightSource):
+    """A weight source that serves Qwen3-Next / Qwen3.5's ``mtp.*`` tensors under the names the MTP
+    layer is built with here (``model.layers.{n}.*``); every other name as the source has it."""
+
+    def __init__(self, src, n: int):
+        self._src, self._prefix, self.path = src, f"model.layers.{n}.", getattr(src, "path", "")
+
+    def _stored(self, name: str) -> str:
+        if not name.startswith(self._prefix):
+            return name
+        rest = name[len(self._prefix):]
+        return QWEN_MTP.get(rest, "mtp.layers.0." + rest)
+
+    def _has_native(self, name):
+        return self._src._has_native(self._stored(name))
+
+    def _load_native(self, name):
+        return self._src._load_native(self._stored(name))
+
+    def _native_shape(self, name):
+        return self._src._native_shape(self._stored(name))
+
+    def _natural_dtype(self, name):
+        return self._src._natural_dtype(self._stored(name))
+
+    def _load_as(self, name, dtype, device):
+        return self._src._load_as(self._stored(name), dtype, device)
+
+    def _load_into(self, name, out):
+        self._src._load_into(self._stored(name), out)
+
+    def names(self):
+        return self._src.names()
+
+    def raw(self, name):
+        return self._src.raw(self._stored(name))
+
+    def config(self):
+        return self._src.config()
+
+    def stores_parameter(self, name):
+        return self._src.stores_parameter(self._stored(name))
+
+    def stored_name(self, name):
+        return self._src.stored_name(self._stored(name))
+
+    def missing(self, name, hint: str = ""):
+        return self._src.missing(self._stored(name), hint)
+
+
+def _weights_of(model, src, n: int):
+    """The source the MTP layer ``n`` is read from (Qwen3-Next / Qwen3.5: its ``mtp.*`` names)."""
+    mt = getattr(model.config.get_text_config(), "model_type", None)
+    return _QwenMtpNames(src, n) if mt in QWEN_TYPES else src
+
+
 def _mtp_block(model):
     """``(weight source, the model as one more layer on the meta device, n)`` after the checks that
     read no tensor: an MTP model type, weights holding ``model.layers.{n}``'s own tensors (a one-line
@@ -120,11 +192,12 @@ def _mtp_block(model):
     prefix = f"model.layers.{n}."
     if src is None or plan is None:
         raise ConfigError("--speculative mtp: the model has no MTP layer to read (it was not loaded from weights)")
+    src = _weights_of(model, src, n)
     have = [src.has(prefix + t) for t in MTP_TENSORS]
     if not any(have):
         raise ConfigError(f"--speculative mtp: the weights have no MTP layer ({getattr(src, 'path', '')} holds no "
-                          f"'{src.stored_name(prefix + MTP_TENSORS[0])}': saved or converted without layer {n}; "
-                          f"llama.cpp's converter drops DeepSeek-V3's)")
+                          f"'{src.stored_name(prefix + MTP_TENSORS[0])}': saved or converted without its MTP "
+                          f"layer; llama.cpp's converter drops DeepSeek-V3's and Qwen3-Next's)")
     for t, ok in zip(MTP_TENSORS, have):
         if not ok:
             raise WeightError(f"--speculative mtp: the MTP layer is incomplete: {src.missing(prefix + t)}")
@@ -284,23 +357,100 @@ class _MTPLayer:
             return self.step.head.rows(1, h.contiguous(), torch.empty(1, self.step.head.out_features))
 
 
-def mtp_runner(model, step) -> _MTPLayer:
-    """The model's MTP layer on ``step``'s kernels, built once per model (``ConfigError`` when the
-    model has no MTP layer or the layer is not on the kernels)."""
+class _ForwardMTPLayer:
+    """The injected MTP layer run by its own forward (Qwen3-Next / Qwen3.5, whose model the decode
+    step does not serve; the layer's attention, MoE and norms are the modules the rules put there),
+    with the same calls as ``_MTPLayer`` and a dynamic cache of its own: entry ``j`` is position
+    ``j + 1``'s."""
+
+    step = None
+
+    def __init__(self, model):
+        from transformers import DynamicCache
+
+        self.layer = load_mtp_layer(model)
+        self.one = model.__dict__["_kt_mtp_layer"][0]
+        self.model = model
+        self.n = int(model.config.get_text_config().num_hidden_layers)
+        self.cache = DynamicCache()
+
+    def _keep(self, entries: int) -> None:
+        """Drop the cache entries from ``entries`` on (guesses of an earlier draft)."""
+        layers = self.cache.layers
+        if len(layers) > self.n:
+            extra = layers[self.n].get_seq_length() - entries
+            if extra > 0:
+                layers[self.n].crop(-extra)
+
+    def __call__(self, tokens: list[int], hidden: torch.Tensor, first: int) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        model, layer, T = self.model, self.layer, len(tokens)
+        emb = model.get_input_embeddings()
+        x = emb(torch.tensor([tokens], dtype=torch.long))
+        h = layer.eh_proj(torch.cat([layer.enorm(x), layer.hnorm(hidden.to(x.dtype)[None])], dim=-1))
+        self._keep(first)
+        while len(self.cache.layers) <= self.n:  # (the layers before this one stay empty)
+            self.cache.layers.append(self.cache.layer_class_to_replicate())
+        pos = torch.arange(first + 1, first + 1 + T).unsqueeze(0)
+        pe = model.get_decoder().rotary_emb(h, pos)
+        mask = create_causal_mask(config=self.one.config, inputs_embeds=h, attention_mask=None, cache=self.cache,
+                                  position_ids=pos, layer_idx=self.n)
+        out = layer(h, position_embeddings=pe, attention_mask=mask, position_ids=pos, cache=self.cache)
+        out = out[0] if isinstance(out, tuple) else out
+        return layer.shared_head.norm(out)[0].float()
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The model's ``lm_head`` of one normed row ``h [1, H]``."""
+        head = self.model.get_output_embeddings()
+        return head(h.to(self.model.get_input_embeddings().weight.dtype)[None])[0].float()
+
+
+def mtp_runner(model, step):
+    """The model's MTP layer on ``step``'s kernels (``step`` None: by its own forward, for a model
+    the step does not serve), built once per model (``ConfigError`` when the model has no MTP layer
+    or the layer is not on the kernels)."""
     run = model.__dict__.get("_kt_mtp_run")
     if run is None or run.step is not step:
-        run = model.__dict__["_kt_mtp_run"] = _MTPLayer(model, step)
+        run = model.__dict__["_kt_mtp_run"] = _ForwardMTPLayer(model) if step is None else _MTPLayer(model, step)
     return run
+
+
+class HiddenTap:
+    """The final hidden rows (after the model's final norm) of each forward of a model without a
+    decode step, as the step keeps them for the MTP drafter: ``last_hidden`` = (positions, rows),
+    set by ``took(first)`` after a forward whose rows start at position ``first``."""
+
+    keep_hidden = True
+
+    def __init__(self, model):
+        self.last_hidden = None
+        self._rows: list[torch.Tensor] = []
+        self._hook = model.get_decoder().norm.register_forward_hook(
+            lambda mod, args, out: self._rows.append(out[0].detach().float()))
+
+    def took(self, first: int) -> None:
+        if self._rows:
+            rows = torch.cat(self._rows)
+            self._rows = []
+            self.last_hidden = (range(first, first + rows.shape[0]), rows)
+
+    def close(self) -> None:
+        self._hook.remove()
 
 
 class MTPDrafter:
     """Guesses from the model's MTP layer (see the module docstring).
 
-    ``step``: the model's ``DecodeStep`` (it keeps each step's final hidden rows for the drafter);
+    ``step``: the model's ``DecodeStep`` (it keeps each step's final hidden rows for the drafter), or
+    None for a model the step does not serve (a ``HiddenTap`` keeps them; the caller says where each
+    forward's rows start with ``took`` and ends the request with ``close``);
     ``prompt_hidden``: the model's final hidden states of the prompt ``[n, hidden]`` (the prefill's)."""
 
     def __init__(self, model, step, prompt_hidden: torch.Tensor):
         self.layer = mtp_runner(model, step)
+        if step is None:  # a model without the decode step: its forwards' rows from a hook
+            step = self.tap = HiddenTap(model)
         self.step = step
         step.keep_hidden = True
         step.last_hidden = None  # rows of an earlier request
@@ -316,6 +466,15 @@ class MTPDrafter:
 
     def append(self, token: int) -> None:
         self.tokens.append(int(token))
+
+    def took(self, first: int) -> None:
+        """The model's latest forward read rows from position ``first`` (models without the step)."""
+        if self.step is not self.layer.step:
+            self.step.took(first)
+
+    def close(self) -> None:
+        if self.step is not self.layer.step:
+            self.step.close()
 
     def draft(self, k: int) -> list[int]:
         if self.broken:

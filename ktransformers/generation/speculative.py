@@ -16,8 +16,8 @@ distribution does not).
 Drafters: prompt lookup (``NgramDrafter``), the continuation of the latest earlier occurrence of
 the text's last n tokens, in the prompt or the answer so far -- no extra weights, and it pays where
 an answer copies (code edits, quoting summaries, JSON rewrites); a smaller model of the same
-vocabulary (``DraftModelDrafter``), greedy on its own cache; and DeepSeek-V3's own
-multi-token-prediction layer (``mtp``, generation/mtp.py).  ``Policy``
+vocabulary (``DraftModelDrafter``), greedy on its own cache; and the model's own
+multi-token-prediction layer (``mtp``, generation/mtp.py: DeepSeek-V3, GLM-4-MoE, Qwen3-Next, Qwen3.5).  ``Policy``
 adapts the draft length to what is accepted and backs off where guesses keep failing, so plain
 chat runs at plain speed.
 """

@@ -42,11 +42,9 @@ def forward_verifies(model, cache=None) -> bool:
     return fast_path_takes(model, cache)
 
 
-def forward_rows(model, rows: list[int], pos: int, cache, hidden: list | None = None):
+def forward_rows(model, rows: list[int], pos: int, cache):
     """``(logits [n, vocab] fp32, undo)`` of the tokens ``rows`` at positions ``pos ..`` read in one
-    call of the model's forward, or None where the model or cache does not take it (nothing run).
-    ``hidden``: a list that receives the rows' final hidden states ``[n, H]`` (after the final norm;
-    the MTP drafter's input)."""
+    call of the model's forward, or None where the model or cache does not take it (nothing run)."""
     from ..operators.cpu_linear_attention import recording, undo_rows
 
     attn = _attention_layers(cache)
@@ -60,17 +58,9 @@ def forward_rows(model, rows: list[int], pos: int, cache, hidden: list | None = 
     device = model.get_input_embeddings().weight.device
     ids = torch.tensor([rows], dtype=torch.long, device=device)
     positions = torch.arange(pos, pos + n, device=device).unsqueeze(0)
-    hook = None
-    if hidden is not None:
-        hook = model.get_decoder().norm.register_forward_hook(
-            lambda mod, args, out: hidden.append(out[0].detach().float().cpu().clone()))
-    try:
-        forward = model.__dict__.get("_kt_lean_forward") or model
-        with recording(model) as records:
-            out = forward(input_ids=ids, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=0)
-    finally:
-        if hook is not None:
-            hook.remove()
+    forward = model.__dict__.get("_kt_lean_forward") or model
+    with recording(model) as records:
+        out = forward(input_ids=ids, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=0)
     logits = out.logits[0, -n:].float()
 
     def undo(kept: int) -> None:
