@@ -192,7 +192,6 @@ class Generator:
         self._lock = threading.Lock()
         if speculative == "mtp":  # the model's own MTP layer (generation/mtp.py): loaded now, one error if none
             from .mtp import check_mtp_layer, load_mtp_layer, mtp_plain_notice, mtp_runner
-
             from .verify_forward import forward_verifies
 
             step = self._decode_step()
@@ -340,14 +339,14 @@ class Generator:
             history[0, :n] = torch.tensor(input_ids, dtype=torch.long)
         spec = self._speculation(input_ids, cap, hidden) if vision is None else None
         try:
-            yield from self._decode(input_ids, params, max_new, cancel, vision, out, stats, cache, logits, sampler,
-                                    history, spec, t0)
+            yield from self._decode(input_ids, max_new, cancel, vision, out, stats, cache, logits, sampler, history,
+                                    spec, t0)
         finally:
             if spec is not None and hasattr(spec[0], "close"):
                 spec[0].close()
 
-    def _decode(self, input_ids, params, max_new, cancel, vision, out, stats, cache, logits, sampler, history,
-                spec, t0):
+    def _decode(self, input_ids, max_new, cancel, vision, out, stats, cache, logits, sampler, history, spec, t0):
+        """The decode loop of ``_stream`` after the prefill (``spec``: (drafter, policy) or None)."""
         n, cap = len(input_ids), len(input_ids) + max_new
         pos = n          # where the newest decided token goes in the cache
         finish = None
@@ -392,11 +391,14 @@ class Generator:
             room = min(cap - 1 - pos, max_new - out.generated - 1)
             guesses = spec[0].draft(min(spec[1].next_k(), room)) if spec is not None and room > 0 else []
             with torch.inference_mode():
-                got = self._verify(token, guesses, pos, cache, sampler, history, stats, spec[1], spec[0]) if guesses else None
+                got = (self._verify(token, guesses, pos, cache, sampler, history, stats, spec[1], spec[0])
+                       if guesses else None)
                 if got is not None:
                     decided = got  # sampled already; the next logits are not needed
                 else:
                     if guesses:  # the step does not take this cache: plain decoding from here
+                        if hasattr(spec[0], "close"):
+                            spec[0].close()
                         spec = None
                     logits = self._forward(torch.tensor([[token]], dtype=torch.long, device=self.device), pos, cache,
                                            vision)

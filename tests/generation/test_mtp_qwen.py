@@ -128,8 +128,9 @@ def _reference_layer(mtp_dir, config):
         cfg.mlp_only_layers = []
     layer = MtpLayer(cfg, L, N, 0)
     sd = load_file(mtp_dir / "model.safetensors")
-    state = {"enorm.weight": sd["mtp.pre_fc_norm_embedding.weight"], "hnorm.weight": sd["mtp.pre_fc_norm_hidden.weight"],
-             "eh_proj.weight": sd["mtp.fc.weight"], "post_norm.weight": sd["mtp.norm.weight"]}
+    state = {"enorm.weight": sd["mtp.pre_fc_norm_embedding.weight"],
+             "hnorm.weight": sd["mtp.pre_fc_norm_hidden.weight"], "eh_proj.weight": sd["mtp.fc.weight"],
+             "post_norm.weight": sd["mtp.norm.weight"]}
     p, ex = "mtp.layers.0.", "mtp.layers.0.mlp.experts."
     E = int(config.num_experts)
     if f"{ex}0.gate_proj.weight" in sd:  # per-expert tensors
