@@ -208,3 +208,50 @@ def test_a_checkpoint_with_part_of_the_layer_names_the_missing_tensor(mtp_dir, t
     m = load_model(d, model_path=d)
     with pytest.raises(WeightError, match=f"MTP layer is incomplete: .*'{drop}'"):
         Generator(m, _NoText(), speculative="mtp")
+
+
+def test_fuzz_any_part_of_the_layer_missing_is_named(mtp_dir, tmp_path_factory):
+    """Any non-empty set of the ``mtp.*`` tensors left out of the checkpoint: one line, naming the
+    first missing own tensor (MTP_TENSORS' order), or with all four gone "no MTP layer", or else
+    one of the decoder layer's missing tensors (a gap in its per-expert tensors: the checkpoint is
+    refused at load, naming the experts); never a traceback or a silently partial layer."""
+    import shutil
+
+    from hypothesis import HealthCheck, given
+    from hypothesis import strategies as st
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from ktransformers.errors import WeightError
+    from ktransformers.generation.mtp import MTP_TENSORS, QWEN_MTP
+    from tests.fuzzing import fuzz_settings
+
+    with safe_open(str(mtp_dir / "model.safetensors"), "pt") as f:
+        layer = sorted(k for k in f.keys() if k.startswith("mtp."))
+    order = [QWEN_MTP[t] for t in MTP_TENSORS]
+
+    @fuzz_settings(6, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(st.sets(st.sampled_from(layer), min_size=1, max_size=4))
+    def check(drop):
+        d = tmp_path_factory.mktemp("fuzz")
+        shutil.copytree(mtp_dir, d, dirs_exist_ok=True)
+        sd = {k: v for k, v in load_file(mtp_dir / "model.safetensors").items() if k not in drop}
+        save_file(sd, d / "model.safetensors")
+        with pytest.raises((ConfigError, WeightError)) as got:
+            m = load_model(d, model_path=d)
+            Generator(m, _NoText(), speculative="mtp")
+        kind, msg = got.type, str(got.value)
+        if "are incomplete" in msg:  # a gap in the stacked experts: the checkpoint itself is refused at load
+            assert kind is WeightError and "'mtp.layers.0.mlp.experts'" in msg and "\n" not in msg, msg
+            assert any(".mlp.experts." in n for n in drop), msg
+            return
+        assert "\n" not in msg, msg
+        gone = [n for n in order if n in drop]
+        if len(gone) == len(order):
+            assert kind is ConfigError and "no MTP layer" in msg, msg
+        elif gone:
+            assert kind is WeightError and f"'{gone[0]}'" in msg, msg
+        else:
+            assert kind is WeightError and any(f"'{n}'" in msg for n in drop), msg
+
+    check()
