@@ -97,11 +97,16 @@ class _OracleDrafter:
 @pytest.mark.parametrize("arch,extra", FAMILIES, ids=[f[0] for f in FAMILIES])
 @pytest.mark.parametrize("penalty", [1.0, 1.3])
 def test_speculative_greedy_is_the_plain_answer(tiny, arch, extra, penalty, monkeypatch):
+    check_speculative_greedy(tiny(arch, **extra), SamplingParams(max_new_tokens=40, repetition_penalty=penalty),
+                             monkeypatch)
+
+
+def check_speculative_greedy(model, params, monkeypatch) -> None:
+    """Greedy with prompt lookup's own guesses, then with guesses right and wrong at every depth,
+    gives the plain answer token for token (some guesses kept, some not)."""
     import ktransformers.generation.speculative as spec
 
-    model = tiny(arch, **extra)
     prompt = _copy_prompt(np.random.default_rng(3))
-    params = SamplingParams(max_new_tokens=40, repetition_penalty=penalty)
     _, want, _ = Generator(model, _NoText()).generate(prompt, params)
     g = Generator(model, _NoText(), speculative="ngram", draft_max=6)
     _, got, _ = g.generate(prompt, params)
@@ -110,7 +115,8 @@ def test_speculative_greedy_is_the_plain_answer(tiny, arch, extra, penalty, monk
     _, got, _ = g.generate(prompt, params)
     assert got == want  # guesses right and wrong at every depth
     st = g.last_stats
-    assert 0 < st.accepted_tokens < st.drafted_tokens and st.generated_tokens == len(want)
+    assert 0 < st.accepted_tokens < st.drafted_tokens
+    assert st.generated_tokens - len(want) in (0, 1)  # (+ an end-of-text token the answer leaves out)
 
 
 def test_acceptance_on_a_model_that_copies(tiny):

@@ -13,7 +13,7 @@ from ktransformers.generation import Generator, SamplingParams
 from ktransformers.generation.verify_forward import forward_rows, forward_verifies
 
 from .test_invariance import _NoText
-from .test_speculative import _copy_prompt, _OracleDrafter
+from .test_speculative import _copy_prompt, check_speculative_greedy
 
 ARCHS = [("qwen3_next", {"head_dim": 64}), ("qwen3_5_moe_text", {"head_dim": 64})]
 
@@ -82,22 +82,8 @@ def test_verify_rows_are_plain_decodes_and_undo_restores_the_cache(tiny, arch, e
 
 @pytest.mark.parametrize("arch,extra", ARCHS, ids=[a for a, _ in ARCHS])
 def test_speculative_greedy_is_the_plain_answer(tiny, arch, extra, monkeypatch):
-    import ktransformers.generation.speculative as spec
-
     _flash_or_skip()
-    model = tiny(arch, **extra)
-    prompt = _copy_prompt(np.random.default_rng(3))
-    params = SamplingParams(max_new_tokens=30)
-    _, want, _ = Generator(model, _NoText()).generate(prompt, params)
-    g = Generator(model, _NoText(), speculative="ngram", draft_max=6)
-    _, got, _ = g.generate(prompt, params)
-    assert got == want  # prompt lookup's own guesses
-    monkeypatch.setattr(spec, "make_drafter", lambda *a: _OracleDrafter(prompt, want))
-    _, got, _ = g.generate(prompt, params)
-    assert got == want  # guesses right and wrong at every depth
-    st = g.last_stats
-    assert 0 < st.accepted_tokens < st.drafted_tokens
-    assert st.generated_tokens - len(want) in (0, 1)  # (+ an end-of-text token the answer leaves out)
+    check_speculative_greedy(tiny(arch, **extra), SamplingParams(max_new_tokens=30), monkeypatch)
 
 
 def test_without_the_fast_deltanet_forward_speculation_decodes_plainly(tiny, monkeypatch):
