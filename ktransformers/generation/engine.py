@@ -442,7 +442,7 @@ class Generator:
         if step is None:  # a model the decode step does not serve: its own forward (verify_forward.py)
             from .verify_forward import forward_rows
 
-            got = forward_rows(self.model, rows, pos, cache)
+            got = forward_rows(self.model, rows, pos, cache, self.device)
             if got is not None and hasattr(drafter, "took"):
                 drafter.took(pos)
         else:

@@ -172,9 +172,12 @@ class _QwenMtpNames(WeightSource):
 
 
 def _weights_of(model, src, n: int):
-    """The source the MTP layer ``n`` is read from (Qwen3-Next / Qwen3.5: its ``mtp.*`` names)."""
+    """The source the MTP layer ``n`` is read from (a Qwen3-Next / Qwen3.5 checkpoint: its ``mtp.*``
+    names; a GGUF keeps the block as ``blk.{n}.*`` / ``blk.{n}.nextn.*``, served under the layer's)."""
     mt = getattr(model.config.get_text_config(), "model_type", None)
-    return _QwenMtpNames(src, n) if mt in QWEN_TYPES else src
+    if mt in QWEN_TYPES and not src.has(f"model.layers.{n}.{MTP_TENSORS[0]}"):
+        return _QwenMtpNames(src, n)
+    return src
 
 
 def _mtp_block(model):
@@ -192,12 +195,16 @@ def _mtp_block(model):
     prefix = f"model.layers.{n}."
     if src is None or plan is None:
         raise ConfigError("--speculative mtp: the model has no MTP layer to read (it was not loaded from weights)")
+    mt = getattr(config, "model_type", None)
+    if mt in QWEN_TYPES and src.stored_name("model.embed_tokens.weight") != "model.embed_tokens.weight":
+        raise ConfigError(f"--speculative mtp: {mt} from a GGUF: its MTP block (blk.{n}.nextn.*, where llama.cpp's "
+                          f"converter keeps it) is not read; load the safetensors checkpoint (mtp.*) to draft with it")
     src = _weights_of(model, src, n)
     have = [src.has(prefix + t) for t in MTP_TENSORS]
     if not any(have):
         raise ConfigError(f"--speculative mtp: the weights have no MTP layer ({getattr(src, 'path', '')} holds no "
                           f"'{src.stored_name(prefix + MTP_TENSORS[0])}': saved or converted without its MTP "
-                          f"layer; llama.cpp's converter drops DeepSeek-V3's and Qwen3-Next's)")
+                          f"layer; llama.cpp's converter drops DeepSeek-V3's)")
     for t, ok in zip(MTP_TENSORS, have):
         if not ok:
             raise WeightError(f"--speculative mtp: the MTP layer is incomplete: {src.missing(prefix + t)}")
@@ -388,6 +395,7 @@ class _ForwardMTPLayer:
         model, layer, T = self.model, self.layer, len(tokens)
         emb = model.get_input_embeddings()
         x = emb(torch.tensor([tokens], dtype=torch.long))
+        self.dtype = x.dtype  # the model's activations (the head's input)
         h = layer.eh_proj(torch.cat([layer.enorm(x), layer.hnorm(hidden.to(x.dtype)[None])], dim=-1))
         self._keep(first)
         while len(self.cache.layers) <= self.n:  # (the layers before this one stay empty)
@@ -402,8 +410,7 @@ class _ForwardMTPLayer:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """The model's ``lm_head`` of one normed row ``h [1, H]``."""
-        head = self.model.get_output_embeddings()
-        return head(h.to(self.model.get_input_embeddings().weight.dtype)[None])[0].float()
+        return self.model.get_output_embeddings()(h.to(self.dtype)[None])[0].float()
 
 
 def mtp_runner(model, step):

@@ -42,9 +42,10 @@ def forward_verifies(model, cache=None) -> bool:
     return fast_path_takes(model, cache)
 
 
-def forward_rows(model, rows: list[int], pos: int, cache):
+def forward_rows(model, rows: list[int], pos: int, cache, device="cpu"):
     """``(logits [n, vocab] fp32, undo)`` of the tokens ``rows`` at positions ``pos ..`` read in one
-    call of the model's forward, or None where the model or cache does not take it (nothing run)."""
+    call of the model's forward (its inputs on ``device``), or None where the model or cache does
+    not take it (nothing run)."""
     from ..operators.cpu_linear_attention import recording, undo_rows
 
     attn = _attention_layers(cache)
@@ -55,7 +56,6 @@ def forward_rows(model, rows: list[int], pos: int, cache):
         if getattr(layer, "is_initialized", False) and (int(layer.cumulative_length) != pos
                                                         or pos + n > layer.max_cache_len):
             return None
-    device = model.get_input_embeddings().weight.device
     ids = torch.tensor([rows], dtype=torch.long, device=device)
     positions = torch.arange(pos, pos + n, device=device).unsqueeze(0)
     forward = model.__dict__.get("_kt_lean_forward") or model

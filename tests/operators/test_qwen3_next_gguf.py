@@ -153,6 +153,13 @@ def test_file_with_the_mtp_layer(tmp_path):
     with torch.no_grad():
         got = model(torch.tensor([ref["token_ids"]])).logits[0]
     assert rel_err(got, torch.tensor(ref["hf_logits"])) <= 1e-4
+    # the block is not read as a drafter: one line says so and where the layer is read from
+    from ktransformers.errors import ConfigError
+    from ktransformers.generation import Generator
+    from tests.generation.test_invariance import _NoText
+
+    with pytest.raises(ConfigError, match=r"^--speculative mtp: qwen3_next from a GGUF: .*blk\.3\.nextn.*safetensors"):
+        Generator(model, _NoText(), speculative="mtp")
 
 
 @pytest.mark.skipif(not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file(),
