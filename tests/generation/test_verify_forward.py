@@ -99,3 +99,16 @@ def test_without_the_fast_deltanet_forward_speculation_decodes_plainly(tiny, mon
     g = Generator(model, _NoText(), speculative="ngram")
     _, got, _ = g.generate(prompt, params)
     assert got == want and g.last_stats.drafted_tokens == 0
+
+
+def test_speculation_on_a_quantized_gguf(tmp_path, monkeypatch):
+    """A Q8_0 GGUF of Qwen3-Next through the shipped rules: speculative greedy is the plain answer."""
+    from ktransformers import load_model
+    from ktransformers.convert import convert
+    from ktransformers.util.tiny_models import write_tiny_model
+
+    _flash_or_skip()
+    d = tmp_path / "hf"
+    write_tiny_model("qwen3_next", d, seed=2, head_dim=64)
+    model = load_model(convert(d, tmp_path / "q8.gguf", "Q8_0", "Q8_0", "Q8_0"))
+    check_speculative_greedy(model, SamplingParams(max_new_tokens=24), monkeypatch)
