@@ -46,7 +46,7 @@ def forward_rows(model, rows: list[int], pos: int, cache, device="cpu"):
     """``(logits [n, vocab] fp32, undo)`` of the tokens ``rows`` at positions ``pos ..`` read in one
     call of the model's forward (its inputs on ``device``), or None where the model or cache does
     not take it (nothing run)."""
-    from ..operators.cpu_linear_attention import recording, undo_rows
+    from ..operators.cpu_linear_attention import deltanet_layers, recording, undo_rows
 
     attn = _attention_layers(cache)
     if attn is None or not forward_verifies(model, cache):
@@ -61,6 +61,9 @@ def forward_rows(model, rows: list[int], pos: int, cache, device="cpu"):
     forward = model.__dict__.get("_kt_lean_forward") or model
     with recording(model) as records:
         out = forward(input_ids=ids, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=0)
+    if len(records) != len(deltanet_layers(model)):  # a layer took transformers' forward after all
+        raise RuntimeError("speculative verify: a DeltaNet layer left the token-by-token forward during the "
+                           "verify, so its state cannot be rolled back (KT_FAST_DELTANET=0 decodes plainly)")
     logits = out.logits[0, -n:].float()
 
     def undo(kept: int) -> None:
