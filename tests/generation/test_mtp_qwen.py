@@ -32,7 +32,7 @@ from ktransformers.generation.mtp import mtp_config
 from ktransformers.util.tiny_models import tiny_config, write_tiny_model
 
 from .test_invariance import _NoText
-from .test_mtp import check_guesses
+from .test_mtp import check_guesses, check_mtp_greedy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -92,18 +92,7 @@ def _prompt(seed=3, n=20):
 
 @pytest.mark.parametrize("draft_max", [1, 4])
 def test_mtp_greedy_is_the_plain_answer(model, draft_max):
-    prompt = _prompt()
-    params = SamplingParams(max_new_tokens=32)
-    _, want, _ = Generator(model, _NoText()).generate(prompt, params)
-    g = Generator(model, _NoText(), speculative="mtp", draft_max=draft_max)
-    _, got, _ = g.generate(prompt, params)
-    assert got == want
-    st = g.last_stats
-    assert st.drafted_tokens > 0 and st.generated_tokens - len(want) in (0, 1)
-    params = SamplingParams(max_new_tokens=24, repetition_penalty=1.3)
-    _, want, _ = Generator(model, _NoText()).generate(prompt, params)
-    _, got, _ = g.generate(prompt, params)
-    assert got == want
+    check_mtp_greedy(model, Generator(model, _NoText(), speculative="mtp", draft_max=draft_max), _prompt())
     # the hook that keeps the model's hidden rows is gone after each request
     assert not model.get_decoder().norm._forward_hooks
 
